@@ -1,0 +1,37 @@
+# Set-up is part of every target: a fresh clone needs only `make demo` or `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# CPU build from local disk; GPU/NPU hosts install the project into their own torch environment.
+TORCH_CPU := torch==2.13.0
+VERL      := verl==0.9.1
+STAMP  := $(VENV)/.installed
+
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export RAY_AUTH_MODE ?= disabled
+export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
+
+.PHONY: setup test demo demo-dry-run clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_CPU)
+	$(PIP) install -q -e '.[dev]'
+	# Only verl's config files are used (tests compose its Hydra config); its pins clash with vLLM's.
+	$(PIP) install -q --no-deps $(VERL)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+# The embedded default: CPU, local Ray, Prefect's local API, no network. Until the training stages
+# exist, the demo plans the run (device, profile, environment, command) without training.
+demo: $(STAMP)
+	$(PY) -m flows.grpo --model smollm2-135m --device cpu --dry-run
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

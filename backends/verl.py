@@ -1,0 +1,214 @@
+"""Render a `RunProfile` to verl's trainer command (`python3 -m verl.trainer.main_ppo` + Hydra overrides).
+
+    python -m flows.grpo --model qwen3.5-122b-a10b --device npu --dry-run
+
+Pinned to verl 0.9.1: the overrides compose against its `ppo_trainer` config with
+`model_engine=megatron` (tests/test_verl_compose.py composes every built-in model x device through
+verl's own Hydra config). The orchestrator never imports verl; the cluster image runs it.
+
+Rules the rendering keeps:
+- engine settings are declared once in the profile and written to every role that runs the model
+  (actor and reference), so turning KL on can never build a reference with other settings;
+- each key appears once (settings are collected in a dict before they become arguments);
+- no dead settings (`actor_rollout_ref.nccl_timeout` is read by no code in verl);
+- the run's environment reaches every Ray worker on every node through
+  `ray_kwargs.ray_init.runtime_env.env_vars`, not through the launching shell.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from profiles.schema import RunProfile
+
+VERL_VERSION = "0.9.1"
+ENTRYPOINT = ("python3", "-m", "verl.trainer.main_ppo")
+
+# Hydra's `++key=value` adds a key or overrides it. Free-form maps (transformer / optimizer
+# overrides, vLLM kwargs, env vars) get it because whether verl's defaults already hold a key
+# there differs per key and per release; typed keys stay plain so a renamed key fails loudly.
+ADD_OR_OVERRIDE = "++"
+
+# Strings Hydra reads back unchanged without quotes (identifiers and paths, no digits first).
+_PLAIN_STRING = re.compile(r"[A-Za-z_/~][A-Za-z0-9_./~-]*")
+_HYDRA_KEYWORDS = {"true", "false", "null", "nan", "inf"}
+
+
+class TrainingInputs(BaseModel):
+    """What the training command reads and writes, as later stages (or a dry-run plan) give them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(..., description="HF directory or repo id of the base model.")
+    train_files: list[str] = Field(..., description="Training parquet files (verl RL schema).")
+    val_files: list[str] = Field(..., description="Validation parquet files.")
+    checkpoint_dir: str = Field(..., description="Where verl writes global_step_N/ checkpoints.")
+    worker_env: dict[str, str] = Field(
+        default_factory=dict, description="Environment for every Ray worker (secrets excluded)."
+    )
+
+
+# verl 0.9.1's own `override_transformer_config` defaults (trainer/config/engine/megatron.yaml). The
+# actor starts from them; the reference would start from an empty dict once any key of its map is
+# set. Writing the defaults to both roles keeps the two maps identical (the compose test checks it).
+VERL_TRANSFORMER_DEFAULTS: dict[str, Any] = {
+    "recompute_granularity": None,
+    "recompute_modules": ["core_attn"],
+    "recompute_method": None,
+    "recompute_num_layers": None,
+    "attention_backend": "flash",
+}
+
+
+def _engine_settings(profile: RunProfile, role: str) -> dict[str, Any]:
+    e = profile.engine
+    prefix = f"actor_rollout_ref.{role}.megatron"
+    settings: dict[str, Any] = {
+        f"{prefix}.tensor_model_parallel_size": e.tp,
+        f"{prefix}.pipeline_model_parallel_size": e.pp,
+        f"{prefix}.virtual_pipeline_model_parallel_size": e.vpp,
+        f"{prefix}.context_parallel_size": e.cp,
+        f"{prefix}.expert_model_parallel_size": e.ep,
+        f"{prefix}.expert_tensor_parallel_size": e.etp,
+        f"{prefix}.param_offload": e.param_offload,
+        f"{prefix}.dtype": e.dtype,
+        f"{prefix}.use_mbridge": e.use_mbridge,
+        f"{prefix}.vanilla_mbridge": e.vanilla_mbridge,
+        f"{prefix}.use_remove_padding": e.use_remove_padding,
+    }
+    for name, value in {**VERL_TRANSFORMER_DEFAULTS, **e.transformer_overrides}.items():
+        settings[f"{ADD_OR_OVERRIDE}{prefix}.override_transformer_config.{name}"] = value
+    return settings
+
+
+def _files(paths: list[str]) -> str | list[str]:
+    """verl takes one path or a list; one file stays a plain path, as in verl's own examples."""
+    return paths[0] if len(paths) == 1 else paths
+
+
+def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]:
+    """Every verl key this run sets, in a stable order, each once."""
+    p, a, alg, r, lp, t = profile, profile.actor, profile.algorithm, profile.rollout, profile.log_prob, profile.trainer
+    settings: dict[str, Any] = {
+        "model_engine": p.engine.strategy,
+        "algorithm.adv_estimator": alg.adv_estimator,
+        "algorithm.use_kl_in_reward": alg.use_kl_in_reward,
+        "data.train_files": _files(inputs.train_files),
+        "data.val_files": _files(inputs.val_files),
+        "data.train_batch_size": p.data.train_batch_size,
+        "data.max_prompt_length": p.data.max_prompt_length,
+        "data.max_response_length": p.data.max_response_length,
+        "data.truncation": p.data.truncation,
+        "data.filter_overlong_prompts": p.data.filter_overlong_prompts,
+        "data.filter_overlong_prompts_workers": p.data.filter_overlong_prompts_workers,
+        "actor_rollout_ref.model.path": inputs.model_path,
+        "actor_rollout_ref.model.trust_remote_code": p.model.trust_remote_code,
+        "actor_rollout_ref.model.enable_gradient_checkpointing": p.model.enable_gradient_checkpointing,
+        # verl still reads the model-level switch in places; keep it equal to the engine's.
+        "actor_rollout_ref.model.use_remove_padding": p.engine.use_remove_padding,
+        "actor_rollout_ref.actor.optim.lr": alg.lr,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": a.ppo_mini_batch_size,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": a.ppo_micro_batch_size_per_gpu,
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": a.ppo_max_token_len_per_gpu,
+        "actor_rollout_ref.actor.use_dynamic_bsz": a.use_dynamic_bsz,
+        "actor_rollout_ref.actor.use_kl_loss": alg.use_kl_loss,
+        "actor_rollout_ref.actor.kl_loss_coef": alg.kl_loss_coef,
+        "actor_rollout_ref.actor.kl_loss_type": alg.kl_loss_type,
+        "actor_rollout_ref.actor.entropy_coeff": alg.entropy_coeff,
+        "actor_rollout_ref.actor.clip_ratio_low": alg.clip_ratio_low,
+        "actor_rollout_ref.actor.clip_ratio_high": alg.clip_ratio_high,
+        "actor_rollout_ref.actor.loss_agg_mode": alg.loss_agg_mode,
+        "actor_rollout_ref.actor.use_torch_compile": a.use_torch_compile,
+        "actor_rollout_ref.actor.checkpoint.save_contents": a.checkpoint_save_contents,
+        "actor_rollout_ref.actor.checkpoint.strict": a.checkpoint_strict,
+        "actor_rollout_ref.actor.megatron.optimizer_offload": p.engine.optimizer_offload,
+    }
+    settings.update(_engine_settings(p, "actor"))
+    for name, value in p.engine.optimizer_overrides.items():
+        settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.actor.optim.override_optimizer_config.{name}"] = value
+    settings.update(_engine_settings(p, "ref"))
+    for role in ("rollout", "ref"):
+        settings[f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu"] = lp.micro_batch_size_per_gpu
+        settings[f"actor_rollout_ref.{role}.log_prob_use_dynamic_bsz"] = lp.use_dynamic_bsz
+        settings[f"actor_rollout_ref.{role}.log_prob_max_token_len_per_gpu"] = lp.max_token_len_per_gpu
+    settings.update(
+        {
+            "actor_rollout_ref.rollout.name": r.engine,
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": r.tp,
+            "actor_rollout_ref.rollout.gpu_memory_utilization": r.gpu_memory_utilization,
+            "actor_rollout_ref.rollout.n": alg.rollout_n,
+            "actor_rollout_ref.rollout.temperature": alg.temperature,
+            "actor_rollout_ref.rollout.dtype": r.dtype,
+            "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": r.update_weights_bucket_megabytes,
+        }
+    )
+    vllm_kwargs = dict(r.vllm_kwargs)
+    if r.max_model_len is not None:
+        vllm_kwargs = {"max_model_len": r.max_model_len, **vllm_kwargs}
+    for name, value in vllm_kwargs.items():
+        settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.rollout.engine_kwargs.vllm.{name}"] = value
+    settings.update(
+        {
+            "trainer.logger": t.logger,
+            "trainer.project_name": t.project_name,
+            "trainer.experiment_name": t.experiment_name,
+            "trainer.nnodes": p.cluster.nnodes,
+            "trainer.n_gpus_per_node": p.cluster.devices_per_node,
+            "trainer.save_freq": t.save_freq,
+            "trainer.test_freq": t.test_freq,
+            "trainer.val_before_train": t.val_before_train,
+            "trainer.total_epochs": t.total_epochs,
+            "trainer.total_training_steps": t.total_training_steps,
+            "trainer.resume_mode": t.resume_mode,
+            "trainer.default_local_dir": inputs.checkpoint_dir,
+        }
+    )
+    for name, value in sorted(inputs.worker_env.items()):
+        # Strings on purpose: Ray rejects runtime_env env_vars that are not str (Hydra would read
+        # HCCL_BUFFSIZE=300 as an int).
+        settings[f"{ADD_OR_OVERRIDE}ray_kwargs.ray_init.runtime_env.env_vars.{name}"] = str(value)
+    return settings
+
+
+def format_value(value: Any) -> str:
+    """A Python value as a Hydra override value that parses back to the same value and type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(format_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{format_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if _PLAIN_STRING.fullmatch(text) and text.lower() not in _HYDRA_KEYWORDS:
+        return text
+    # Anything else is quoted: unquoted, Hydra would read `300` as an int, `true` as a bool and
+    # `a:b` as a dict. Single quotes with backslash escapes are Hydra's quoted-string grammar.
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def render_overrides(settings: dict[str, Any]) -> list[str]:
+    return [f"{key}={format_value(value)}" for key, value in settings.items()]
+
+
+def verl_command(profile: RunProfile, inputs: TrainingInputs) -> list[str]:
+    return [*ENTRYPOINT, *render_overrides(verl_settings(profile, inputs))]
+
+
+def planned_inputs(profile: RunProfile, run_dir: Path, worker_env: dict[str, str]) -> TrainingInputs:
+    """Where a run's files will be before the dataset and model stages have produced them."""
+    data_dir = Path(profile.data.root).expanduser() / profile.data.dataset
+    return TrainingInputs(
+        model_path=profile.model.path,
+        train_files=[str(data_dir / "train.parquet")],
+        val_files=[str(data_dir / "test.parquet")],
+        checkpoint_dir=str((run_dir / "checkpoints").resolve()),
+        worker_env=worker_env,
+    )

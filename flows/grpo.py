@@ -1,0 +1,135 @@
+"""Command line of the GRPO pipeline.
+
+    python -m flows.grpo --model qwen3.5-122b-a10b --device npu --dry-run          # profile + command
+    python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --dry-run --json   # one JSON object
+    python -m flows.grpo --model tiny --device cpu                                 # a Prefect flow run
+
+Bad input (unknown model or device, unknown or mistyped setting, impossible parallel layout, a
+profile file that is not YAML) prints one line naming the problem and its fix, and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+import yaml
+from pydantic import ValidationError
+
+from flows.request import STAGES, RunRequest
+from profiles.errors import UserError
+from profiles.loader import builtin_models
+
+EXIT_USER_ERROR = 2
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's default prints the whole usage block first
+        self.exit(EXIT_USER_ERROR, f"error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="python -m flows.grpo",
+        description="Run GRPO post-training as a Prefect flow, or print what a run would do (--dry-run).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  python -m flows.grpo --model qwen3.5-122b-a10b --device npu --dry-run\n"
+        "  python -m flows.grpo --model tiny --device cpu --set trainer.total_training_steps=4",
+    )
+    parser.add_argument(
+        "--model", default="smollm2-135m",
+        help=f"built-in recipe ({', '.join(builtin_models())}) or a local HF model directory "
+        "(default: smollm2-135m)",
+    )
+    parser.add_argument(
+        "--device", default="auto",
+        help="auto | gpu | npu | cpu (default: auto, or the DEVICE env var): where to train; auto probes "
+        "NPU, then CUDA, then uses the CPU",
+    )
+    parser.add_argument(
+        "--backend", default="auto",
+        help="auto | local | verl (default: auto = the recipe's choice): verl runs Megatron + vLLM on "
+        "GPUs/NPUs; local runs TRL on Ray Train on any device",
+    )
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override one profile setting, e.g. --set engine.tp=4 --set algorithm.use_kl_loss=true "
+        "(repeatable; values are read as YAML)",
+    )
+    parser.add_argument("--profile-file", help="YAML file of profile settings, applied before --set")
+    parser.add_argument(
+        "--stages", help=f"comma-separated subset of the stages, in flow order ({','.join(STAGES)}); default: all"
+    )
+    parser.add_argument("--run-dir", default="runs", help="directory that holds one folder per run (default: runs)")
+    parser.add_argument("--run-name", help="name of this run's folder (default: model-device-timestamp)")
+    parser.add_argument("--ray-address", help="address of an existing Ray cluster (default: RAY_ADDRESS, or a local Ray)")
+    parser.add_argument(
+        "--dry-run", action="store_true",
+        help="resolve and validate everything, print the profile (YAML) and the exact training command, run "
+        "nothing; a named --device is planned for without being required on this host",
+    )
+    parser.add_argument("--json", action="store_true", help="with --dry-run: print one JSON object instead")
+    return parser
+
+
+def request_from_args(args: argparse.Namespace) -> RunRequest:
+    fields = {
+        "model": args.model,
+        "device": args.device,
+        "backend": args.backend,
+        "overrides": args.overrides,
+        "profile_file": args.profile_file,
+        "run_name": args.run_name,
+        "run_root": args.run_dir,
+        "ray_address": args.ray_address,
+    }
+    if args.stages:
+        fields["stages"] = [s.strip() for s in args.stages.split(",") if s.strip()]
+    try:
+        return RunRequest(**fields)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(p) for p in error["loc"])
+        raise UserError(f"--{field.replace('_', '-')}={error.get('input')!r}: {error['msg']}") from None
+
+
+def print_dry_run(plan, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(plan.summary(), indent=2))
+        return
+    summary = plan.summary()
+    print(f"# device: {plan.device.kind} ({plan.device.decided_by}: {plan.device.reason})")
+    print("# resolved profile")
+    print(yaml.safe_dump(summary["profile"], sort_keys=False).rstrip())
+    print("# environment of every process (secrets redacted; source: profile default or user export)")
+    for name, item in summary["env"].items():
+        print(f"#   {name}={item['value']}  [{item['source']}]")
+    print("# training command")
+    print(" \\\n    ".join(shlex.quote(part) for part in plan.command))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.json and not args.dry_run:
+            raise UserError("--json only applies to --dry-run; add --dry-run")
+        request = request_from_args(args)
+        if args.dry_run:
+            from flows.plan import plan_run
+
+            print_dry_run(plan_run(request, dry_run=True), args.json)
+            return 0
+        from flows.pipeline import grpo_pipeline
+
+        result = grpo_pipeline(request)
+        print(json.dumps(result, indent=2))
+        return 0
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

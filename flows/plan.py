@@ -1,0 +1,66 @@
+"""The planning stages as plain functions: device, profile, environment, and the training command.
+
+The Prefect flow (`flows/pipeline.py`) wraps each of them in a task; `--dry-run` calls them
+directly, so rendering a cluster's command on a laptop needs no Prefect server and no accelerator.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from backends.verl import planned_inputs, verl_command
+from flows.request import RunRequest
+from profiles.loader import resolve_profile
+from profiles.schema import RunProfile
+from tasks.device import DeviceInfo, detect_device, requested_device
+from tasks.environment import RuntimeEnv, resolve_environment
+
+
+class RunPlan(BaseModel):
+    run_dir: str = Field(..., description="Directory of this run's outputs.")
+    device: DeviceInfo
+    profile: RunProfile
+    env: RuntimeEnv
+    command: list[str] = Field(..., description="The training command (argv) the run will execute.")
+
+    def summary(self) -> dict[str, Any]:
+        """The dry-run JSON: what the run would do, with secrets redacted."""
+        return {
+            "device": self.device.model_dump(),
+            "profile": self.profile.model_dump(mode="json"),
+            "command": self.command,
+            "env": self.env.redacted(),
+        }
+
+
+def run_dir_for(request: RunRequest, device_kind: str) -> Path:
+    name = request.run_name or f"{Path(request.model).name}-{device_kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(request.run_root).expanduser().resolve() / name
+
+
+def training_command(request: RunRequest, profile: RunProfile, env: RuntimeEnv, run_dir: Path) -> list[str]:
+    """verl: the `main_ppo` command submitted to the cluster. local: training runs inside the flow
+    on Ray Train, so the command is the pipeline invocation that reproduces this run."""
+    if profile.backend == "verl":
+        return verl_command(profile, planned_inputs(profile, run_dir, env.worker_env))
+    command = ["python", "-m", "flows.grpo", "--model", request.model, "--device", profile.platform.kind,
+               "--backend", "local", "--run-name", run_dir.name]
+    if request.profile_file:
+        command += ["--profile-file", request.profile_file]
+    for item in request.overrides:
+        command += ["--set", item]
+    return command
+
+
+def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
+    device = detect_device(requested_device(request.device), dry_run=dry_run)
+    profile = resolve_profile(request.model, device.kind, request.backend, request.profile_file, request.overrides)
+    env = resolve_environment(profile)
+    run_dir = run_dir_for(request, device.kind)
+    return RunPlan(
+        run_dir=str(run_dir), device=device, profile=profile, env=env, command=training_command(request, profile, env, run_dir)
+    )

@@ -1,0 +1,71 @@
+"""`RunRequest`: what a person asks for, from the CLI, a flow run form in the Prefect UI, or a deployment."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# The stages of the flow in order (DESIGN.md). `--stages` picks a subset of the ones built so far.
+STAGES = ("detect_device", "resolve_profile", "prepare_environment")
+
+
+class RunRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(
+        "smollm2-135m",
+        title="Model",
+        description="A built-in recipe (qwen3.5-122b-a10b, qwen3.5-35b-a3b, smollm2-135m, tiny) or the "
+        "path of a local Hugging Face model directory.",
+    )
+    device: Literal["auto", "gpu", "npu", "cpu"] = Field(
+        "auto",
+        title="Device",
+        description="Where to train. `auto` probes NPU, then CUDA, then uses the CPU; the DEVICE env var "
+        "is used when this is `auto`.",
+    )
+    backend: Literal["auto", "local", "verl"] = Field(
+        "auto",
+        title="Training backend",
+        description="`verl` (Megatron + vLLM on GPUs/NPUs, as a Ray job), `local` (TRL on Ray Train, any "
+        "device), or `auto`: what the model recipe says.",
+    )
+    overrides: list[str] = Field(
+        default_factory=list,
+        title="Overrides",
+        description="Profile settings as KEY=VALUE, e.g. `engine.tp=4` or `algorithm.use_kl_loss=true`.",
+    )
+    profile_file: str | None = Field(
+        None, title="Profile file", description="A YAML file of profile settings, applied before the overrides."
+    )
+    stages: list[str] = Field(
+        default_factory=lambda: list(STAGES),
+        title="Stages",
+        description="Stages to run, in flow order.",
+    )
+    run_name: str | None = Field(
+        None, title="Run name", description="Name of the run directory; default: model-device-timestamp."
+    )
+    run_root: str = Field("runs", title="Run root", description="Directory that holds one folder per run.")
+    ray_address: str | None = Field(
+        None,
+        title="Ray address",
+        description="An existing Ray cluster (as RAY_ADDRESS); empty starts a local Ray.",
+    )
+
+    @field_validator("stages")
+    @classmethod
+    def known_stages(cls, stages: list[str]) -> list[str]:
+        unknown = [s for s in stages if s not in STAGES]
+        if unknown:
+            raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the stages are {', '.join(STAGES)}")
+        return [s for s in STAGES if s in stages]
+
+    @field_validator("run_name")
+    @classmethod
+    def safe_run_name(cls, name: str | None) -> str | None:
+        if name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+            raise ValueError(f"run name {name!r} must be letters, digits, '.', '_' or '-' (it names a directory)")
+        return name

@@ -1,0 +1,265 @@
+"""The typed description of a GRPO run: `RunProfile` and its sections.
+
+Every field has a type, a default and a description written for the person filling in the Prefect
+form. Unknown keys are rejected everywhere (`extra="forbid"`), so a typo in a profile or a `--set`
+is an error instead of a silently ignored setting. Layout rules that involve several fields live in
+`profiles/validation.py`; how the layers are merged lives in `profiles/loader.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DeviceKind = Literal["gpu", "npu", "cpu"]
+BackendName = Literal["local", "verl"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Platform(Section):
+    """Facts about a device kind. They live in `profiles/devices/<kind>.yaml`, never in code branches."""
+
+    kind: DeviceKind = Field("cpu", description="Device kind this platform describes.")
+    comm_backend: Literal["nccl", "hccl", "gloo"] = Field(
+        "gloo", description="torch.distributed backend the training workers use."
+    )
+    ray_resource: str | None = Field(
+        None,
+        description="Ray resource that counts one device (`GPU`, or the custom resource `NPU`); "
+        "none on CPU.",
+    )
+    visible_devices_var: str | None = Field(
+        None,
+        description="Environment variable that selects the devices a process sees "
+        "(`CUDA_VISIBLE_DEVICES`, `ASCEND_RT_VISIBLE_DEVICES`).",
+    )
+    container_image: str | None = Field(
+        None, description="Container image known to run this platform's stack (verl, vLLM, drivers)."
+    )
+
+
+class ModelArchitecture(Section):
+    """The numbers of the model that decide which parallel layouts are possible."""
+
+    num_layers: int = Field(..., gt=0, description="Decoder layers (`num_hidden_layers`).")
+    num_attention_heads: int = Field(..., gt=0, description="Query heads of full attention.")
+    num_kv_heads: int = Field(..., gt=0, description="Key/value heads (`num_key_value_heads`).")
+    num_experts: int = Field(0, ge=0, description="Routed experts per MoE layer; 0 for a dense model.")
+    hidden_size: int = Field(..., gt=0, description="Hidden size of the decoder.")
+    vocab_size: int = Field(..., gt=0, description="Vocabulary size.")
+    linear_num_key_heads: int | None = Field(
+        None, description="Key heads of the linear-attention (Gated DeltaNet) layers, if any."
+    )
+    linear_num_value_heads: int | None = Field(
+        None, description="Value heads of the linear-attention (Gated DeltaNet) layers, if any."
+    )
+
+
+class ModelSection(Section):
+    name: str = Field("custom", description="Recipe name, or `custom` for a model given by path.")
+    path: str = Field(
+        ...,
+        description="Hugging Face repo id (e.g. `Qwen/Qwen3.5-122B-A10B`), a local HF directory, or "
+        "`builtin:<name>` for a model the pipeline builds itself.",
+    )
+    revision: str = Field("main", description="Hub revision (branch, tag or commit) to pin.")
+    trust_remote_code: bool = Field(False, description="Allow model code shipped with the checkpoint.")
+    enable_gradient_checkpointing: bool = Field(
+        True, description="Recompute activations in the backward pass to save memory."
+    )
+    architecture: ModelArchitecture = Field(
+        ..., description="Architecture numbers used to validate the parallel layout."
+    )
+
+
+class ClusterSection(Section):
+    nnodes: int = Field(1, gt=0, description="Number of machines in the run.")
+    devices_per_node: int = Field(
+        1, gt=0, description="Accelerators per machine (on CPU: training worker processes)."
+    )
+
+
+class DataSection(Section):
+    dataset: str = Field("arith", description="Dataset name: `arith` (built in), `gsm8k`, `geo3k`.")
+    source: str | None = Field(
+        None, description="Hub dataset repo id or local directory; empty for the dataset's default."
+    )
+    revision: str = Field("main", description="Hub revision of the dataset to pin.")
+    root: str = Field(
+        "~/data", description="Directory (shared by all nodes on a cluster) that holds datasets."
+    )
+    train_batch_size: int = Field(8, gt=0, description="Prompts per training step.")
+    max_prompt_length: int = Field(256, gt=0, description="Longest prompt in tokens.")
+    max_response_length: int = Field(256, gt=0, description="Longest generated response in tokens.")
+    truncation: Literal["error", "left", "right", "middle"] = Field(
+        "error", description="What to do with a prompt longer than `max_prompt_length`."
+    )
+    filter_overlong_prompts: bool = Field(
+        False, description="Drop prompts longer than `max_prompt_length` before training."
+    )
+    filter_overlong_prompts_workers: int = Field(
+        1, gt=0, description="Processes used to filter over-long prompts."
+    )
+
+
+class AlgorithmSection(Section):
+    """One algorithm description that drives both backends (verl keys in parentheses)."""
+
+    adv_estimator: Literal["grpo"] = Field("grpo", description="Advantage estimator.")
+    rollout_n: int = Field(
+        4, gt=0, description="Group size: responses sampled per prompt (`rollout.n`)."
+    )
+    use_kl_in_reward: bool = Field(False, description="Subtract a KL penalty from the reward.")
+    use_kl_loss: bool = Field(
+        False, description="Add a KL loss against the reference model (builds a reference model)."
+    )
+    kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL loss.")
+    kl_loss_type: str = Field("low_var_kl", description="KL estimator for the KL loss.")
+    entropy_coeff: float = Field(0.0, description="Weight of the entropy bonus.")
+    lr: float = Field(1e-6, gt=0, description="Actor learning rate.")
+    clip_ratio_low: float = Field(0.2, ge=0, description="Lower PPO clip ratio.")
+    clip_ratio_high: float = Field(0.2, ge=0, description="Upper PPO clip ratio.")
+    loss_agg_mode: Literal[
+        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = Field("token-mean", description="How per-token losses are aggregated.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
+
+
+class ActorSection(Section):
+    ppo_mini_batch_size: int = Field(
+        8, gt=0, description="Prompts per optimizer step (each with `rollout_n` responses)."
+    )
+    ppo_micro_batch_size_per_gpu: int = Field(
+        1, gt=0, description="Sequences per device per forward/backward pass."
+    )
+    ppo_max_token_len_per_gpu: int = Field(
+        8192, gt=0, description="Token budget per device when dynamic batch size is on."
+    )
+    use_dynamic_bsz: bool = Field(False, description="Pack micro batches by token count.")
+    use_torch_compile: bool = Field(True, description="Compile the actor's hot functions.")
+    checkpoint_save_contents: list[str] = Field(
+        ["model", "extra", "optimizer"], description="What each checkpoint holds."
+    )
+    checkpoint_strict: bool = Field(
+        True, description="Fail when a checkpoint does not match the model exactly."
+    )
+
+
+class EngineSection(Section):
+    """Training-engine settings, declared once and rendered to every role that runs the model
+    (actor and reference), so the roles can never disagree."""
+
+    strategy: Literal["megatron"] = Field("megatron", description="verl model engine.")
+    tp: int = Field(1, gt=0, description="Tensor parallel size.")
+    pp: int = Field(1, gt=0, description="Pipeline parallel size.")
+    vpp: int | None = Field(None, gt=0, description="Virtual pipeline stages per rank (null: off).")
+    cp: int = Field(1, gt=0, description="Context parallel size.")
+    ep: int = Field(1, gt=0, description="Expert parallel size.")
+    etp: int = Field(1, gt=0, description="Expert tensor parallel size.")
+    param_offload: bool = Field(False, description="Keep parameters (and grad buffers) on the host.")
+    optimizer_offload: bool = Field(False, description="Keep optimizer state on the host.")
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Training dtype.")
+    use_mbridge: bool = Field(
+        True, description="Load Hugging Face safetensors directly through a bridge."
+    )
+    vanilla_mbridge: bool = Field(
+        False,
+        description="True: the legacy `mbridge` package; False: NVIDIA Megatron-Bridge "
+        "(MindSpeed on Ascend).",
+    )
+    use_remove_padding: bool = Field(
+        True,
+        description="Pack sequences without padding (THD). Must be off for Qwen3.5's Gated DeltaNet "
+        "layers before megatron-core 0.18.",
+    )
+    transformer_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Megatron TransformerConfig fields to override."
+    )
+    optimizer_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Megatron optimizer config fields to override."
+    )
+
+
+class RolloutSection(Section):
+    engine: Literal["vllm"] = Field("vllm", description="Inference engine that generates rollouts.")
+    tp: int = Field(1, gt=0, description="Tensor parallel size of the inference engine.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Fraction of device memory the inference engine may take."
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length the inference engine reserves (prompt + response)."
+    )
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Inference dtype.")
+    update_weights_bucket_megabytes: int = Field(
+        512, gt=0, description="Size of the buckets that carry new weights to the inference engine."
+    )
+    vllm_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra vLLM engine arguments (e.g. `mm_processor_cache_gb`)."
+    )
+
+
+class LogProbSection(Section):
+    """Log-prob recomputation settings, shared by the rollout (old log-probs) and the reference."""
+
+    micro_batch_size_per_gpu: int = Field(
+        1, gt=0, description="Sequences per device per log-prob forward pass."
+    )
+    max_token_len_per_gpu: int = Field(
+        8192, gt=0, description="Token budget per device when dynamic batch size is on."
+    )
+    use_dynamic_bsz: bool = Field(False, description="Pack log-prob batches by token count.")
+
+
+class TrainerSection(Section):
+    project_name: str = Field("grpo-pipeline", description="Experiment-tracker project.")
+    experiment_name: str = Field("grpo", description="Experiment-tracker run name.")
+    logger: list[str] = Field(["console"], description="Where metrics go (`console`, `wandb`...).")
+    total_epochs: int = Field(1, gt=0, description="Passes over the training data.")
+    total_training_steps: int | None = Field(
+        None, gt=0, description="Stop after this many steps (null: run all epochs)."
+    )
+    save_freq: int = Field(10, description="Checkpoint every N steps (-1: never).")
+    test_freq: int = Field(10, description="Validate every N steps (-1: never).")
+    val_before_train: bool = Field(False, description="Validate once before the first step.")
+    resume_mode: Literal["auto", "disable"] = Field(
+        "auto", description="`auto` resumes from the latest checkpoint of this run."
+    )
+
+
+class RunProfile(Section):
+    """The one validated description of a run: what `resolve_profile` gives every later stage."""
+
+    model: ModelSection
+    platform: Platform = Field(default_factory=Platform, description="Facts of the device kind.")
+    backend: BackendName = Field("local", description="Training engine: `local` (TRL on Ray) or `verl`.")
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+    data: DataSection = Field(default_factory=DataSection)
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    actor: ActorSection = Field(default_factory=ActorSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    log_prob: LogProbSection = Field(default_factory=LogProbSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment every process of the run gets, on every node. A variable the user "
+        "already exported wins over the value here.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.nnodes * self.cluster.devices_per_node
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Megatron's data-parallel size: what is left of the world after TP, PP and CP."""
+        e = self.engine
+        return self.world_size // (e.tp * e.pp * e.cp)
+
+    @property
+    def uses_reference_model(self) -> bool:
+        return self.algorithm.use_kl_loss or self.algorithm.use_kl_in_reward

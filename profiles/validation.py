@@ -1,0 +1,155 @@
+"""Rules that involve several fields of a profile, checked before anything expensive starts.
+
+They mirror what Megatron, vLLM and verl 0.9.1 would reject half an hour into a cluster start:
+the parallel layout against the world size and the model's shape, the rollout layout against a
+node, and the batch sizes against the data-parallel ranks. Each message names the field, its value
+and a fix; all problems of a profile are reported together, on one line.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from profiles.errors import ProfileError
+
+if TYPE_CHECKING:
+    from profiles.schema import RunProfile
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def layout_problems(p: RunProfile) -> list[str]:
+    """Megatron's parallel layout against the world and the model (verl backend only)."""
+    e, arch, world = p.engine, p.model.architecture, p.world_size
+    problems = []
+    model_parallel = e.tp * e.pp * e.cp
+    if world % model_parallel:
+        problems.append(
+            f"engine.tp={e.tp}, engine.pp={e.pp}, engine.cp={e.cp}: TP x PP x CP = {model_parallel} does not "
+            f"divide the world size {world} (cluster.nnodes {p.cluster.nnodes} x cluster.devices_per_node "
+            f"{p.cluster.devices_per_node}); pick values whose product is one of {_divisors(world)}"
+        )
+    for field, heads in (
+        ("model.architecture.num_attention_heads", arch.num_attention_heads),
+        ("model.architecture.num_kv_heads", arch.num_kv_heads),
+        ("model.architecture.linear_num_key_heads", arch.linear_num_key_heads),
+        ("model.architecture.linear_num_value_heads", arch.linear_num_value_heads),
+    ):
+        if heads is not None and heads % e.tp:
+            problems.append(
+                f"engine.tp={e.tp}: {field} = {heads} is not divisible by TP; use a TP in {_divisors(heads)}"
+            )
+    if arch.num_layers % e.pp:
+        problems.append(
+            f"engine.pp={e.pp}: the model's {arch.num_layers} layers do not split evenly over PP stages; "
+            f"use a PP in {_divisors(arch.num_layers)}"
+        )
+    if e.vpp is not None:
+        if e.pp == 1:
+            problems.append(f"engine.vpp={e.vpp}: virtual pipeline stages need engine.pp > 1; set engine.vpp=null")
+        elif arch.num_layers % (e.pp * e.vpp):
+            problems.append(
+                f"engine.vpp={e.vpp}: {arch.num_layers} layers do not split into PP x VPP = {e.pp * e.vpp} "
+                f"chunks; use PP x VPP in {_divisors(arch.num_layers)}"
+            )
+    if arch.num_experts == 0 and e.ep * e.etp > 1:
+        problems.append(
+            f"engine.ep={e.ep}, engine.etp={e.etp}: the model is dense (no experts); set engine.ep=1 engine.etp=1"
+        )
+    elif arch.num_experts and arch.num_experts % e.ep:
+        problems.append(
+            f"engine.ep={e.ep}: {arch.num_experts} experts do not split evenly over EP ranks; "
+            f"use an EP in {_divisors(arch.num_experts)}"
+        )
+    ranks_per_stage = world // e.pp if world % e.pp == 0 else None
+    if arch.num_experts and (ranks_per_stage is None or ranks_per_stage % (e.ep * e.etp)):
+        problems.append(
+            f"engine.ep={e.ep}, engine.etp={e.etp}: EP x ETP = {e.ep * e.etp} must divide the ranks of one "
+            f"pipeline stage, TP x CP x DP = {world} / PP {e.pp}; lower engine.ep or engine.etp"
+        )
+    return problems
+
+
+def rollout_problems(p: RunProfile) -> list[str]:
+    """vLLM's tensor-parallel layout (verl backend only)."""
+    r, arch, per_node = p.rollout, p.model.architecture, p.cluster.devices_per_node
+    problems = []
+    if r.tp > per_node or per_node % r.tp:
+        problems.append(
+            f"rollout.tp={r.tp}: an inference engine must fit in one node of {per_node} devices "
+            f"(cluster.devices_per_node); use a rollout TP in {_divisors(per_node)}"
+        )
+    if arch.num_attention_heads % r.tp:
+        problems.append(
+            f"rollout.tp={r.tp}: vLLM needs the {arch.num_attention_heads} attention heads to divide by the "
+            f"rollout TP; use one of {_divisors(arch.num_attention_heads)}"
+        )
+    kv = arch.num_kv_heads
+    if kv % r.tp and r.tp % kv:
+        problems.append(
+            f"rollout.tp={r.tp}: vLLM needs the {kv} KV heads to divide by the rollout TP or the rollout TP "
+            f"to be a multiple of them"
+        )
+    return problems
+
+
+def batch_problems(p: RunProfile, data_parallel: int) -> list[str]:
+    """Batch sizes against the data-parallel ranks, as verl 0.9.1 checks them."""
+    d, a, n = p.data, p.actor, p.algorithm.rollout_n
+    problems = []
+    if d.train_batch_size < a.ppo_mini_batch_size or d.train_batch_size % a.ppo_mini_batch_size:
+        problems.append(
+            f"actor.ppo_mini_batch_size={a.ppo_mini_batch_size}: must divide data.train_batch_size="
+            f"{d.train_batch_size} (each step makes whole optimizer updates); use one of {_divisors(d.train_batch_size)}"
+        )
+    if not a.use_dynamic_bsz and data_parallel > 0:
+        per_micro_round = data_parallel * a.ppo_micro_batch_size_per_gpu
+        for field, prompts in (
+            ("data.train_batch_size", d.train_batch_size),
+            ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+        ):
+            if (prompts * n) % per_micro_round:
+                problems.append(
+                    f"{field}={prompts}: {prompts} prompts x rollout_n {n} = {prompts * n} sequences do not "
+                    f"split over {data_parallel} data-parallel ranks x actor.ppo_micro_batch_size_per_gpu "
+                    f"{a.ppo_micro_batch_size_per_gpu}; make {field} x rollout_n a multiple of {per_micro_round}"
+                )
+    if a.use_dynamic_bsz and not p.engine.use_remove_padding and p.backend == "verl":
+        problems.append(
+            "actor.use_dynamic_bsz=true: dynamic batch size needs packed sequences, but "
+            "engine.use_remove_padding=false; set actor.use_dynamic_bsz=false"
+        )
+    return problems
+
+
+def length_problems(p: RunProfile) -> list[str]:
+    d, r = p.data, p.rollout
+    needed = d.max_prompt_length + d.max_response_length
+    if r.max_model_len is not None and r.max_model_len < needed:
+        return [
+            f"rollout.max_model_len={r.max_model_len}: shorter than data.max_prompt_length "
+            f"{d.max_prompt_length} + data.max_response_length {d.max_response_length} = {needed}; "
+            f"set rollout.max_model_len >= {needed}"
+        ]
+    return []
+
+
+def validate_profile(p: RunProfile) -> None:
+    problems = []
+    if p.backend == "verl":
+        if p.platform.kind == "cpu":
+            raise ProfileError(
+                "backend=verl on device cpu: verl needs GPUs or NPUs and vLLM; use --backend local, "
+                "or --device gpu|npu with --dry-run to render the cluster command here"
+            )
+        problems += layout_problems(p)
+        problems += rollout_problems(p)
+        data_parallel = p.data_parallel_size if p.world_size % (p.engine.tp * p.engine.pp * p.engine.cp) == 0 else 0
+    else:
+        data_parallel = p.world_size  # the local backend is plain data parallel (DDP)
+    problems += batch_problems(p, data_parallel)
+    problems += length_problems(p)
+    if problems:
+        raise ProfileError("invalid profile: " + "; ".join(problems))

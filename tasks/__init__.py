@@ -1,0 +1,1 @@
+"""One module per stage of the flow; plain functions do the work, `flows/pipeline.py` wraps them."""

@@ -1,0 +1,131 @@
+"""The rendered verl command composes against verl 0.9.1's own Hydra config, with the profile's values.
+
+Composition happens exactly as `main_ppo` does it (config `ppo_trainer`, the rendered overrides,
+`model_engine=megatron` among them), through the real verl YAML files, without importing verl.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from backends.verl import ADD_OR_OVERRIDE, ENTRYPOINT, planned_inputs, verl_command, verl_settings
+from profiles.loader import PROFILES_DIR, load_yaml_mapping, resolve_profile
+from tasks.environment import resolve_environment
+from upstream_recipe import upstream_overrides
+from verl_config import compose_verl, flatten, select
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_DIR = Path("/shared/runs/parity")
+ENGINE_KEYS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "param_offload",
+    "dtype", "use_mbridge", "vanilla_mbridge", "use_remove_padding", "override_transformer_config",
+)
+
+
+def verl_cases() -> list[tuple[str, str]]:
+    cases = []
+    for path in sorted((PROFILES_DIR / "models").glob("*.yaml")):
+        recipe = load_yaml_mapping(path, "model recipe")
+        if recipe["common"].get("backend") == "verl":
+            cases += [(path.stem, device) for device in recipe["devices"]]
+    return cases
+
+
+def render(model: str, device: str, overrides: list[str] | None = None):
+    profile = resolve_profile(model, device, overrides=overrides)
+    env = resolve_environment(profile, environ={})
+    settings = verl_settings(profile, planned_inputs(profile, RUN_DIR, env.worker_env))
+    command = verl_command(profile, planned_inputs(profile, RUN_DIR, env.worker_env))
+    return profile, env, settings, command
+
+
+def test_every_verl_recipe_is_covered():
+    assert {("qwen3.5-122b-a10b", "gpu"), ("qwen3.5-122b-a10b", "npu"),
+            ("qwen3.5-35b-a3b", "gpu"), ("qwen3.5-35b-a3b", "npu")} <= set(verl_cases())
+
+
+@pytest.mark.parametrize("use_kl_loss", [False, True], ids=["kl-off", "kl-on"])
+@pytest.mark.parametrize(("model", "device"), verl_cases())
+def test_rendered_command_composes_with_profile_values(model, device, use_kl_loss):
+    profile, env, settings, command = render(model, device, [f"algorithm.use_kl_loss={str(use_kl_loss).lower()}"])
+    assert command[:3] == list(ENTRYPOINT)
+    keys = [arg.split("=", 1)[0].removeprefix(ADD_OR_OVERRIDE) for arg in command[3:]]
+    assert len(keys) == len(set(keys)), "a key is rendered twice"
+    assert not any(key.endswith("nccl_timeout") for key in keys), "dead setting rendered"
+
+    composed = compose_verl(command[3:])
+    for key, value in settings.items():
+        assert select(composed, key.removeprefix(ADD_OR_OVERRIDE)) == value, key
+
+    # One declaration, every role: the reference runs with exactly the actor's engine settings.
+    actor = select(composed, "actor_rollout_ref.actor.megatron")
+    ref = select(composed, "actor_rollout_ref.ref.megatron")
+    for key in ENGINE_KEYS:
+        assert ref[key] == actor[key], key
+    assert select(composed, "actor_rollout_ref.actor.use_kl_loss") is use_kl_loss
+    assert select(composed, "actor_rollout_ref.model.use_remove_padding") is profile.engine.use_remove_padding
+
+    # The run's env reaches every worker, as strings (Ray rejects other types).
+    env_vars = select(composed, "ray_kwargs.ray_init.runtime_env.env_vars")
+    assert env_vars == env.worker_env
+    assert all(isinstance(v, str) for v in env_vars.values())
+
+
+def test_kl_on_npu_builds_reference_with_npu_engine_values():
+    profile, _, _, command = render("qwen3.5-122b-a10b", "npu", ["algorithm.use_kl_loss=true"])
+    ref = select(compose_verl(command[3:]), "actor_rollout_ref.ref.megatron")
+    assert ref["vanilla_mbridge"] is False
+    assert ref["use_remove_padding"] is False
+    assert (ref["tensor_model_parallel_size"], ref["pipeline_model_parallel_size"], ref["expert_model_parallel_size"]) == (2, 4, 16)
+    assert ref["override_transformer_config"]["moe_token_dispatcher_type"] == "alltoall"
+    assert ref["override_transformer_config"]["use_naive_l2norm"] is True
+
+
+def test_npu_env_reaches_workers_and_visible_devices_stays_on_driver():
+    _, env, settings, _ = render("qwen3.5-122b-a10b", "npu")
+    prefix = f"{ADD_OR_OVERRIDE}ray_kwargs.ray_init.runtime_env.env_vars."
+    assert settings[prefix + "HCCL_CONNECT_TIMEOUT"] == "5400"
+    assert settings[prefix + "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] == "1"
+    _, gpu_env, gpu_settings, _ = render("qwen3.5-122b-a10b", "gpu")
+    assert "CUDA_VISIBLE_DEVICES" in gpu_env.values
+    assert prefix + "CUDA_VISIBLE_DEVICES" not in gpu_settings
+
+
+def test_upstream_recipe_as_written_no_longer_composes():
+    with pytest.raises(ConfigCompositionException, match="grad_offload"):
+        compose_verl(upstream_overrides("gpu", with_grad_offload=True))
+
+
+def documented_deviations(device: str) -> list[str]:
+    """Keys of the first table of docs/upstream-deviations.md that apply to `device`."""
+    text = (REPO / "docs" / "upstream-deviations.md").read_text()
+    table = text.split("## Differences in the composed verl config", 1)[1].split("\n## ", 1)[0]
+    patterns = []
+    for line in table.splitlines():
+        match = re.match(r"\| `([^`]+)` \| ([^|]+) \|", line)
+        if match and device in [d.strip() for d in match.group(2).split(",")]:
+            patterns.append(match.group(1))
+    return patterns
+
+
+@pytest.mark.parametrize("device", ["gpu", "npu"])
+def test_parity_with_upstream(device):
+    _, _, _, command = render("qwen3.5-122b-a10b", device)
+    ours = flatten(compose_verl(command[3:]))
+    upstream = flatten(compose_verl(upstream_overrides(device, with_grad_offload=False)))
+    differing = sorted(k for k in ours.keys() | upstream.keys() if ours.get(k, "<unset>") != upstream.get(k, "<unset>"))
+    patterns = documented_deviations(device)
+    assert "actor_rollout_ref.nccl_timeout" in patterns
+    undocumented = [k for k in differing if not any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    assert undocumented == [], f"differences from upstream not in docs/upstream-deviations.md: {undocumented}"
+    # Each documented deviation of this device really is one (the doc does not list stale rows),
+    # except grad_offload, which is gone from the composed config on both sides.
+    for pattern in patterns:
+        if "grad_offload" not in pattern:
+            assert any(fnmatch.fnmatchcase(k, pattern) for k in differing), pattern
