@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
 
             print_dry_run(plan_run(request, dry_run=True), args.json)
             return 0
+        from flows.plan import plan_run
+
+        # Validate everything (device usable, profile valid) before a Prefect server or Ray starts.
+        plan_run(request, dry_run=False)
         from flows.pipeline import grpo_pipeline
 
         result = grpo_pipeline(request)

@@ -218,5 +218,12 @@ def describe_validation_error(exc: ValidationError) -> str:
             hint = " (a model given by repo id needs model.architecture.* in a profile file)" if "architecture" in field else ""
             problems.append(f"{field} is required{hint}")
         else:
-            problems.append(f"{field}={error.get('input')!r}: {error['msg'].lower()}")
+            message = error["msg"].removeprefix("Value error, ")
+            message = message[0].lower() + message[1:]
+            value = error.get("input")
+            # Never echo env values (they may hold secrets) or whole sections.
+            if field.startswith("env") or isinstance(value, dict):
+                problems.append(f"{field}: {message}")
+            else:
+                problems.append(f"{field}={value!r}: {message}")
     return "invalid profile: " + "; ".join(problems)

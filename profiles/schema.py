@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DeviceKind = Literal["gpu", "npu", "cpu"]
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 BackendName = Literal["local", "verl"]
 
 
@@ -249,6 +252,26 @@ class RunProfile(Section):
         description="Environment every process of the run gets, on every node. A variable the user "
         "already exported wins over the value here.",
     )
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def env_values_are_single_line_strings(cls, env: Any) -> Any:
+        """YAML reads `HCCL_BUFFSIZE: 300` as an int; env values are strings, so scalars are
+        converted. Names and values that no shell could export are refused."""
+        if not isinstance(env, dict):
+            return env
+        clean = {}
+        for name, value in env.items():
+            if not isinstance(name, str) or not _ENV_NAME.fullmatch(name):
+                raise ValueError(f"env name {name!r} is not a valid variable name (letters, digits, _)")
+            if isinstance(value, bool):
+                value = "true" if value else "false"
+            elif isinstance(value, (int, float)):
+                value = str(value)
+            if not isinstance(value, str) or "\n" in value or "\0" in value:
+                raise ValueError(f"env {name}={value!r} must be a single-line string")
+            clean[name] = value
+        return clean
 
     @property
     def world_size(self) -> int:

@@ -17,12 +17,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from profiles.errors import ProfileError
 from profiles.schema import RunProfile
 
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+# Whole name parts, so HF_TOKEN and WANDB_API_KEY are secrets but TOKENIZERS_PARALLELISM is not.
+_SECRET_PARTS = {"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL", "CREDENTIALS"}
+_SECRET_SUFFIX = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD)$")
 REDACTED = "***"
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class EnvValue(BaseModel):
@@ -55,7 +55,8 @@ class RuntimeEnv(BaseModel):
 
 
 def is_secret(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
+    upper = name.upper()
+    return bool(_SECRET_PARTS.intersection(upper.split("_")) or _SECRET_SUFFIX.search(upper))
 
 
 def redact(name: str, value: str) -> str:
@@ -66,10 +67,6 @@ def resolve_environment(profile: RunProfile, environ: dict[str, str] | None = No
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, EnvValue] = {}
     for name, default in profile.env.items():
-        if not _ENV_NAME.match(name):
-            raise ProfileError(f"env.{name}: not a valid environment variable name; use letters, digits and _")
-        if "\n" in default or "\0" in default:
-            raise ProfileError(f"env.{name}: value contains a newline or NUL byte; give a single-line value")
         if name in environ:
             values[name] = EnvValue(value=environ[name], source="user")
         else:

@@ -1,0 +1,61 @@
+"""The Prefect flow with the stages built so far, under Prefect's test harness (real API, SQLite)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import yaml
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.pipeline import grpo_pipeline
+from flows.request import STAGES, RunRequest
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+async def _runs(flow_run_id):
+    async with get_client() as client:
+        flow_run = await client.read_flow_run(flow_run_id)
+        task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return flow_run, task_runs
+
+
+def test_planning_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_never_written")
+    request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="plan-1",
+                         overrides=["env.HF_TOKEN=${HF_TOKEN}"])
+    state = grpo_pipeline(request, return_state=True)
+    assert state.is_completed()
+    result = state.result()
+    run_dir = tmp_path / "plan-1"
+    assert result["run_dir"] == str(run_dir)
+    profile = yaml.safe_load((run_dir / "profile.yaml").read_text())
+    assert profile["model"]["name"] == "tiny" and profile["platform"]["kind"] == "cpu"
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["TOKENIZERS_PARALLELISM"]["value"] == "false"
+    assert env["HF_TOKEN"] == {"value": "***", "source": "user"}
+    for written in run_dir.iterdir():
+        assert "hf_never_written" not in written.read_text()
+    assert json.loads((run_dir / "plan.json").read_text())["backend"] == "local"
+
+    flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
+    assert flow_run.state.is_completed()
+    assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(STAGES)
+    assert all(t.state.is_completed() for t in task_runs)
+
+
+def test_a_config_error_is_not_retried(prefect_api, tmp_path):
+    request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), overrides=["engine.tpp=1"])
+    state = grpo_pipeline(request, return_state=True)
+    assert state.is_failed()
+    flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
+    failed = [t for t in task_runs if t.name.startswith("resolve_profile")]
+    assert len(failed) == 1 and failed[0].run_count == 1 and failed[0].state.is_failed()

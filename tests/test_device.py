@@ -1,0 +1,73 @@
+"""Device detection through the real probe (a child interpreter), on this CPU-only host."""
+
+from __future__ import annotations
+
+import pytest
+
+from profiles.errors import DeviceError
+from tasks.device import detect_device, requested_device, run_probe
+
+
+@pytest.fixture(scope="module")
+def real_probe() -> dict:
+    return run_probe()
+
+
+def test_probe_on_this_host_finds_no_accelerator(real_probe):
+    assert real_probe["npu"]["status"] == "absent"  # torch_npu is not installed here
+    assert real_probe["gpu"]["status"] in {"absent", "no-devices"}  # CPU build of torch
+
+
+def test_probe_tells_toolkit_missing_from_absent(tmp_path):
+    # A real torch_npu stand-in that fails the way it does without a sourced CANN toolkit.
+    package = tmp_path / "torch_npu"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        'raise ImportError("libhccl.so: cannot open shared object file: No such file or directory")\n'
+    )
+    report = run_probe(extra_path=str(tmp_path))
+    assert report["npu"]["status"] == "toolkit-missing"
+    assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in report["npu"]["detail"]
+    with pytest.raises(DeviceError, match="npu requested but not usable here: torch_npu is installed but the Ascend toolkit"):
+        detect_device("npu", probe=report)
+    assert detect_device("auto", probe=report).kind == "cpu"
+
+
+def test_probe_reports_other_import_failures(tmp_path):
+    package = tmp_path / "torch_npu"
+    package.mkdir()
+    (package / "__init__.py").write_text('raise ImportError("cannot import name npu_ops")\n')
+    assert run_probe(extra_path=str(tmp_path))["npu"]["status"] == "error"
+
+
+def test_auto_falls_back_to_cpu_with_a_reason(real_probe):
+    info = detect_device("auto", probe=real_probe)
+    assert info.kind == "cpu" and info.decided_by == "detected"
+    assert "no accelerator found" in info.reason and "torch_npu is not installed" in info.reason
+
+
+@pytest.mark.parametrize("kind", ["gpu", "npu"])
+def test_explicit_unusable_device_is_an_error_not_a_fallback(real_probe, kind):
+    with pytest.raises(DeviceError, match=f"--device {kind} requested but not usable here"):
+        detect_device(kind, probe=real_probe)
+
+
+def test_dry_run_plans_for_the_requested_kind_without_probing():
+    info = detect_device("npu", dry_run=True, probe={})
+    assert info.kind == "npu" and info.decided_by == "requested" and "not checked" in info.reason
+
+
+def test_detection_picks_an_available_accelerator():
+    report = {"npu": {"status": "absent", "detail": "torch_npu is not installed"},
+              "gpu": {"status": "available", "count": 2, "names": ["H200", "H200"], "memory_gib": [139.8, 139.8],
+                      "cuda_version": "12.8", "detail": "CUDA sees 2 GPU(s)"}}
+    info = detect_device("auto", probe=report)
+    assert (info.kind, info.count, info.decided_by, info.cuda_version) == ("gpu", 2, "detected", "12.8")
+
+
+def test_requested_device_precedence():
+    assert requested_device("npu", {"DEVICE": "gpu"}) == "npu"
+    assert requested_device("auto", {"DEVICE": "GPU"}) == "gpu"
+    assert requested_device(None, {}) == "auto"
+    with pytest.raises(DeviceError, match="unsupported device DEVICE='tpu'"):
+        requested_device("auto", {"DEVICE": "tpu"})
