@@ -190,7 +190,9 @@ def format_value(value: Any) -> str:
     if _PLAIN_STRING.fullmatch(text) and text.lower() not in _HYDRA_KEYWORDS:
         return text
     # Anything else is quoted: unquoted, Hydra would read `300` as an int, `true` as a bool and
-    # `a:b` as a dict. Single quotes with backslash escapes are Hydra's quoted-string grammar.
+    # `a:b` as a dict. Hydra takes double or single quotes, with backslash escapes.
+    if '"' not in text and "\\" not in text:
+        return f'"{text}"'
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 

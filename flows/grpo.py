@@ -107,7 +107,17 @@ def print_dry_run(plan, as_json: bool) -> None:
     for name, item in summary["env"].items():
         print(f"#   {name}={item['value']}  [{item['source']}]")
     print("# training command")
-    print(" \\\n    ".join(shlex.quote(part) for part in plan.command))
+    print(format_command(plan.command))
+
+
+def format_command(command: list[str]) -> str:
+    """One option or override per line, each shell-quoted, so the command can be pasted as is."""
+    lines: list[list[str]] = [[shlex.quote(part) for part in command[:3]]]  # python -m module
+    for part in command[3:]:
+        if part.startswith("-") or ("=" in part and not lines[-1][-1].startswith("-")):
+            lines.append([])
+        lines[-1].append(shlex.quote(part))
+    return " \\\n    ".join(" ".join(line) for line in lines)
 
 
 def main(argv: list[str] | None = None) -> int:

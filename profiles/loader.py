@@ -91,13 +91,13 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
         keys.append(prefix + name)
-        sub = _section_type(field.annotation)
+        sub = section_type(field.annotation)
         if sub is not None:
             keys.extend(_known_keys(sub, f"{prefix}{name}."))
     return keys
 
 
-def _section_type(annotation: Any) -> type[BaseModel] | None:
+def section_type(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     if get_origin(annotation) is not None:
@@ -116,7 +116,7 @@ def check_keys(layer: dict[str, Any], origin: str, model: type[BaseModel] = RunP
             close = difflib.get_close_matches(dotted, _known_keys(RunProfile), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else "; see docs/profiles.md for the settings"
             raise ProfileError(f"unknown setting '{dotted}' in {origin}{hint}")
-        sub = _section_type(field.annotation)
+        sub = section_type(field.annotation)
         if sub is not None and isinstance(value, dict):
             check_keys(value, origin, sub, f"{prefix}{key}.")
 

@@ -38,7 +38,7 @@ def test_dry_run_json_plans_for_a_named_device_without_requiring_it(tmp_path):
 def test_dry_run_yaml_shows_profile_and_command():
     done = cli("--model", "qwen3.5-35b-a3b", "--device", "gpu", "--dry-run", "--set", "algorithm.use_kl_loss=false")
     assert done.returncode == 0, done.stderr
-    assert "# resolved profile" in done.stdout and "python3 \\\n    -m \\\n    verl.trainer.main_ppo" in done.stdout
+    assert "# resolved profile" in done.stdout and "python3 -m verl.trainer.main_ppo \\\n    model_engine=megatron \\\n" in done.stdout
     assert "actor_rollout_ref.actor.use_kl_loss=false" in done.stdout
 
 

@@ -143,3 +143,12 @@ def test_env_values_become_strings_and_malformed_ones_fail(tmp_path):
         resolve_profile("tiny", "cpu", overrides=["env.BAD-NAME=1"])
     with pytest.raises(ProfileError, match="env LIST=.* must be a single-line string"):
         resolve_profile("tiny", "cpu", overrides=["env.LIST=[1, 2]"])
+
+
+def test_profile_reference_is_current():
+    from pathlib import Path
+
+    from profiles.reference import render
+
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "profiles.md").read_text()
+    assert committed == render(), "docs/profiles.md is stale: python -m profiles.reference > docs/profiles.md"
