@@ -59,3 +59,15 @@ def test_a_config_error_is_not_retried(prefect_api, tmp_path):
     flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
     failed = [t for t in task_runs if t.name.startswith("resolve_profile")]
     assert len(failed) == 1 and failed[0].run_count == 1 and failed[0].state.is_failed()
+
+
+def test_prefect_yaml_entrypoints_resolve():
+    from pathlib import Path
+
+    from prefect.flows import load_flow_from_entrypoint
+
+    spec = yaml.safe_load((Path(__file__).resolve().parents[2] / "prefect.yaml").read_text())
+    for deployment in spec["deployments"]:
+        loaded = load_flow_from_entrypoint(deployment["entrypoint"])
+        assert loaded.name == "grpo_pipeline"
+        RunRequest(**deployment["parameters"]["request"])
