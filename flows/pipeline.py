@@ -50,11 +50,16 @@ def resolve_profile_task(request: RunRequest, device: DeviceInfo, run_dir: Path)
 
 
 @task(name="prepare_environment", retry_condition_fn=retry_unless_user_error)
-def prepare_environment_task(profile: RunProfile, run_dir: Path) -> RuntimeEnv:
-    env = resolve_environment(profile)
+def prepare_environment_task(profile: RunProfile, run_dir: Path, ray_address: str | None) -> RuntimeEnv:
+    env = resolve_environment(profile, ray_address=ray_address)
+    # The driver is the process that starts Ray and the backends; they inherit it from here.
+    env.apply()
+    for action in env.proxy_actions:
+        get_run_logger().info("proxy policy %s: %s", env.proxy_policy, action)
     redacted = env.redacted()
     write_json_atomic(run_dir / "env.json", redacted)
     rows = "\n".join(f"| `{name}` | `{item['value']}` | {item['source']} |" for name, item in redacted.items())
+    rows += "\n\n" + "\n".join(f"- proxy policy `{env.proxy_policy}`: {action}" for action in env.proxy_actions)
     create_markdown_artifact(
         key="run-environment",
         markdown=f"| variable | value | source |\n|---|---|---|\n{rows}\n",
@@ -73,7 +78,7 @@ def grpo_pipeline(request: RunRequest) -> dict:
         return result
     profile = resolve_profile_task(request, device, run_dir)
     if "prepare_environment" in request.stages:
-        env = prepare_environment_task(profile, run_dir)
+        env = prepare_environment_task(profile, run_dir, request.ray_address)
         command = training_command(request, profile, env, run_dir)
         write_json_atomic(run_dir / "plan.json", {"backend": profile.backend, "command": command})
         result["command"] = command

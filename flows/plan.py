@@ -59,7 +59,7 @@ def training_command(request: RunRequest, profile: RunProfile, env: RuntimeEnv, 
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run)
     profile = resolve_profile(request.model, device.kind, request.backend, request.profile_file, request.overrides)
-    env = resolve_environment(profile)
+    env = resolve_environment(profile, ray_address=request.ray_address)
     run_dir = run_dir_for(request, device.kind)
     return RunPlan(
         run_dir=str(run_dir), device=device, profile=profile, env=env, command=training_command(request, profile, env, run_dir)

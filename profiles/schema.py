@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 DeviceKind = Literal["gpu", "npu", "cpu"]
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 BackendName = Literal["local", "verl"]
+ProxyPolicy = Literal["clear", "bypass-cluster", "keep"]
 
 
 class Section(BaseModel):
@@ -247,6 +248,13 @@ class RunProfile(Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     log_prob: LogProbSection = Field(default_factory=LogProbSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
+    proxy_policy: ProxyPolicy = Field(
+        "bypass-cluster",
+        description="What to do with http(s)/all proxy variables, for every device: `clear` removes them "
+        "(both cases) on the driver and empties them on workers; `bypass-cluster` keeps the proxy for the "
+        "outside world and adds localhost, 127.0.0.1 and the Ray head to NO_PROXY/no_proxy, so Ray, "
+        "NCCL/HCCL and vLLM's local HTTP never go through it; `keep` changes nothing.",
+    )
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment every process of the run gets, on every node. A variable the user "

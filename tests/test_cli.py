@@ -91,3 +91,23 @@ def test_help_explains_every_option():
     for option in ("--model", "--device", "--backend", "--set", "--profile-file", "--stages", "--run-dir",
                    "--ray-address", "--dry-run", "--json"):
         assert option in done.stdout
+
+
+@pytest.mark.parametrize("policy", ["bypass-cluster", "clear"])
+def test_dry_run_json_applies_proxy_policy_to_all_case_forms_and_hides_token(policy):
+    proxies = {"http_proxy": "http://proxy:3128", "HTTPS_PROXY": "http://proxy:3128", "ALL_PROXY": "socks5://proxy:1080"}
+    done = cli("--model", "qwen3.5-122b-a10b", "--device", "npu", "--dry-run", "--json", "--set",
+               f"proxy_policy={policy}", env={**proxies, "HF_TOKEN": SECRET})
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    env = plan["env"]
+    if policy == "clear":
+        for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+            assert env[name] == {"value": None, "source": "proxy-policy"}
+            assert f'++ray_kwargs.ray_init.runtime_env.env_vars.{name}=""' in plan["command"]
+    else:
+        for name in ("no_proxy", "NO_PROXY"):
+            assert env[name]["value"].split(",")[:2] == ["localhost", "127.0.0.1"]
+        assert not any(part.split("=")[0].endswith(("_proxy", "_PROXY")) and "NO_PROXY" not in part.upper()
+                       for part in plan["command"])
+    assert SECRET not in done.stdout + done.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 import yaml
@@ -19,6 +20,15 @@ from flows.request import STAGES, RunRequest
 def prefect_api():
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(autouse=True)
+def restore_environ():
+    """The environment stage applies the run's env to the driver (this process): undo it after."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 async def _runs(flow_run_id):
@@ -42,6 +52,8 @@ def test_planning_stages_complete_and_write_the_run_files(prefect_api, tmp_path,
     env = json.loads((run_dir / "env.json").read_text())
     assert env["TOKENIZERS_PARALLELISM"]["value"] == "false"
     assert env["HF_TOKEN"] == {"value": "***", "source": "user"}
+    assert env["NO_PROXY"]["source"] == "proxy-policy"  # the default policy, bypass-cluster
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # applied to the driver
     for written in run_dir.iterdir():
         assert "hf_never_written" not in written.read_text()
     assert json.loads((run_dir / "plan.json").read_text())["backend"] == "local"
