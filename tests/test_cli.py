@@ -63,6 +63,8 @@ def test_local_backend_dry_run_on_cpu():
         (["--profile-file", "{profile}"], {}, "is not valid YAML"),
         (["--stages", "detect_device,warp"], {}, "unknown stage(s) warp"),
         (["--bogus-flag"], {}, "unrecognized arguments: --bogus-flag"),
+        (["--set", "proxy_policy=sometimes"], {}, "proxy_policy='sometimes': input should be 'clear', 'bypass-cluster' or 'keep'"),
+        (["--set", "env.BAD-NAME=1"], {}, "env name 'BAD-NAME' is not a valid variable name"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, env, fragment):
