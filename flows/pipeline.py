@@ -14,10 +14,9 @@ import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from flows.plan import run_dir_for, training_command
+from flows.plan import profile_for, run_dir_for, training_command
 from flows.request import RunRequest
 from profiles.errors import UserError
-from profiles.loader import resolve_profile
 from profiles.schema import RunProfile
 from tasks.device import DeviceInfo, detect_device, requested_device
 from tasks.environment import RuntimeEnv, resolve_environment
@@ -44,7 +43,7 @@ def detect_device_task(request: RunRequest) -> DeviceInfo:
 
 @task(name="resolve_profile", retry_condition_fn=retry_unless_user_error)
 def resolve_profile_task(request: RunRequest, device: DeviceInfo, run_dir: Path) -> RunProfile:
-    profile = resolve_profile(request.model, device.kind, request.backend, request.profile_file, request.overrides)
+    profile = profile_for(request, device.kind)
     write_text_atomic(run_dir / "profile.yaml", yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
     return profile
 

@@ -56,9 +56,13 @@ def training_command(request: RunRequest, profile: RunProfile, env: RuntimeEnv, 
     return command
 
 
+def profile_for(request: RunRequest, device_kind: str) -> RunProfile:
+    return resolve_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
+
+
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run)
-    profile = resolve_profile(request.model, device.kind, request.backend, request.profile_file, request.overrides)
+    profile = profile_for(request, device.kind)
     env = resolve_environment(profile, ray_address=request.ray_address)
     run_dir = run_dir_for(request, device.kind)
     return RunPlan(
