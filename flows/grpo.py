@@ -110,6 +110,20 @@ def print_dry_run(plan, as_json: bool) -> None:
     print(format_command(plan.command))
 
 
+def print_run_summary(result: dict) -> None:
+    """What a finished flow run produced, for a person; the same facts are in the run directory."""
+    print(f"run directory: {result['run_dir']}  (device {result['device']})")
+    if data := result.get("dataset"):
+        state = "cached" if data["cached"] else "fetched and verified"
+        print(f"dataset {data['dataset']} ({state}): {data['rows']['train']} train / {data['rows']['test']} test rows in {data['path']}")
+    if model := result.get("model"):
+        state = "cached" if model["cached"] else "prepared and verified"
+        print(f"base model {model['source']} ({state}): {model['num_parameters']:,} parameters in {model['path']}")
+    if command := result.get("command"):
+        print("training command:")
+        print(format_command(command))
+
+
 def format_command(command: list[str]) -> str:
     """One option or override per line, each shell-quoted, so the command can be pasted as is."""
     lines: list[list[str]] = [[shlex.quote(part) for part in command[:3]]]  # python -m module
@@ -137,8 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         plan_run(request, dry_run=False)
         from flows.pipeline import grpo_pipeline
 
-        result = grpo_pipeline(request)
-        print(json.dumps(result, indent=2))
+        print_run_summary(grpo_pipeline(request))
         return 0
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

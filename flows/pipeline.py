@@ -8,19 +8,52 @@ retried; anything else may be, per stage.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 from prefect import flow, get_run_logger, task
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.tasks import exponential_backoff
 
 from flows.plan import profile_for, run_dir_for, training_command
 from flows.request import RunRequest
 from profiles.errors import UserError
 from profiles.schema import RunProfile
+from tasks.dataset import DatasetFiles, DataSpec, fetch_dataset
 from tasks.device import DeviceInfo, detect_device, requested_device
 from tasks.environment import RuntimeEnv, resolve_environment
 from tasks.files import write_json_atomic, write_text_atomic
+from tasks.model import ModelCheckpoint, ModelSpec, prepare_model
+from tasks.nodes import check_visible_on_nodes, connect_ray
+from tasks.progress import reporting_to
+
+# Downloads: 4 retries after 2, 4, 8, 16 s (each +-50% jitter), so a mirror's bad minute passes.
+FETCH_RETRIES = dict(
+    retries=4,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_jitter_factor=0.5,
+)
+PROGRESS_UPDATE_S = 1.0
+
+
+class UserErrorWithoutTraceback(logging.Filter):
+    """A user error is reported by its one-line message; Prefect would log its traceback, which only
+    buries the line that says what to fix."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_user_errors() -> None:
+    for handler in {*logging.getLogger("prefect").handlers, *logging.getLogger().handlers}:
+        if not any(isinstance(f, UserErrorWithoutTraceback) for f in handler.filters):
+            handler.addFilter(UserErrorWithoutTraceback())
 
 
 def retry_unless_user_error(task, task_run, state) -> bool:
@@ -32,6 +65,36 @@ def retry_unless_user_error(task, task_run, state) -> bool:
     except Exception:
         return True
     return True
+
+
+@contextmanager
+def progress_artifact(key: str, description: str) -> Iterator[None]:
+    """The stage's progress bars, also as a Prefect progress artifact (updated at most once a second)."""
+    artifact_id = create_progress_artifact(0.0, key=key, description=description)
+    last_update = 0.0
+
+    def update(fraction: float, what: str) -> None:
+        nonlocal last_update
+        now = time.monotonic()
+        if fraction < 1.0 and now - last_update < PROGRESS_UPDATE_S:
+            return
+        last_update = now
+        try:
+            update_progress_artifact(artifact_id, progress=round(100 * fraction, 1), description=f"{description}: {what}")
+        except Exception:  # the UI's progress is not worth failing a download for
+            pass
+
+    with reporting_to(update):
+        yield
+    update_progress_artifact(artifact_id, progress=100.0, description=f"{description}: done")
+
+
+def check_shared(path: str, setting: str, ray_address: str | None, env: RuntimeEnv | None) -> None:
+    """On a cluster, the stage's output must be visible from every node before training starts."""
+    if ray_address:
+        connect_ray(ray_address, env.ray_runtime_env() if env else None)
+        nodes = check_visible_on_nodes([Path(path)], setting)
+        get_run_logger().info("%s is visible from all %d Ray nodes", path, nodes)
 
 
 @task(name="detect_device", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
@@ -67,18 +130,62 @@ def prepare_environment_task(profile: RunProfile, run_dir: Path, ray_address: st
     return env
 
 
+@task(name="fetch_dataset", retry_condition_fn=retry_unless_user_error, **FETCH_RETRIES)
+def fetch_dataset_task(
+    profile: RunProfile, run_dir: Path, ray_address: str | None, env: RuntimeEnv | None
+) -> DatasetFiles:
+    logger = get_run_logger()
+    spec = DataSpec.from_profile(profile.data)
+    with progress_artifact("fetch-dataset", f"dataset {spec.dataset} from {spec.source}"):
+        files = fetch_dataset(spec, log=logger.warning)
+    logger.info(
+        "dataset %s: %s, rows %s, at %s",
+        spec.dataset, "cached, nothing fetched" if files.cached else "fetched and verified", files.rows, files.path,
+    )
+    check_shared(files.path, "data.root", ray_address, env)
+    write_json_atomic(run_dir / "data" / "dataset.json", files.model_dump(mode="json"))
+    return files
+
+
+@task(name="prepare_checkpoint", retry_condition_fn=retry_unless_user_error, **FETCH_RETRIES)
+def prepare_checkpoint_task(
+    profile: RunProfile, run_dir: Path, ray_address: str | None, env: RuntimeEnv | None
+) -> ModelCheckpoint:
+    logger = get_run_logger()
+    spec = ModelSpec.from_profile(profile.model)
+    with progress_artifact("prepare-checkpoint", f"base model {spec.source}"):
+        checkpoint = prepare_model(spec, profile.model.architecture, log=logger.warning)
+    logger.info(
+        "base model %s: %s, %s parameters, at %s", spec.source,
+        "cached, nothing fetched" if checkpoint.cached else "prepared and verified",
+        f"{checkpoint.num_parameters:,}", checkpoint.path,
+    )
+    check_shared(checkpoint.path, "model.root", ray_address, env)
+    write_json_atomic(run_dir / "model.json", checkpoint.model_dump(mode="json"))
+    return checkpoint
+
+
 @flow(name="grpo_pipeline", log_prints=True)
 def grpo_pipeline(request: RunRequest) -> dict:
     """GRPO post-training, from a bare machine to an evaluated checkpoint."""
+    quiet_user_errors()
     device = detect_device_task(request)
     run_dir = run_dir_for(request, device.kind)
     result: dict = {"run_dir": str(run_dir), "device": device.kind}
     if "resolve_profile" not in request.stages:
         return result
     profile = resolve_profile_task(request, device, run_dir)
-    if "prepare_environment" in request.stages:
-        env = prepare_environment_task(profile, run_dir, request.ray_address)
-        command = training_command(request, profile, env, run_dir)
-        write_json_atomic(run_dir / "plan.json", {"backend": profile.backend, "command": command})
-        result["command"] = command
+    if "prepare_environment" not in request.stages:
+        return result
+    env = prepare_environment_task(profile, run_dir, request.ray_address)
+    data = model = None
+    if "fetch_dataset" in request.stages:
+        data = fetch_dataset_task(profile, run_dir, request.ray_address, env)
+        result["dataset"] = data.model_dump(mode="json")
+    if "prepare_checkpoint" in request.stages:
+        model = prepare_checkpoint_task(profile, run_dir, request.ray_address, env)
+        result["model"] = model.model_dump(mode="json")
+    command = training_command(request, profile, env, run_dir, data, model)
+    write_json_atomic(run_dir / "plan.json", {"backend": profile.backend, "command": command})
+    result["command"] = command
     return result

@@ -12,12 +12,14 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from backends.verl import planned_inputs, verl_command
+from backends.verl import TrainingInputs, verl_command
 from flows.request import RunRequest
 from profiles.loader import resolve_profile
 from profiles.schema import RunProfile
+from tasks.dataset import DatasetFiles, DataSpec, dataset_dir
 from tasks.device import DeviceInfo, detect_device, requested_device
 from tasks.environment import RuntimeEnv, resolve_environment
+from tasks.model import ModelCheckpoint, ModelSpec, model_dir
 
 
 class RunPlan(BaseModel):
@@ -42,11 +44,37 @@ def run_dir_for(request: RunRequest, device_kind: str) -> Path:
     return Path(request.run_root).expanduser().resolve() / name
 
 
-def training_command(request: RunRequest, profile: RunProfile, env: RuntimeEnv, run_dir: Path) -> list[str]:
+def training_inputs(
+    profile: RunProfile,
+    run_dir: Path,
+    worker_env: dict[str, str],
+    data: DatasetFiles | None = None,
+    model: ModelCheckpoint | None = None,
+) -> TrainingInputs:
+    """What training reads: the dataset and model stages' outputs, or (in a plan made before they
+    ran) the store paths they will produce, which are known without fetching anything."""
+    data_path = Path(data.path) if data else dataset_dir(DataSpec.from_profile(profile.data))
+    return TrainingInputs(
+        model_path=model.path if model else str(model_dir(ModelSpec.from_profile(profile.model))),
+        train_files=data.train_files if data else [str(data_path / "train.parquet")],
+        val_files=data.val_files if data else [str(data_path / "test.parquet")],
+        checkpoint_dir=str((run_dir / "checkpoints").resolve()),
+        worker_env=worker_env,
+    )
+
+
+def training_command(
+    request: RunRequest,
+    profile: RunProfile,
+    env: RuntimeEnv,
+    run_dir: Path,
+    data: DatasetFiles | None = None,
+    model: ModelCheckpoint | None = None,
+) -> list[str]:
     """verl: the `main_ppo` command submitted to the cluster. local: training runs inside the flow
     on Ray Train, so the command is the pipeline invocation that reproduces this run."""
     if profile.backend == "verl":
-        return verl_command(profile, planned_inputs(profile, run_dir, env.worker_env))
+        return verl_command(profile, training_inputs(profile, run_dir, env.worker_env, data, model))
     command = ["python", "-m", "flows.grpo", "--model", request.model, "--device", profile.platform.kind,
                "--backend", "local", "--run-name", run_dir.name]
     if request.profile_file:

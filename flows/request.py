@@ -8,7 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # The stages of the flow in order (DESIGN.md). `--stages` picks a subset of the ones built so far.
-STAGES = ("detect_device", "resolve_profile", "prepare_environment")
+PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")
+STAGES = (*PLANNING_STAGES, "fetch_dataset", "prepare_checkpoint")
 
 
 class RunRequest(BaseModel):
@@ -43,7 +44,8 @@ class RunRequest(BaseModel):
     stages: list[str] = Field(
         default_factory=lambda: list(STAGES),
         title="Stages",
-        description="Stages to run, in flow order.",
+        description="Stages to run, in flow order. The planning stages (detect_device, resolve_profile, "
+        "prepare_environment) that a later stage depends on always run with it; they take about a second.",
     )
     run_name: str | None = Field(
         None, title="Run name", description="Name of the run directory; default: model-device-timestamp."
@@ -61,6 +63,11 @@ class RunRequest(BaseModel):
         unknown = [s for s in stages if s not in STAGES]
         if unknown:
             raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the stages are {', '.join(STAGES)}")
+        if set(stages) - set(PLANNING_STAGES):
+            stages = [*stages, *PLANNING_STAGES]
+        elif stages:
+            # Each planning stage needs the ones before it.
+            stages = [*stages, *PLANNING_STAGES[: max(PLANNING_STAGES.index(s) for s in stages)]]
         return [s for s in STAGES if s in stages]
 
     @field_validator("run_name")

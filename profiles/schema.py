@@ -71,6 +71,14 @@ class ModelSection(Section):
         "`builtin:<name>` for a model the pipeline builds itself.",
     )
     revision: str = Field("main", description="Hub revision (branch, tag or commit) to pin.")
+    root: str = Field(
+        "~/models",
+        description="Directory (shared by all nodes on a cluster) that holds downloaded and built models.",
+    )
+    files: list[str] = Field(
+        ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"],
+        description="Patterns of the repo files to download: config, tokenizer and safetensors weights.",
+    )
     trust_remote_code: bool = Field(False, description="Allow model code shipped with the checkpoint.")
     enable_gradient_checkpointing: bool = Field(
         True, description="Recompute activations in the backward pass to save memory."
@@ -88,14 +96,28 @@ class ClusterSection(Section):
 
 
 class DataSection(Section):
-    dataset: str = Field("arith", description="Dataset name: `arith` (built in), `gsm8k`, `geo3k`.")
-    source: str | None = Field(
-        None, description="Hub dataset repo id or local directory; empty for the dataset's default."
+    dataset: Literal["arith", "gsm8k", "geo3k"] = Field(
+        "arith",
+        description="Dataset, which also picks the converter and the reward: `arith` (generated, no "
+        "network), `gsm8k`, `geo3k`.",
     )
-    revision: str = Field("main", description="Hub revision of the dataset to pin.")
+    source: str | None = Field(
+        None,
+        description="Hub dataset repo id (e.g. `tyzhu/geo3k`) or a local directory of parquet files; "
+        "empty for the dataset's default (`openai/gsm8k`, `hiyouga/geometry3k`, the arith generator).",
+    )
+    revision: str = Field("main", description="Hub revision of the dataset to pin (a commit is best).")
+    files: list[str] | None = Field(
+        None,
+        description="Patterns of the parquet files to fetch, e.g. `[main/*.parquet]`; empty for the "
+        "dataset's default. Splits are told apart by file name (train / test / validation).",
+    )
     root: str = Field(
         "~/data", description="Directory (shared by all nodes on a cluster) that holds datasets."
     )
+    seed: int = Field(0, description="Seed of the arith generator.")
+    arith_train_rows: int = Field(1024, gt=0, description="Training problems the arith generator makes.")
+    arith_test_rows: int = Field(128, gt=0, description="Held-out problems the arith generator makes.")
     train_batch_size: int = Field(8, gt=0, description="Prompts per training step.")
     max_prompt_length: int = Field(256, gt=0, description="Longest prompt in tokens.")
     max_response_length: int = Field(256, gt=0, description="Longest generated response in tokens.")

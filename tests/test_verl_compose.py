@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from backends.verl import ADD_OR_OVERRIDE, ENTRYPOINT, planned_inputs, verl_command, verl_settings
+from backends.verl import ADD_OR_OVERRIDE, ENTRYPOINT, verl_command, verl_settings
+from flows.plan import training_inputs
 from profiles.loader import PROFILES_DIR, load_yaml_mapping, resolve_profile
 from tasks.environment import resolve_environment
 from upstream_recipe import upstream_overrides
@@ -40,8 +41,8 @@ def verl_cases() -> list[tuple[str, str]]:
 def render(model: str, device: str, overrides: list[str] | None = None):
     profile = resolve_profile(model, device, overrides=overrides)
     env = resolve_environment(profile, environ={})
-    settings = verl_settings(profile, planned_inputs(profile, RUN_DIR, env.worker_env))
-    command = verl_command(profile, planned_inputs(profile, RUN_DIR, env.worker_env))
+    settings = verl_settings(profile, training_inputs(profile, RUN_DIR, env.worker_env))
+    command = verl_command(profile, training_inputs(profile, RUN_DIR, env.worker_env))
     return profile, env, settings, command
 
 

@@ -9,11 +9,13 @@ import os
 import pytest
 import yaml
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
+from datasets_fixtures import gsm8k_repo_files
 from flows.pipeline import grpo_pipeline
 from flows.request import STAGES, RunRequest
+from hub_server import HubServer
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +40,14 @@ async def _runs(flow_run_id):
     return flow_run, task_runs
 
 
-def test_planning_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monkeypatch):
+def stores(tmp_path) -> list[str]:
+    return [f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}"]
+
+
+def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_never_written")
     request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="plan-1",
-                         overrides=["env.HF_TOKEN=${HF_TOKEN}"])
+                         overrides=["env.HF_TOKEN=${HF_TOKEN}", *stores(tmp_path)])
     state = grpo_pipeline(request, return_state=True)
     assert state.is_completed()
     result = state.result()
@@ -54,18 +60,60 @@ def test_planning_stages_complete_and_write_the_run_files(prefect_api, tmp_path,
     assert env["HF_TOKEN"] == {"value": "***", "source": "user"}
     assert env["NO_PROXY"]["source"] == "proxy-policy"  # the default policy, bypass-cluster
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # applied to the driver
-    for written in run_dir.iterdir():
+    for written in run_dir.rglob("*.*"):
         assert "hf_never_written" not in written.read_text()
     assert json.loads((run_dir / "plan.json").read_text())["backend"] == "local"
+    dataset = json.loads((run_dir / "data" / "dataset.json").read_text())
+    assert dataset["rows"] == {"train": 1024, "test": 128} and dataset["path"].startswith(str(tmp_path / "data"))
+    model = json.loads((run_dir / "model.json").read_text())
+    assert model["model_type"] == "qwen3" and model["path"].startswith(str(tmp_path / "models"))
+    assert result["dataset"]["train_files"] == dataset["train_files"]
 
     flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
     assert flow_run.state.is_completed()
     assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(STAGES)
     assert all(t.state.is_completed() for t in task_runs)
+    progress = asyncio.run(_artifacts(["fetch-dataset", "prepare-checkpoint"]))
+    assert {a.key: a.data for a in progress} == {"fetch-dataset": 100.0, "prepare-checkpoint": 100.0}
+
+    # A second run finds both in the stores and fetches nothing.
+    again = grpo_pipeline(request.model_copy(update={"run_name": "plan-2"}))
+    assert again["dataset"]["cached"] and again["model"]["cached"]
+
+
+async def _artifacts(keys: list[str]):
+    async with get_client() as client:
+        return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+
+
+def test_a_transient_hub_fault_is_retried_by_the_task_and_a_missing_repo_is_not(prefect_api, tmp_path, monkeypatch):
+    with HubServer() as hub:
+        hub.add_repo("openai/gsm8k", gsm8k_repo_files())
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        hub.fail("/revision/", "503", times=1)
+        request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), stages=["fetch_dataset"],
+                             overrides=[*stores(tmp_path), "data.dataset=gsm8k"])
+        state = grpo_pipeline(request, return_state=True)
+        assert state.is_completed() and state.result()["dataset"]["rows"]["train"] == 12
+        fetch = _task_named(state, "fetch_dataset")
+        assert fetch.run_count == 2 and fetch.state.is_completed()
+
+        missing = request.model_copy(update={"overrides": [*stores(tmp_path), "data.dataset=gsm8k", "data.source=org/none"]})
+        state = grpo_pipeline(missing, return_state=True)
+        assert state.is_failed()
+        fetch = _task_named(state, "fetch_dataset")
+        assert fetch.run_count == 1 and fetch.state.is_failed()
+
+
+def _task_named(state, name: str):
+    _, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
+    (found,) = [t for t in task_runs if t.name.rsplit("-", 1)[0] == name]
+    return found
 
 
 def test_a_config_error_is_not_retried(prefect_api, tmp_path):
-    request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), overrides=["engine.tpp=1"])
+    request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), overrides=["engine.tpp=1", *stores(tmp_path)])
     state = grpo_pipeline(request, return_state=True)
     assert state.is_failed()
     flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))

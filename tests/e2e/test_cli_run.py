@@ -1,0 +1,38 @@
+"""A real (not dry) run from the command line: Prefect's temporary local API, the stages built so far,
+and a bad input reported as one line with exit code 2, with no traceback anywhere in the output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from tasks.rl_data import arith_splits
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
+         "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_a_bad_dataset_fails_the_flow_with_one_line_and_exit_2(tmp_path):
+    unsplit = tmp_path / "unsplit"
+    unsplit.mkdir()
+    pq.write_table(arith_splits(4, 2, seed=0)["train"], unsplit / "everything.parquet")
+    done = run_cli("--set", "data.dataset=gsm8k", "--set", f"data.source={unsplit}", "--stages", "fetch_dataset",
+                   tmp_path=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: {unsplit}: no train or test split")
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / "data" / "gsm8k").exists()
