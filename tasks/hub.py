@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 
 from huggingface_hub import HfApi, snapshot_download
@@ -37,7 +39,7 @@ from pydantic import BaseModel, Field
 
 from profiles.errors import UserError
 from tasks.progress import Bar
-from tasks.store import sha256_files
+from tasks.store import HASH_THREADS, sha256_file, sha256_files
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # A 429's Retry-After is honoured up to this long inside the attempt; longer waits are left to the
@@ -175,23 +177,25 @@ def fetch_snapshot(
     wanted = [item for item in listed if _matches(item.path, patterns)]
     if not wanted:
         raise SourceError(f"{what}: no file matches {patterns}; check data.files / the repo layout")
+    lfs = [item.path for item in wanted if item.lfs]
     try:
-        snapshot_download(
-            repo_id,
+        with HashAsTheyLand(target, lfs) as hasher:
+            snapshot_download(
+                repo_id,
             repo_type=repo_type,
-            revision=commit,
-            allow_patterns=[item.path for item in wanted],
-            local_dir=target,
-            endpoint=settings.endpoint,
-            token=settings.token or False,
-            tqdm_class=Bar,
-        )
+                revision=commit,
+                allow_patterns=[item.path for item in wanted],
+                local_dir=target,
+                endpoint=settings.endpoint,
+                token=settings.token or False,
+                tqdm_class=Bar,
+            )
     except ValueError as exc:
         # The client's own refusal of a path outside local_dir, if the listing changed under us.
         raise SourceError(f"{what}: {exc}") from exc
     except Exception as exc:
         raise classify_hub_error(exc, what) from exc
-    sha256 = _check_downloaded(wanted, target, what)
+    sha256 = _check_downloaded(wanted, target, what, hasher.digests())
     return Snapshot(
         repo_id=repo_id,
         repo_type=repo_type,
@@ -207,13 +211,61 @@ def _matches(name: str, patterns: list[str] | None) -> bool:
     return patterns is None or any(PurePosixPath(name).match(p) or name == p for p in patterns)
 
 
-def _check_downloaded(wanted: list[RepoFile], target: Path, what: str) -> dict[str, str]:
-    """Every file as the hub listed it; returns the sha256 of the LFS files. A damaged file is
-    removed, so the retry fetches it again instead of trusting the client's record that it is complete."""
+class HashAsTheyLand:
+    """Hashes each file as soon as the client has moved it into place (it downloads to a temporary
+    name, then renames), while the other files are still downloading, so checking a 244 GB snapshot
+    costs little after its last byte arrives. A file that changed after it was hashed is hashed again."""
+
+    POLL_S = 0.05
+
+    def __init__(self, target: Path, names: list[str]):
+        self.target, self.pending = target, set(names)
+        self.hashed: dict[str, tuple[tuple[int, int], Future]] = {}
+        self.pool = ThreadPoolExecutor(HASH_THREADS)
+        self.stop = threading.Event()
+        self.watcher = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> HashAsTheyLand:
+        self.watcher.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop.set()
+        self.watcher.join()
+        if exc_info[0] is not None:
+            self.pool.shutdown(cancel_futures=True)
+
+    def _watch(self) -> None:
+        while not self.stop.wait(self.POLL_S):
+            for name in list(self.pending):
+                try:
+                    stat = (self.target / name).stat()
+                except FileNotFoundError:
+                    continue
+                self.pending.discard(name)
+                self.hashed[name] = ((stat.st_size, stat.st_mtime_ns), self.pool.submit(sha256_file, self.target / name))
+
+    def digests(self) -> dict[str, str]:
+        """sha256 of every file that is there now."""
+        found, stale = {}, []
+        for name, (stat_then, future) in self.hashed.items():
+            path = self.target / name
+            stat = path.stat() if path.is_file() else None
+            if stat is not None and (stat.st_size, stat.st_mtime_ns) == stat_then:
+                found[name] = future.result()
+            else:
+                stale.append(name)
+        self.pool.shutdown()
+        late = [n for n in [*stale, *self.pending] if (self.target / n).is_file()]
+        return found | dict(zip(late, sha256_files([self.target / n for n in late], "check against the hub")))
+
+
+def _check_downloaded(wanted: list[RepoFile], target: Path, what: str, sha256: dict[str, str]) -> dict[str, str]:
+    """Every file as the hub listed it (`sha256`: the digests of the LFS files); returns those
+    digests. A damaged file is removed, so the retry fetches it again instead of trusting the
+    client's record that it is complete."""
     missing = [item.path for item in wanted if not (target / item.path).is_file()]
     present = [item for item in wanted if item.path not in missing]
-    lfs = [item for item in present if item.lfs]
-    sha256 = dict(zip((i.path for i in lfs), sha256_files([target / i.path for i in lfs], "check against the hub")))
     damaged = [f"{name} missing" for name in missing]
     for item in present:
         path = target / item.path
@@ -224,4 +276,4 @@ def _check_downloaded(wanted: list[RepoFile], target: Path, what: str) -> dict[s
             path.unlink()
     if damaged:
         raise TransientFetchError(f"{what}: damaged download: {', '.join(damaged)}")
-    return sha256
+    return {item.path: sha256[item.path] for item in present if item.lfs}

@@ -91,9 +91,13 @@ class HubServer:
 
     token = "hf_test_token"
     tree_page_size = 1000  # the Hub's page size; lower it to make the client follow `Link: rel="next"`
+    # Bytes per second for all file bodies together (None: as fast as loopback goes), so a benchmark
+    # can see what a real link does: the client waits on the network, not on the CPU.
+    bandwidth: float | None = None
 
     def __init__(self, port: int = 0):
         self._lock = threading.Lock()
+        self._link = threading.Lock()
         self._repos: dict[tuple[str, str], _Repo] = {}
         self._faults: list[list] = []  # [path_contains, kind, times_left, method]
         self._conns: set[socket.socket] = set()
@@ -340,7 +344,14 @@ class _Handler(BaseHTTPRequestHandler):
         if fault in ("drop", "truncate"):
             self.wfile.write(body[: len(body) // 2])
             return self._close(reset=fault == "drop")
-        self.wfile.write(body)
+        if self.hub.bandwidth is None or len(body) < 1 << 20:
+            self.wfile.write(body)
+            return
+        for start in range(0, len(body), 1 << 20):
+            with self.hub._link:  # one shared link: concurrent downloads split its bandwidth
+                chunk = body[start:start + (1 << 20)]
+                time.sleep(len(chunk) / self.hub.bandwidth)
+            self.wfile.write(chunk)
 
     def _close(self, reset: bool) -> None:
         self.close_connection = True
