@@ -210,13 +210,43 @@ def worker_loop(config: dict[str, Any]) -> None:
 
 
 def training_rows(settings: LocalTrainSettings, tokenizer, datasets_module):
-    """The train split as TRL reads it: `prompt` (chat messages) plus what the reward needs."""
+    """The train split as TRL reads it: `prompt` (chat messages) plus what the reward needs, without
+    the prompts longer than data.max_prompt_length when data.filter_overlong_prompts is set (the
+    driver refused the run already if some are too long and filtering is off)."""
     rows = datasets_module.load_dataset("parquet", data_files=settings.train_files, split="train")
     rows = rows.map(
         lambda row: {"ground_truth": row["reward_model"]["ground_truth"]},
         remove_columns=[c for c in rows.column_names if c not in ("prompt", "data_source", "reward_model")],
     ).remove_columns(["reward_model"])
+    if settings.filter_overlong_prompts:
+        rows = rows.filter(lambda row: prompt_length(tokenizer, row["prompt"]) <= settings.max_prompt_length)
     return rows
+
+
+def prompt_length(tokenizer, messages: list[dict]) -> int:
+    """Tokens of the prompt as the model sees it: chat template applied, generation prompt added."""
+    return len(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def check_prompt_lengths(settings: LocalTrainSettings) -> int:
+    """How many training prompts exceed data.max_prompt_length; an error when they would be
+    truncated silently (filtering off)."""
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+    prompts = [m for f in settings.train_files for m in pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist()]
+    longest, overlong = 0, 0
+    for messages in prompts:
+        length = prompt_length(tokenizer, messages)
+        longest = max(longest, length)
+        overlong += length > settings.max_prompt_length
+    if overlong and not settings.filter_overlong_prompts:
+        raise ProfileError(
+            f"data.max_prompt_length={settings.max_prompt_length}: {overlong} of {len(prompts)} training prompts are "
+            f"longer (up to {longest} tokens); raise it or set data.filter_overlong_prompts=true"
+        )
+    return overlong
 
 
 def _reward_function(custom: str | None) -> Callable:
@@ -304,3 +334,174 @@ class _CheckpointPublisher(_trainer_callback_base()):
                 write_text_atomic(self.settings.checkpoints / LATEST, f"{step}\n")
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+
+
+# --- the driver: plans, starts the workers, follows them ---------------------------------------
+
+
+def plan_local_training(
+    profile: RunProfile, data_train_files: list[str], model_path: str, run_dir: Path, devices_here: int
+) -> LocalTrainSettings:
+    """Every check that can fail before a worker starts: worker count vs devices, batch and group
+    sizes, the dataset's reward columns, prompt lengths."""
+    workers = profile.cluster.nnodes * profile.cluster.devices_per_node
+    kind = profile.platform.kind
+    if profile.cluster.nnodes == 1 and workers > devices_here:
+        unit = "CPU cores" if kind == "cpu" else f"{kind.upper()}s"
+        raise ProfileError(
+            f"cluster.devices_per_node={profile.cluster.devices_per_node}: {workers} training workers but this host has "
+            f"{devices_here} {unit}; use at most {devices_here}"
+        )
+    grpo, updates_per_step = grpo_fields(profile, workers)
+    check_reward_columns(data_train_files, profile.algorithm.reward_function)
+    steps = profile.trainer.total_training_steps or profile.trainer.total_epochs * (
+        _rows(data_train_files) // profile.data.train_batch_size
+    )
+    if steps <= 0:
+        raise ProfileError("trainer.total_training_steps: the run has no step; set it, or use more data")
+    return LocalTrainSettings(
+        model_path=model_path,
+        train_files=data_train_files,
+        run_dir=str(run_dir),
+        device=kind,
+        workers=workers,
+        comm_backend=profile.platform.comm_backend,
+        ray_resource=profile.platform.ray_resource,
+        dtype="float32" if kind == "cpu" else profile.engine.dtype,
+        max_steps=steps * updates_per_step,
+        save_steps=profile.trainer.save_freq * updates_per_step if profile.trainer.save_freq > 0 else 0,
+        seed=profile.data.seed,
+        max_prompt_length=profile.data.max_prompt_length,
+        filter_overlong_prompts=profile.data.filter_overlong_prompts,
+        reward_function=profile.algorithm.reward_function,
+        grpo=grpo,
+    )
+
+
+def _rows(files: list[str]) -> int:
+    import pyarrow.parquet as pq
+
+    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+
+
+def check_reward_columns(files: list[str], reward_function: str | None) -> None:
+    """The columns the reward reads, and a reward function for every data_source in the data."""
+    import pyarrow.parquet as pq
+
+    from tasks.rewards import REWARDS, custom_reward
+
+    for path in files:
+        columns = pq.ParquetFile(path).schema_arrow.names
+        missing = [c for c in ("prompt", "data_source", "reward_model") if c not in columns]
+        if missing:
+            raise UserError(f"{path}: no {', '.join(missing)} column(s); the reward needs prompt, data_source and "
+                            "reward_model.ground_truth (verl's RL schema: let the fetch_dataset stage convert it)")
+        if reward_function:
+            custom_reward(reward_function)
+            continue
+        sources = set(pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist())
+        unknown = sorted(str(s) for s in sources - set(REWARDS))
+        if unknown:
+            raise UserError(f"{path}: no reward function for data_source {', '.join(unknown)}; known: "
+                            f"{', '.join(REWARDS)} (or set algorithm.reward_function=/path/file.py:function)")
+
+
+class MetricsFollower:
+    """New step records of metrics.jsonl since the last call (the file is rewritten on resume)."""
+
+    def __init__(self, path: Path, after_step: int | None):
+        self.path, self.last_step = path, after_step if after_step is not None else 0
+
+    def new(self) -> list[dict]:
+        try:
+            lines = self.path.read_text().splitlines()
+        except OSError:
+            return []
+        records = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            if record["step"] > self.last_step:
+                records.append(record)
+                self.last_step = record["step"]
+        return records
+
+
+def train_local(
+    settings: LocalTrainSettings,
+    runtime_env: dict | None,
+    ray_address: str | None,
+    on_step: Callable[[dict], None] = lambda record: None,
+    run_name: str = "grpo",
+) -> TrainResult:
+    """Train to `settings.max_steps`, resuming from the latest checkpoint; `on_step` sees each
+    step's metrics as the workers write them."""
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from tasks.nodes import connect_ray
+
+    resumed = latest_step(settings.checkpoints)
+    result = partial_result(settings, resumed)
+    if resumed is not None and resumed >= settings.max_steps:
+        return result.model_copy(update={"already_complete": True, "resumed_from": None})
+    settings.checkpoints.mkdir(parents=True, exist_ok=True)
+    connect_ray(ray_address, runtime_env)
+    use_gpu = settings.device == "gpu"
+    resources = {settings.ray_resource: 1} if settings.ray_resource and not use_gpu else None
+    trainer = TorchTrainer(
+        worker_loop,
+        train_loop_config=settings.model_dump(),
+        scaling_config=ray.train.ScalingConfig(num_workers=settings.workers, use_gpu=use_gpu, resources_per_worker=resources),
+        torch_config=TorchConfig(backend=settings.comm_backend),
+        # A fresh name per attempt: a reused one would bring back Ray's record of an older run.
+        run_config=ray.train.RunConfig(
+            name=f"{run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
+            storage_path=str(Path(settings.run_dir) / "ray"),
+            failure_config=ray.train.FailureConfig(max_failures=0),
+        ),
+    )
+    outcome: dict[str, Any] = {}
+
+    def fit() -> None:
+        try:
+            outcome["result"] = trainer.fit()
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            outcome["error"] = exc
+
+    follower = MetricsFollower(settings.metrics_file, resumed)
+    runner = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    runner.start()
+    while runner.is_alive():
+        runner.join(POLL_S)
+        for record in follower.new():
+            on_step(record)
+    for record in follower.new():
+        on_step(record)
+    if "error" in outcome:
+        raise _as_project_error(outcome["error"]) from outcome["error"]
+    done = latest_step(settings.checkpoints)
+    if done is None or done < settings.max_steps:
+        raise TrainingInterrupted(f"the workers stopped at step {done or 0} of {settings.max_steps}")
+    return partial_result(settings, done).model_copy(update={"resumed_from": resumed})
+
+
+def partial_result(settings: LocalTrainSettings, step: int | None) -> TrainResult:
+    return TrainResult(
+        backend="local",
+        checkpoint_dir=str(settings.checkpoints / f"global_step_{step}") if step is not None else "",
+        steps_done=step or 0,
+        max_steps=settings.max_steps,
+        metrics_file=str(settings.metrics_file),
+    )
+
+
+def _as_project_error(error: BaseException) -> Exception:
+    """A worker's UserError stays one (never retried); anything else interrupted training."""
+    for failure in getattr(error, "worker_failures", {}).values():
+        cause = getattr(failure, "cause", failure)
+        if isinstance(cause, UserError):
+            return cause
+    return TrainingInterrupted(f"training stopped: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")

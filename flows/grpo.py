@@ -122,6 +122,13 @@ def print_run_summary(result: dict) -> None:
     if command := result.get("command"):
         print("training command:")
         print(format_command(command))
+    if train := result.get("train"):
+        if train["already_complete"]:
+            print(f"training: already complete at step {train['steps_done']}; nothing trained")
+        else:
+            resumed = f", resumed from step {train['resumed_from']}" if train["resumed_from"] is not None else ""
+            print(f"training: {train['steps_done']}/{train['max_steps']} steps{resumed}; policy in {train['checkpoint_dir']}")
+        print(f"metrics: {train['metrics_file']}")
 
 
 def format_command(command: list[str]) -> str:

@@ -19,6 +19,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.tasks import exponential_backoff
 
+from backends.local import TrainResult, check_prompt_lengths, latest_step, plan_local_training, train_local
 from flows.plan import profile_for, run_dir_for, training_command
 from flows.request import RunRequest
 from profiles.errors import UserError
@@ -29,7 +30,7 @@ from tasks.environment import RuntimeEnv, resolve_environment
 from tasks.files import write_json_atomic, write_text_atomic
 from tasks.model import ModelCheckpoint, ModelSpec, prepare_model
 from tasks.nodes import check_visible_on_nodes, connect_ray
-from tasks.progress import reporting_to
+from tasks.progress import Bar, reporting_to
 
 # Downloads: 4 retries after 2, 4, 8, 16 s (each +-50% jitter), so a mirror's bad minute passes.
 FETCH_RETRIES = dict(
@@ -38,6 +39,8 @@ FETCH_RETRIES = dict(
     retry_jitter_factor=0.5,
 )
 PROGRESS_UPDATE_S = 1.0
+# Training: a lost worker, node or collective is retried twice, resuming from the latest checkpoint.
+TRAIN_RETRIES = dict(retries=2, retry_delay_seconds=10)
 
 
 class UserErrorWithoutTraceback(logging.Filter):
@@ -165,6 +168,47 @@ def prepare_checkpoint_task(
     return checkpoint
 
 
+@task(name="train", retry_condition_fn=retry_unless_user_error, **TRAIN_RETRIES)
+def train_task(
+    profile: RunProfile,
+    device: DeviceInfo,
+    env: RuntimeEnv,
+    data: DatasetFiles,
+    model: ModelCheckpoint,
+    run_dir: Path,
+    ray_address: str | None,
+) -> TrainResult:
+    logger = get_run_logger()
+    if profile.backend != "local":
+        raise UserError(
+            "the train stage runs the local backend; verl trains on the cluster from the rendered command "
+            "(python -m flows.grpo ... --dry-run prints it)"
+        )
+    settings = plan_local_training(profile, data.train_files, model.path, run_dir, device.count)
+    if overlong := check_prompt_lengths(settings):
+        logger.warning("%d prompts longer than data.max_prompt_length=%d are left out", overlong, settings.max_prompt_length)
+    start = latest_step(settings.checkpoints) or 0
+    if start:
+        logger.info("resuming from checkpoint global_step_%d of %d", start, settings.max_steps)
+
+    def on_step(record: dict) -> None:
+        bar.update(record["step"] - bar.n)
+        logger.info(
+            "step %d/%d reward %.3f +- %.3f | kl %s | loss %.4f | entropy %.3f | length %.1f | %.0f tokens/s | %.2f s",
+            record["step"], settings.max_steps, record["reward_mean"], record["reward_std"] or 0.0,
+            "-" if record["kl"] is None else f"{record['kl']:.4f}", record["loss"] or 0.0, record["entropy"] or 0.0,
+            record["response_length"], record["tokens_per_s"] or 0.0, record["step_time_s"],
+        )
+
+    with progress_artifact("train", f"GRPO {profile.model.name} ({settings.workers} workers)"):
+        with Bar(total=settings.max_steps, initial=start, desc="GRPO steps", unit="step") as bar:
+            result = train_local(settings, env.ray_runtime_env(), ray_address, on_step, run_name=run_dir.name)
+    if result.already_complete:
+        logger.warning("the run was already complete at step %d: nothing trained", result.steps_done)
+    write_json_atomic(run_dir / "train.json", result.model_dump(mode="json"))
+    return result
+
+
 @flow(name="grpo_pipeline", log_prints=True)
 def grpo_pipeline(request: RunRequest) -> dict:
     """GRPO post-training, from a bare machine to an evaluated checkpoint."""
@@ -188,4 +232,6 @@ def grpo_pipeline(request: RunRequest) -> dict:
     command = training_command(request, profile, env, run_dir, data, model)
     write_json_atomic(run_dir / "plan.json", {"backend": profile.backend, "command": command})
     result["command"] = command
+    if "train" in request.stages:
+        result["train"] = train_task(profile, device, env, data, model, run_dir, request.ray_address).model_dump(mode="json")
     return result

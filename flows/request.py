@@ -9,7 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # The stages of the flow in order (DESIGN.md). `--stages` picks a subset of the ones built so far.
 PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")
-STAGES = (*PLANNING_STAGES, "fetch_dataset", "prepare_checkpoint")
+STAGES = (*PLANNING_STAGES, "fetch_dataset", "prepare_checkpoint", "train")
+# Stages whose outputs a stage reads; they run with it (cached, they cost about a second).
+INPUT_STAGES = {"train": ("fetch_dataset", "prepare_checkpoint")}
 
 
 class RunRequest(BaseModel):
@@ -45,7 +47,8 @@ class RunRequest(BaseModel):
         default_factory=lambda: list(STAGES),
         title="Stages",
         description="Stages to run, in flow order. The planning stages (detect_device, resolve_profile, "
-        "prepare_environment) that a later stage depends on always run with it; they take about a second.",
+        "prepare_environment) that a later stage depends on always run with it, and so do the data and model "
+        "stages when training is asked for; with their results cached they take about a second.",
     )
     run_name: str | None = Field(
         None, title="Run name", description="Name of the run directory; default: model-device-timestamp."
@@ -63,6 +66,7 @@ class RunRequest(BaseModel):
         unknown = [s for s in stages if s not in STAGES]
         if unknown:
             raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the stages are {', '.join(STAGES)}")
+        stages = [*stages, *(needed for s in stages for needed in INPUT_STAGES.get(s, ()))]
         if set(stages) - set(PLANNING_STAGES):
             stages = [*stages, *PLANNING_STAGES]
         elif stages:

@@ -153,6 +153,11 @@ class AlgorithmSection(Section):
         "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = Field("token-mean", description="How per-token losses are aggregated.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
+    reward_function: str | None = Field(
+        None,
+        description="A custom reward `/path/file.py:function` taking (response, ground_truth) and returning a "
+        "float, used for every row instead of the data_source's built-in reward (local backend and evaluation).",
+    )
 
 
 class ActorSection(Section):

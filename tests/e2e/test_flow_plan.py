@@ -10,27 +10,11 @@ import pytest
 import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
-from prefect.testing.utilities import prefect_test_harness
 
 from datasets_fixtures import gsm8k_repo_files
 from flows.pipeline import grpo_pipeline
 from flows.request import STAGES, RunRequest
 from hub_server import HubServer
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(autouse=True)
-def restore_environ():
-    """The environment stage applies the run's env to the driver (this process): undo it after."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 async def _runs(flow_run_id):

@@ -1,0 +1,23 @@
+"""Shared by the whole-flow tests: one Prefect test harness (real API, SQLite) for the session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from prefect.testing.utilities import prefect_test_harness
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def restore_environ():
+    """The environment stage applies the run's env to the driver (this process): undo it after."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

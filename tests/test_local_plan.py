@@ -1,0 +1,85 @@
+"""The local backend refuses bad input before any worker starts, with the field and the fix."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from backends.local import check_prompt_lengths, grpo_fields, plan_local_training
+from profiles.errors import ProfileError, UserError
+from profiles.loader import resolve_profile
+from tasks.builtin_models import build_tiny
+from tasks.rl_data import arith_splits
+
+
+@pytest.fixture(scope="module")
+def arith_train(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.parquet"
+    pq.write_table(arith_splits(64, 8, seed=0)["train"], path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    build_tiny(out)
+    return str(out)
+
+
+def plan(tmp_path, train_file, model="builtin:tiny", devices_here=2, *overrides):
+    profile = resolve_profile("tiny", "cpu", overrides=list(overrides))
+    return plan_local_training(profile, [train_file], model, tmp_path / "run", devices_here)
+
+
+def test_the_profile_maps_to_trl_explicitly(tmp_path, arith_train):
+    settings = plan(tmp_path, arith_train, "m", 2, "cluster.devices_per_node=2", "algorithm.use_kl_loss=true",
+                    "algorithm.kl_loss_coef=0.01", "algorithm.clip_ratio_high=0.28", "trainer.total_training_steps=6")
+    grpo = settings.grpo
+    assert grpo["num_generations"] == 4 and grpo["beta"] == 0.01 and grpo["epsilon_high"] == 0.28
+    assert grpo["loss_type"] == "dapo" and grpo["lr_scheduler_type"] == "constant"
+    assert grpo["generation_batch_size"] == 32 and grpo["per_device_train_batch_size"] == 8
+    assert grpo["gradient_accumulation_steps"] == 2  # 8 prompts x 4 completions over 2 workers x 8
+    assert settings.max_steps == 6 and settings.save_steps == 4 and settings.comm_backend == "gloo"
+    # verl updates several times per batch when the mini batch is smaller: so does TRL, in optimizer steps.
+    halves = plan(tmp_path, arith_train, "m", 2, "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
+                  "trainer.total_training_steps=6")
+    assert halves.max_steps == 12 and halves.save_steps == 8
+    assert grpo_fields(resolve_profile("tiny", "cpu", overrides=["algorithm.use_kl_loss=false"]), 1)[0]["beta"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "overrides, devices_here, message",
+    [
+        (["cluster.devices_per_node=4"], 2, "cluster.devices_per_node=4: 4 training workers but this host has 2 CPU cores"),
+        # A group size that does not divide the batch: caught by the profile's own validation already.
+        (["algorithm.rollout_n=3", "cluster.devices_per_node=2"], 2,
+         "8 prompts x rollout_n 3 = 24 sequences do not split over 2 data-parallel ranks"),
+        (["algorithm.use_kl_in_reward=true"], 2, "no in-reward KL"),
+        (["algorithm.loss_agg_mode=token-sum"], 2, "the local backend supports token-mean"),
+    ],
+)
+def test_bad_layouts_are_refused(tmp_path, arith_train, overrides, devices_here, message):
+    with pytest.raises(ProfileError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        plan(tmp_path, arith_train, "m", devices_here, *overrides)
+
+
+def test_a_dataset_without_the_reward_columns_is_refused(tmp_path):
+    bare = tmp_path / "bare.parquet"
+    pq.write_table(pa.table({"question": ["1+1?"], "answer": ["2"]}), bare)
+    with pytest.raises(UserError, match="no prompt, data_source, reward_model column"):
+        plan(tmp_path, str(bare))
+    other = tmp_path / "math.parquet"
+    table = arith_splits(4, 2, seed=0)["train"]
+    pq.write_table(table.set_column(0, "data_source", pa.array(["lighteval/MATH"] * 4)), other)
+    with pytest.raises(UserError, match="no reward function for data_source lighteval/MATH"):
+        plan(tmp_path, str(other))
+
+
+def test_overlong_prompts_are_refused_or_filtered(tmp_path, arith_train, tiny_model):
+    short = plan(tmp_path, arith_train, tiny_model, 2, "data.max_prompt_length=8")
+    with pytest.raises(ProfileError, match="data.max_prompt_length=8: 64 of 64 training prompts are longer"):
+        check_prompt_lengths(short)
+    filtered = plan(tmp_path, arith_train, tiny_model, 2, "data.max_prompt_length=8", "data.filter_overlong_prompts=true")
+    assert check_prompt_lengths(filtered) == 64
+    assert check_prompt_lengths(plan(tmp_path, arith_train, tiny_model)) == 0
