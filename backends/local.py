@@ -76,6 +76,7 @@ class LocalTrainSettings(BaseModel):
     run_dir: str
     device: str = Field(..., description="cpu, gpu or npu.")
     workers: int = Field(..., gt=0)
+    cpus_per_worker: int = Field(1, gt=0, description="On cpu: cores for each worker (its torch threads).")
     comm_backend: str
     ray_resource: str | None
     dtype: str = Field(..., description="Training dtype on this device: float32 on cpu, the profile's otherwise.")
@@ -365,6 +366,7 @@ def plan_local_training(
         run_dir=str(run_dir),
         device=kind,
         workers=workers,
+        cpus_per_worker=max(1, devices_here // workers) if kind == "cpu" else 1,
         comm_backend=profile.platform.comm_backend,
         ray_resource=profile.platform.ray_resource,
         dtype="float32" if kind == "cpu" else profile.engine.dtype,
@@ -450,7 +452,11 @@ def train_local(
     settings.checkpoints.mkdir(parents=True, exist_ok=True)
     connect_ray(ray_address, runtime_env)
     use_gpu = settings.device == "gpu"
-    resources = {settings.ray_resource: 1} if settings.ray_resource and not use_gpu else None
+    if settings.device == "cpu":
+        # Ray sets each worker's OMP_NUM_THREADS (its torch threads) to the CPUs it was given.
+        resources = {"CPU": settings.cpus_per_worker}
+    else:
+        resources = {settings.ray_resource: 1} if settings.ray_resource and not use_gpu else None
     trainer = TorchTrainer(
         worker_loop,
         train_loop_config=settings.model_dump(),

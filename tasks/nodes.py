@@ -23,7 +23,9 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        # A Ray started here runs no dashboard: on a small machine its processes take a third of
+        # the CPU that training needs (bench/bench_local_backend.py). A cluster keeps its own.
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, include_dashboard=False)
 
 
 def _problems_on_this_node(paths: list[str]) -> dict[str, list[str]]:

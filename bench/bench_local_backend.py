@@ -1,0 +1,158 @@
+"""Per-step time of the local backend vs a bare TRL GRPOTrainer script, same model, data, settings.
+
+    .venv/bin/python bench/bench_local_backend.py                                  # CPU, tiny
+    python bench/bench_local_backend.py --model qwen3-0.6b --device gpu --steps 12  # one GPU
+
+Both sides train the same model on the same arith prompts with the same GRPOConfig (derived once
+from the profile), the arith reward, and a fixed completion length (min = max new tokens), in one
+process / one Ray Train worker with the same cores. The bare side is what a person would write:
+load, GRPOTrainer, train. The local backend side is `train_local`: Ray Train worker, metrics file,
+checkpoint publishing. Step time = step begin to the step's log, median over the steps after
+warm-up; the ratio local / bare is the orchestration's cost (goal <= 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import pyarrow.parquet as pq  # noqa: E402
+
+from backends.local import LocalTrainSettings, plan_local_training, train_local, training_rows  # noqa: E402
+from profiles.loader import resolve_profile  # noqa: E402
+from tasks.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
+from tasks.rl_data import arith_splits  # noqa: E402
+
+
+def make_model(name: str, out: Path) -> None:
+    if name == "tiny":
+        build_tiny(out)
+        return
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    # Qwen3-0.6B's shape with a small vocabulary (random weights: only the time matters).
+    tokenizer = train_tiny_tokenizer(512, seed=0)
+    config = Qwen3Config(vocab_size=8192, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                         tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def bare_trl(settings: LocalTrainSettings) -> list[float]:
+    """The plain script: no Ray, no callbacks of ours, the same GRPOConfig."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tasks.rewards import arith_score
+
+    set_seed(settings.seed)
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+    model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=getattr(torch, settings.dtype))
+    if settings.device == "gpu":
+        model = model.to("cuda")
+    rows = training_rows(settings, tokenizer, datasets)
+
+    def reward(prompts, completions, ground_truth, **_):
+        return [arith_score(c[-1]["content"], truth).reward for c, truth in zip(completions, ground_truth)]
+
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.started = time.perf_counter()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                times.append(time.perf_counter() - self.started)
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=settings.max_steps, save_strategy="no", logging_steps=1,
+                      report_to=[], seed=settings.seed, use_cpu=settings.device == "cpu",
+                      bf16=settings.dtype == "bfloat16", disable_tqdm=True, **settings.grpo)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=rows, processing_class=tokenizer,
+                          callbacks=[StepTimer()])
+    trainer.train()
+    del trainer, model
+    if settings.device == "gpu":
+        torch.cuda.empty_cache()
+    return times
+
+
+def local_backend(settings: LocalTrainSettings) -> list[float]:
+    import ray
+
+    records: list[dict] = []
+    try:
+        train_local(settings, None, None, on_step=records.append, run_name="bench")
+    finally:
+        ray.shutdown()  # no Ray processes left to compete with the next bare run
+    return [r["step_time_s"] for r in sorted(records, key=lambda r: r["step"])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["tiny", "qwen3-0.6b"], default="tiny")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
+    parser.add_argument("--rounds", type=int, default=2, help="bare / local pairs, alternating")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--completion-length", type=int, default=32)
+    parser.add_argument("--out", type=Path, help="also write the result as JSON here")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-local-"))
+    model_dir, train_file = work / "model", work / "train.parquet"
+    make_model(args.model, model_dir)
+    pq.write_table(arith_splits(args.prompts * args.steps, 8, seed=0)["train"], train_file)
+    completions = args.prompts * args.generations
+    profile = resolve_profile("tiny", args.device, overrides=[
+        f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
+        f"actor.ppo_micro_batch_size_per_gpu={completions}", f"algorithm.rollout_n={args.generations}",
+        f"data.max_response_length={args.completion_length}", "data.max_prompt_length=512",
+        f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.steps}", "cluster.devices_per_node=1",
+    ])
+    devices_here = os.cpu_count() or 1 if args.device == "cpu" else 1
+    settings = plan_local_training(profile, [str(train_file)], str(model_dir), work / "run", devices_here)
+    settings.grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
+
+    bare_times, local_times = [], []
+    for round_index in range(args.rounds):
+        run = settings.model_copy(update={"run_dir": str(work / f"run-{round_index}")})
+        for side in (bare_trl, local_backend) if round_index % 2 == 0 else (local_backend, bare_trl):
+            times = side(run)
+            (bare_times if side is bare_trl else local_times).extend(times[args.warmup:])
+            print(f"round {round_index} {side.__name__}: median {statistics.median(times[args.warmup:]):.3f} s/step "
+                  f"over {len(times) - args.warmup} steps", flush=True)
+    bare, local = statistics.median(bare_times), statistics.median(local_times)
+    tokens = completions * args.completion_length
+    result = {
+        "model": args.model, "device": args.device, "steps": args.steps, "rounds": args.rounds,
+        "completions_per_step": completions, "completion_length": args.completion_length,
+        "bare_trl_s_per_step": round(bare, 4), "local_backend_s_per_step": round(local, 4),
+        "ratio_local_over_bare": round(local / bare, 3), "bare_tokens_per_s": round(tokens / bare, 1),
+        "local_tokens_per_s": round(tokens / local, 1),
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
