@@ -31,9 +31,9 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The embedded default: CPU, Prefect's local API, no network. Until the training and evaluation
-# stages exist, the demo runs the stages built so far (device, profile, environment, the arith
-# dataset, the smollm2-135m base model) and prints the training command.
+# The embedded default: CPU, local Ray, Prefect's local API, no network: the arith dataset, the
+# smollm2-135m base model (converted once from the packaged GGUF), a short GRPO run on Ray Train.
+# Evaluation comes with its issue.
 demo: $(STAMP)
 	$(PY) -m flows.grpo --model smollm2-135m --device cpu
 

@@ -30,6 +30,7 @@ The verl <-> TRL mapping of the one `algorithm` section (also in docs/local-back
 | actor.ppo_mini_batch_size x rollout_n       | completions per optimizer step (grad. accum.) |
 | actor.ppo_micro_batch_size_per_gpu          | per_device_train_batch_size (+ grad. accum.) |
 | trainer.total_training_steps, save_freq     | max_steps, save_steps (x steps_per_generation)|
+| model.enable_gradient_checkpointing         | gradient_checkpointing (TRL's default: on)   |
 
 TRL's own defaults differ (loss_type="dapo" happens to match token-mean, beta=0, a linearly decaying
 learning rate, num_generations=8, max_completion_length=512): every value above is set explicitly.
@@ -152,6 +153,7 @@ def grpo_fields(profile: RunProfile, workers: int) -> tuple[dict[str, Any], int]
         "generation_batch_size": data.train_batch_size * n,
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": per_update // (micro * workers),
+        "gradient_checkpointing": profile.model.enable_gradient_checkpointing,
     }
     return fields, updates_per_step
 
@@ -175,8 +177,8 @@ def worker_loop(config: dict[str, Any]) -> None:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     set_seed(settings.seed)
     resume = latest_step(settings.checkpoints)
-    if rank == 0 and resume is not None:
-        _keep_metrics_up_to(settings.metrics_file, resume)
+    if rank == 0:
+        _keep_metrics_up_to(settings.metrics_file, resume or 0)
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
     model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=getattr(torch, settings.dtype))
@@ -205,9 +207,6 @@ def worker_loop(config: dict[str, Any]) -> None:
     )
     checkpoint = settings.checkpoints / f"global_step_{resume}" if resume is not None else None
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-    if settings.save_steps <= 0 or settings.max_steps % settings.save_steps:
-        trainer._save_checkpoint(trainer.model, trial=None)  # the final policy, whatever save_steps is
-        _CheckpointPublisher(settings, rank).publish(trainer.state.global_step)
 
 
 def training_rows(settings: LocalTrainSettings, tokenizer, datasets_module):
@@ -262,7 +261,7 @@ def _reward_function(custom: str | None) -> Callable:
 
 
 def _keep_metrics_up_to(metrics_file: Path, step: int) -> None:
-    """On resume, steps after the checkpoint are trained again: drop their old lines."""
+    """Steps after the checkpoint an attempt starts from are trained again: drop their old lines."""
     if not metrics_file.is_file():
         return
     kept = [line for line in metrics_file.read_text().splitlines() if line and json.loads(line)["step"] <= step]
@@ -316,6 +315,10 @@ class _CheckpointPublisher(_trainer_callback_base()):
 
     def __init__(self, settings: LocalTrainSettings, rank: int):
         self.settings, self.rank = settings, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_save = True  # the final policy, whatever save_freq is
 
     def on_save(self, args, state, control, **kwargs):
         self.publish(state.global_step)

@@ -44,24 +44,26 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     assert env["HF_TOKEN"] == {"value": "***", "source": "user"}
     assert env["NO_PROXY"]["source"] == "proxy-policy"  # the default policy, bypass-cluster
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # applied to the driver
-    for written in run_dir.rglob("*.*"):
-        assert "hf_never_written" not in written.read_text()
+    for written in run_dir.rglob("*"):
+        assert not written.is_file() or b"hf_never_written" not in written.read_bytes(), written
     assert json.loads((run_dir / "plan.json").read_text())["backend"] == "local"
     dataset = json.loads((run_dir / "data" / "dataset.json").read_text())
     assert dataset["rows"] == {"train": 1024, "test": 128} and dataset["path"].startswith(str(tmp_path / "data"))
     model = json.loads((run_dir / "model.json").read_text())
     assert model["model_type"] == "qwen3" and model["path"].startswith(str(tmp_path / "models"))
     assert result["dataset"]["train_files"] == dataset["train_files"]
+    assert result["train"]["steps_done"] == 8 and (run_dir / "checkpoints" / "latest").read_text() == "8\n"
 
     flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
     assert flow_run.state.is_completed()
     assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(STAGES)
     assert all(t.state.is_completed() for t in task_runs)
-    progress = asyncio.run(_artifacts(["fetch-dataset", "prepare-checkpoint"]))
-    assert {a.key: a.data for a in progress} == {"fetch-dataset": 100.0, "prepare-checkpoint": 100.0}
+    progress = asyncio.run(_artifacts(["fetch-dataset", "prepare-checkpoint", "train"]))
+    assert {a.key: a.data for a in progress} == {"fetch-dataset": 100.0, "prepare-checkpoint": 100.0, "train": 100.0}
 
     # A second run finds both in the stores and fetches nothing.
-    again = grpo_pipeline(request.model_copy(update={"run_name": "plan-2"}))
+    again = grpo_pipeline(RunRequest(**{**request.model_dump(), "run_name": "plan-2",
+                                        "stages": ["fetch_dataset", "prepare_checkpoint"]}))
     assert again["dataset"]["cached"] and again["model"]["cached"]
 
 
