@@ -129,6 +129,11 @@ def print_run_summary(result: dict) -> None:
             resumed = f", resumed from step {train['resumed_from']}" if train["resumed_from"] is not None else ""
             print(f"training: {train['steps_done']}/{train['max_steps']} steps{resumed}; policy in {train['checkpoint_dir']}")
         print(f"metrics: {train['metrics_file']}")
+    for metrics in (result.get("eval") or {}).get("models", []):
+        low, high = metrics["reward_ci95"]
+        print(f"eval {metrics['name']}: mean reward {metrics['mean_reward']:.3f} [{low:.3f}, {high:.3f}], accuracy "
+              f"{metrics['accuracy']:.3f}, format {metrics['format_rate']:.3f} on {metrics['prompts']} prompts "
+              f"({metrics['samples_file']})")
 
 
 def format_command(command: list[str]) -> str:

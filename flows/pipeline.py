@@ -27,6 +27,8 @@ from profiles.schema import RunProfile
 from tasks.dataset import DatasetFiles, DataSpec, fetch_dataset
 from tasks.device import DeviceInfo, detect_device, requested_device
 from tasks.environment import RuntimeEnv, resolve_environment
+from tasks.evaluate import EvalReport, EvalSettings, evaluate
+from tasks.export import ExportedPolicy, export_checkpoint
 from tasks.files import write_json_atomic, write_text_atomic
 from tasks.model import ModelCheckpoint, ModelSpec, prepare_model
 from tasks.nodes import check_visible_on_nodes, connect_ray
@@ -209,6 +211,45 @@ def train_task(
     return result
 
 
+@task(name="export_checkpoint", retry_condition_fn=retry_unless_user_error)
+def export_checkpoint_task(train: TrainResult, run_dir: Path) -> ExportedPolicy:
+    policy = export_checkpoint(train.backend, train.checkpoint_dir, train.steps_done)
+    get_run_logger().info("trained policy (step %d) verified: %s", policy.step, policy.path)
+    write_json_atomic(run_dir / "policy.json", policy.model_dump(mode="json"))
+    return policy
+
+
+@task(name="evaluate", retry_condition_fn=retry_unless_user_error)
+def evaluate_task(
+    profile: RunProfile, device: DeviceInfo, data: DatasetFiles, model: ModelCheckpoint,
+    policy: ExportedPolicy | None, run_dir: Path,
+) -> EvalReport:
+    logger = get_run_logger()
+    if profile.eval.models:
+        models = {Path(path).name: Path(path).expanduser() for path in profile.eval.models}
+    else:
+        models = {"base": Path(model.path)} | ({"trained": Path(policy.path)} if policy else {})
+    settings = EvalSettings.from_profile(profile.eval, profile.data.max_response_length,
+                                         profile.algorithm.reward_function, device.kind)
+    with progress_artifact("evaluate", f"evaluate {', '.join(models)}"):
+        report = evaluate(models, Path(data.val_files[0]), settings, run_dir / "eval")
+    rows = []
+    for m in report.models:
+        logger.info("%s: mean reward %.3f [%.3f, %.3f], accuracy %.3f, format %.3f, pass@%d %.3f, length %.1f (p95 %d), "
+                    "truncated %.3f", m.name, m.mean_reward, *m.reward_ci95, m.accuracy, m.format_rate, m.k, m.pass_at_k,
+                    m.response_length_mean, m.response_length_p95, m.truncation_rate)
+        rows.append(f"| {m.name} | {m.mean_reward:.3f} [{m.reward_ci95[0]:.3f}, {m.reward_ci95[1]:.3f}] | {m.accuracy:.3f} "
+                    f"| {m.format_rate:.3f} | {m.pass_at_k:.3f} | {m.response_length_mean:.1f} | {m.truncation_rate:.3f} |")
+    write_json_atomic(run_dir / "eval" / "eval.json", report.model_dump(mode="json"))
+    create_markdown_artifact(
+        key="evaluation",
+        markdown="| model | mean reward [95% CI] | accuracy | format | pass@k | length | truncated |\n"
+        "|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n",
+        description=f"Evaluation on {report.models[0].prompts} validation prompts",
+    )
+    return report
+
+
 @flow(name="grpo_pipeline", log_prints=True)
 def grpo_pipeline(request: RunRequest) -> dict:
     """GRPO post-training, from a bare machine to an evaluated checkpoint."""
@@ -232,6 +273,13 @@ def grpo_pipeline(request: RunRequest) -> dict:
     command = training_command(request, profile, env, run_dir, data, model)
     write_json_atomic(run_dir / "plan.json", {"backend": profile.backend, "command": command})
     result["command"] = command
+    policy = None
     if "train" in request.stages:
-        result["train"] = train_task(profile, device, env, data, model, run_dir, request.ray_address).model_dump(mode="json")
+        train = train_task(profile, device, env, data, model, run_dir, request.ray_address)
+        result["train"] = train.model_dump(mode="json")
+        if "export_checkpoint" in request.stages:
+            policy = export_checkpoint_task(train, run_dir)
+            result["policy"] = policy.model_dump(mode="json")
+    if "evaluate" in request.stages:
+        result["eval"] = evaluate_task(profile, device, data, model, policy, run_dir).model_dump(mode="json")
     return result

@@ -9,9 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # The stages of the flow in order (DESIGN.md). `--stages` picks a subset of the ones built so far.
 PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")
-STAGES = (*PLANNING_STAGES, "fetch_dataset", "prepare_checkpoint", "train")
-# Stages whose outputs a stage reads; they run with it (cached, they cost about a second).
-INPUT_STAGES = {"train": ("fetch_dataset", "prepare_checkpoint")}
+STAGES = (*PLANNING_STAGES, "fetch_dataset", "prepare_checkpoint", "train", "export_checkpoint", "evaluate")
+# Stages whose outputs a stage reads; they run with it (cached, or a finished run's training, they
+# cost about a second).
+INPUT_STAGES = {
+    "train": ("fetch_dataset", "prepare_checkpoint"),
+    "export_checkpoint": ("train",),
+    "evaluate": ("fetch_dataset", "prepare_checkpoint"),
+}
 
 
 class RunRequest(BaseModel):
@@ -66,7 +71,8 @@ class RunRequest(BaseModel):
         unknown = [s for s in stages if s not in STAGES]
         if unknown:
             raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the stages are {', '.join(STAGES)}")
-        stages = [*stages, *(needed for s in stages for needed in INPUT_STAGES.get(s, ()))]
+        while missing := {needed for s in stages for needed in INPUT_STAGES.get(s, ())} - set(stages):
+            stages = [*stages, *missing]
         if set(stages) - set(PLANNING_STAGES):
             stages = [*stages, *PLANNING_STAGES]
         elif stages:

@@ -245,6 +245,28 @@ class LogProbSection(Section):
     use_dynamic_bsz: bool = Field(False, description="Pack log-prob batches by token count.")
 
 
+class EvalSection(Section):
+    models: list[str] = Field(
+        default_factory=list,
+        description="HF model directories to evaluate with `--stages evaluate`; empty: the base model and "
+        "the trained policy of this run.",
+    )
+    samples_per_prompt: int = Field(
+        1, gt=0, description="Responses per validation prompt; pass@k is reported for k = this number."
+    )
+    temperature: float = Field(
+        0.0, ge=0, description="Sampling temperature; 0 is greedy (only with one sample per prompt)."
+    )
+    max_new_tokens: int | None = Field(
+        None, gt=0, description="Longest response; empty: data.max_response_length."
+    )
+    batch_size: int = Field(32, gt=0, description="Prompts generated together (transformers engine).")
+    max_prompts: int | None = Field(
+        None, gt=0, description="Evaluate on the first N validation prompts only; empty: all."
+    )
+    seed: int = Field(0, description="Seed of sampling and of the bootstrap.")
+
+
 class TrainerSection(Section):
     project_name: str = Field("grpo-pipeline", description="Experiment-tracker project.")
     experiment_name: str = Field("grpo", description="Experiment-tracker run name.")
@@ -275,6 +297,7 @@ class RunProfile(Section):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     log_prob: LogProbSection = Field(default_factory=LogProbSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
+    eval: EvalSection = Field(default_factory=EvalSection, description="The evaluation stage.")
     proxy_policy: ProxyPolicy = Field(
         "bypass-cluster",
         description="What to do with http(s)/all proxy variables, for every device: `clear` removes them "

@@ -53,13 +53,17 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     assert model["model_type"] == "qwen3" and model["path"].startswith(str(tmp_path / "models"))
     assert result["dataset"]["train_files"] == dataset["train_files"]
     assert result["train"]["steps_done"] == 8 and (run_dir / "checkpoints" / "latest").read_text() == "8\n"
+    assert result["policy"]["path"] == str(run_dir / "checkpoints" / "global_step_8")
+    evaluated = {m["name"]: m for m in result["eval"]["models"]}
+    assert set(evaluated) == {"base", "trained"} and all(m["prompts"] == 128 for m in evaluated.values())
+    assert json.loads((run_dir / "eval" / "eval.json").read_text())["models"][1]["name"] == "trained"
 
     flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
     assert flow_run.state.is_completed()
     assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(STAGES)
     assert all(t.state.is_completed() for t in task_runs)
-    progress = asyncio.run(_artifacts(["fetch-dataset", "prepare-checkpoint", "train"]))
-    assert {a.key: a.data for a in progress} == {"fetch-dataset": 100.0, "prepare-checkpoint": 100.0, "train": 100.0}
+    keys = ["fetch-dataset", "prepare-checkpoint", "train", "evaluate"]
+    assert {a.key: a.data for a in asyncio.run(_artifacts(keys))} == dict.fromkeys(keys, 100.0)
 
     # A second run finds both in the stores and fetches nothing.
     again = grpo_pipeline(RunRequest(**{**request.model_dump(), "run_name": "plan-2",

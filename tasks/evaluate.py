@@ -1,0 +1,234 @@
+"""The `evaluate` stage: generate on the validation split and score with the training reward.
+
+    python -m flows.grpo --model tiny --device cpu --stages evaluate --set 'eval.models=[/path/a,/path/b]'
+
+For each model directory: responses to every validation prompt (`eval.samples_per_prompt` each),
+scored by `tasks/rewards.py` as in training; per-sample results go to `<out>/<name>.jsonl` and the
+metrics (mean reward with a bootstrap 95% interval, accuracy, format rate, pass@k, response length
+mean / p95, truncation rate) are computed from exactly those records.
+
+Generation happens at one boundary, `Generate(model_dir, prompts, settings) -> responses`, so the
+engine can change and tests can stand in a known model. The engine here is batched transformers
+`generate`; a vLLM engine for accelerator hosts and sharding over Ray workers are not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from profiles.errors import UserError
+from profiles.schema import EvalSection
+from tasks.files import write_text_atomic
+from tasks.progress import Bar
+
+BOOTSTRAP_RESAMPLES = 1000
+
+
+class EvalSettings(BaseModel):
+    samples_per_prompt: int = 1
+    temperature: float = 0.0
+    max_new_tokens: int = 64
+    batch_size: int = 32
+    max_prompts: int | None = None
+    seed: int = 0
+    reward_function: str | None = None
+    device: str = "cpu"
+
+    @classmethod
+    def from_profile(cls, section: EvalSection, max_response_length: int, reward_function: str | None, device: str) -> EvalSettings:
+        if section.samples_per_prompt > 1 and section.temperature == 0:
+            raise UserError(
+                f"eval.samples_per_prompt={section.samples_per_prompt} with eval.temperature=0: greedy decoding "
+                "gives the same response every time; set eval.temperature (e.g. 1.0) or one sample per prompt"
+            )
+        return cls(
+            samples_per_prompt=section.samples_per_prompt, temperature=section.temperature,
+            max_new_tokens=section.max_new_tokens or max_response_length, batch_size=section.batch_size,
+            max_prompts=section.max_prompts, seed=section.seed, reward_function=reward_function, device=device,
+        )
+
+
+class Response(BaseModel):
+    text: str
+    tokens: int = Field(..., description="Generated tokens, end-of-sequence excluded.")
+    truncated: bool = Field(..., description="Stopped by max_new_tokens, not by the model.")
+
+
+# (model_dir, prompts as chat messages, settings) -> samples_per_prompt responses per prompt, in order
+Generate = Callable[[Path, list[list[dict]], EvalSettings], list[list[Response]]]
+
+
+class ModelMetrics(BaseModel):
+    name: str
+    path: str
+    prompts: int
+    samples: int
+    mean_reward: float
+    reward_ci95: tuple[float, float] = Field(..., description="Bootstrap 95% interval of the mean reward (over prompts).")
+    accuracy: float
+    format_rate: float
+    pass_at_k: float
+    k: int
+    response_length_mean: float
+    response_length_p95: float
+    truncation_rate: float
+    samples_file: str
+
+
+class EvalReport(BaseModel):
+    val_file: str
+    engine: str
+    models: list[ModelMetrics]
+
+
+def load_validation(val_file: Path, max_prompts: int | None) -> list[dict]:
+    """Validation rows: prompt, data_source, ground truth; a clear error for a file that cannot be scored."""
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(val_file)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{val_file}: not a readable parquet file ({exc})") from exc
+    missing = [c for c in ("prompt", "data_source", "reward_model") if c not in table.column_names]
+    if missing:
+        raise UserError(f"{val_file}: no {', '.join(missing)} column(s): validation rows need prompt, data_source and "
+                        "reward_model.ground_truth (verl's RL schema)")
+    rows = table.select(["prompt", "data_source", "reward_model"]).to_pylist()[: max_prompts or None]
+    if not rows:
+        raise UserError(f"{val_file}: the validation split is empty")
+    for index, row in enumerate(rows):
+        truth = (row["reward_model"] or {}).get("ground_truth")
+        if truth in (None, ""):
+            raise UserError(f"{val_file}: row {index} has no reward_model.ground_truth")
+        row["ground_truth"] = str(truth)
+    return rows
+
+
+def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
+    """Batched `generate`: left padding, `eval.batch_size` prompts at a time, inference mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    device = "cuda" if settings.device == "gpu" else "npu" if settings.device == "npu" else "cpu"
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    stop_ids = set(_as_list(model.generation_config.eos_token_id) + [tokenizer.eos_token_id]) - {None}
+    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    torch.manual_seed(settings.seed)
+    responses: list[list[Response]] = []
+    with Bar(total=len(texts), desc=f"generate {model_dir.name}", unit="prompt") as bar, torch.inference_mode():
+        for start in range(0, len(texts), settings.batch_size):
+            batch = tokenizer(texts[start : start + settings.batch_size], return_tensors="pt", padding=True,
+                              add_special_tokens=False).to(device)
+            output = model.generate(
+                **batch,
+                max_new_tokens=settings.max_new_tokens,
+                do_sample=settings.temperature > 0,
+                temperature=settings.temperature if settings.temperature > 0 else None,
+                top_p=None, top_k=None,
+                num_return_sequences=settings.samples_per_prompt,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            new = output[:, batch["input_ids"].shape[1] :].tolist()
+            for offset in range(0, len(new), settings.samples_per_prompt):
+                group = []
+                for ids in new[offset : offset + settings.samples_per_prompt]:
+                    ended = next((i for i, t in enumerate(ids) if t in stop_ids), None)
+                    kept = ids if ended is None else ids[:ended]
+                    group.append(Response(text=tokenizer.decode(kept, skip_special_tokens=True), tokens=len(kept),
+                                          truncated=ended is None))
+                responses.append(group)
+            bar.update(len(batch["input_ids"]))
+    return responses
+
+
+def _as_list(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def evaluate_model(
+    name: str, model_dir: Path, rows: list[dict], settings: EvalSettings, out_dir: Path,
+    generate: Generate = transformers_generate,
+) -> ModelMetrics:
+    from tasks.rewards import score
+
+    responses = generate(model_dir, [row["prompt"] for row in rows], settings)
+    if len(responses) != len(rows) or any(len(r) != settings.samples_per_prompt for r in responses):
+        raise RuntimeError(f"the engine returned {len(responses)} groups for {len(rows)} prompts")
+    samples = []
+    for index, (row, group) in enumerate(zip(rows, responses)):
+        for sample, response in enumerate(group):
+            result = score(row["data_source"], response.text, row["ground_truth"], settings.reward_function)
+            samples.append({
+                "prompt_index": index, "sample": sample, "data_source": row["data_source"],
+                "prompt": row["prompt"][-1]["content"], "response": response.text, "ground_truth": row["ground_truth"],
+                "reward": result.reward, "correct": result.correct, "formatted": result.formatted,
+                "response_tokens": response.tokens, "truncated": response.truncated,
+            })
+    samples_file = out_dir / f"{name}.jsonl"
+    write_text_atomic(samples_file, "".join(json.dumps(s) + "\n" for s in samples))
+    return ModelMetrics(name=name, path=str(model_dir), samples_file=str(samples_file),
+                        **metrics_from_samples(samples, settings.samples_per_prompt, settings.seed))
+
+
+def metrics_from_samples(samples: list[dict], k: int, seed: int = 0) -> dict[str, Any]:
+    """The metrics of a per-sample file: everything a report states is computed from these records."""
+    by_prompt: dict[int, list[dict]] = {}
+    for sample in samples:
+        by_prompt.setdefault(sample["prompt_index"], []).append(sample)
+    prompt_means = [statistics.fmean(s["reward"] for s in group) for group in by_prompt.values()]
+    lengths = sorted(s["response_tokens"] for s in samples)
+    return {
+        "prompts": len(by_prompt),
+        "samples": len(samples),
+        "mean_reward": statistics.fmean(s["reward"] for s in samples),
+        "reward_ci95": bootstrap_ci(prompt_means, seed),
+        "accuracy": statistics.fmean(s["correct"] for s in samples),
+        "format_rate": statistics.fmean(s["formatted"] for s in samples),
+        "pass_at_k": statistics.fmean(pass_at_k(len(g), sum(s["correct"] for s in g), k) for g in by_prompt.values()),
+        "k": k,
+        "response_length_mean": statistics.fmean(lengths),
+        "response_length_p95": lengths[min(len(lengths) - 1, math.ceil(0.95 * len(lengths)) - 1)],
+        "truncation_rate": statistics.fmean(s["truncated"] for s in samples),
+    }
+
+
+def pass_at_k(n: int, correct: int, k: int) -> float:
+    """Chance that at least one of k of the n samples is correct (the unbiased estimator)."""
+    if n - correct < k:
+        return 1.0
+    return 1.0 - math.comb(n - correct, k) / math.comb(n, k)
+
+
+def bootstrap_ci(values: list[float], seed: int, resamples: int = BOOTSTRAP_RESAMPLES) -> tuple[float, float]:
+    """95% percentile interval of the mean, resampling prompts with replacement."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
+def evaluate(
+    models: dict[str, Path], val_file: Path, settings: EvalSettings, out_dir: Path,
+    generate: Generate = transformers_generate,
+) -> EvalReport:
+    from tasks.model import verify_hf_dir
+
+    for name, path in models.items():
+        verify_hf_dir(path)  # a directory without weights fails here, before any generation
+    rows = load_validation(val_file, settings.max_prompts)
+    return EvalReport(
+        val_file=str(val_file),
+        engine="transformers" if generate is transformers_generate else getattr(generate, "__name__", "custom"),
+        models=[evaluate_model(name, path, rows, settings, out_dir, generate) for name, path in models.items()],
+    )

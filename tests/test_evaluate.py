@@ -1,0 +1,166 @@
+"""The evaluation stage: metrics recomputed independently from the per-sample file, exact scores
+through a stand-in engine, and bad input refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from datasets_fixtures import geo3k_table, gsm8k_table
+from profiles.errors import UserError
+from tasks.builtin_models import build_tiny
+from tasks.evaluate import EvalSettings, Response, evaluate, pass_at_k
+from tasks.rewards import score
+from tasks.rl_data import arith_splits, convert_geo3k, convert_gsm8k
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    build_tiny(out)
+    return out
+
+
+def write(table: pa.Table, path: Path) -> Path:
+    pq.write_table(table, path)
+    return path
+
+
+def test_tiny_on_arith_metrics_match_the_per_sample_file(tiny_dir, tmp_path):
+    val = write(arith_splits(8, 24, seed=1)["test"], tmp_path / "test.parquet")
+    settings = EvalSettings(samples_per_prompt=3, temperature=1.0, max_new_tokens=6, batch_size=5, seed=2)
+    report = evaluate({"base": tiny_dir}, val, settings, tmp_path / "eval")
+    (metrics,) = report.models
+    samples = [json.loads(line) for line in Path(metrics.samples_file).read_text().splitlines()]
+    assert len(samples) == 24 * 3 and metrics.prompts == 24 and metrics.samples == 72
+    rewards = np.array([s["reward"] for s in samples])
+    for s in samples:  # each record's score is the reward of its own response
+        assert score(s["data_source"], s["response"], s["ground_truth"]).reward == s["reward"]
+    assert metrics.mean_reward == pytest.approx(rewards.mean())
+    assert metrics.accuracy == pytest.approx(np.mean([s["correct"] for s in samples]))
+    assert metrics.format_rate == pytest.approx(np.mean([s["formatted"] for s in samples]))
+    assert metrics.truncation_rate == pytest.approx(np.mean([s["truncated"] for s in samples]))
+    lengths = np.array([s["response_tokens"] for s in samples])
+    assert metrics.response_length_mean == pytest.approx(lengths.mean())
+    assert metrics.response_length_p95 == np.percentile(lengths, 95, method="inverted_cdf")
+    assert all(s["response_tokens"] <= 6 and (not s["truncated"] or s["response_tokens"] == 6) for s in samples)
+    per_prompt = {}
+    for s in samples:
+        per_prompt.setdefault(s["prompt_index"], []).append(s)
+    expected_pass = np.mean([any(x["correct"] for x in group) for group in per_prompt.values()])
+    assert metrics.k == 3 and metrics.pass_at_k == pytest.approx(expected_pass)
+    low, high = metrics.reward_ci95
+    prompt_means = [np.mean([x["reward"] for x in g]) for g in per_prompt.values()]
+    assert low <= np.mean(prompt_means) <= high and high - low <= 4 * np.std(prompt_means) / math.sqrt(24) + 1e-9
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 3, 2) == 1.0
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - math.comb(3, 2) / math.comb(4, 2))  # 0.5
+
+
+def echo_engine(answers: dict[str, str]):
+    """A model that answers each prompt with a known response (the engine boundary)."""
+
+    def generate(model_dir, prompts, settings):
+        return [[Response(text=answers[p[-1]["content"]], tokens=len(answers[p[-1]["content"]].split()), truncated=False)]
+                * settings.samples_per_prompt for p in prompts]
+
+    return generate
+
+
+def test_gsm8k_and_geo3k_are_scored_exactly(tiny_dir, tmp_path):
+    gsm8k = convert_gsm8k(gsm8k_table(4), "test").to_pylist()
+    responses = {
+        gsm8k[0]["prompt"][0]["content"]: f"so\n#### {gsm8k[0]['reward_model']['ground_truth']}",  # right
+        gsm8k[1]["prompt"][0]["content"]: "#### 12345",  # wrong number
+        gsm8k[2]["prompt"][0]["content"]: f"The answer is {gsm8k[2]['reward_model']['ground_truth']}",  # no ####
+        gsm8k[3]["prompt"][0]["content"]: f"#### {gsm8k[3]['reward_model']['ground_truth']}",  # right
+    }
+    val = write(convert_gsm8k(gsm8k_table(4), "test"), tmp_path / "gsm8k.parquet")
+    (m,) = evaluate({"echo": tiny_dir}, val, EvalSettings(), tmp_path / "eval", echo_engine(responses)).models
+    assert (m.mean_reward, m.accuracy, m.format_rate) == (0.5, 0.5, 0.75)
+
+    geo = convert_geo3k(geo3k_table(4), "test").to_pylist()
+    truths = [row["reward_model"]["ground_truth"] for row in geo]
+    answers = {
+        geo[0]["prompt"][0]["content"]: f"<think>sum</think> \\boxed{{{truths[0]}}}",  # 1.0
+        geo[1]["prompt"][0]["content"]: f"\\boxed{{{truths[1]}}}",  # 0.9: right, no think block
+        geo[2]["prompt"][0]["content"]: "<think>x</think> \\boxed{0}",  # 0.1: format only
+        geo[3]["prompt"][0]["content"]: "no idea",  # 0
+    }
+    val = write(convert_geo3k(geo3k_table(4), "test"), tmp_path / "geo3k.parquet")
+    (m,) = evaluate({"echo": tiny_dir}, val, EvalSettings(), tmp_path / "eval", echo_engine(answers)).models
+    assert m.mean_reward == pytest.approx(0.5) and m.accuracy == 0.5 and m.format_rate == 0.5
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("no-weights", "no safetensors weights"),
+        ("no-ground-truth", "row 0 has no reward_model.ground_truth"),
+        ("no-reward-column", "no reward_model column"),
+        ("empty", "the validation split is empty"),
+    ],
+)
+def test_bad_input_is_one_clear_error_and_nothing_is_written(tiny_dir, tmp_path, breakage, message):
+    model, table = tiny_dir, arith_splits(4, 4, seed=0)["test"]
+    if breakage == "no-weights":
+        model = tmp_path / "no-weights"
+        model.mkdir()
+        (model / "config.json").write_text((tiny_dir / "config.json").read_text())
+    elif breakage == "no-ground-truth":
+        table = table.set_column(3, "reward_model", pa.array([{"style": "rule", "ground_truth": ""}] * 4))
+    elif breakage == "no-reward-column":
+        table = table.drop_columns(["reward_model"])
+    else:
+        table = table.slice(0, 0)
+    val = write(table, tmp_path / "val.parquet")
+    with pytest.raises(UserError, match=message):
+        evaluate({"m": model}, val, EvalSettings(), tmp_path / "eval")
+    assert not (tmp_path / "eval").exists()
+
+
+def test_several_samples_need_sampling():
+    from profiles.schema import EvalSection
+
+    with pytest.raises(UserError, match="eval.samples_per_prompt=4 with eval.temperature=0"):
+        EvalSettings.from_profile(EvalSection(samples_per_prompt=4), 16, None, "cpu")
+
+
+def test_export_checks_the_policy_and_refuses_a_diverged_one(tiny_dir, tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tasks.export import export_checkpoint
+    from tasks.model import ModelFormatError
+
+    step_dir = tmp_path / "checkpoints" / "global_step_4"
+    shutil.copytree(tiny_dir, step_dir)
+    exported = export_checkpoint("local", str(step_dir), 4)
+    assert exported.path == str(step_dir) and exported.num_parameters == 106_880
+    tensors = load_file(step_dir / "model.safetensors")
+    tensors["model.norm.weight"][3] = torch.nan
+    save_file(tensors, step_dir / "model.safetensors")
+    with pytest.raises(ModelFormatError, match="model.norm.weight has NaN or Inf values"):
+        export_checkpoint("local", str(step_dir), 4)
+    with pytest.raises(UserError, match="run the train stage first"):
+        export_checkpoint("local", "", 0)
+
+
+def test_a_verl_step_with_an_hf_export_is_used_as_it_is(tiny_dir, tmp_path):
+    import shutil
+
+    from tasks.export import export_checkpoint
+
+    exported = tmp_path / "global_step_50" / "actor" / "model" / "huggingface"
+    shutil.copytree(tiny_dir, exported)
+    assert export_checkpoint("verl", str(tmp_path / "global_step_50"), 50).path == str(exported)
