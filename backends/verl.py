@@ -18,7 +18,6 @@ Rules the rendering keeps:
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 
-import pytest
 import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
