@@ -32,8 +32,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # The embedded default: CPU, local Ray, Prefect's local API, no network: the arith dataset, the
-# smollm2-135m base model (converted once from the packaged GGUF), a short GRPO run on Ray Train.
-# Evaluation comes with its issue.
+# smollm2-135m base model (converted once from the packaged GGUF), a short GRPO run on Ray Train,
+# base vs trained evaluation and the run report.
 demo: $(STAMP)
 	$(PY) -m flows.grpo --model smollm2-135m --device cpu
 

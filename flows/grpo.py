@@ -134,6 +134,8 @@ def print_run_summary(result: dict) -> None:
         print(f"eval {metrics['name']}: mean reward {metrics['mean_reward']:.3f} [{low:.3f}, {high:.3f}], accuracy "
               f"{metrics['accuracy']:.3f}, format {metrics['format_rate']:.3f} on {metrics['prompts']} prompts "
               f"({metrics['samples_file']})")
+    if report := result.get("report"):
+        print(f"report: {report}")
 
 
 def format_command(command: list[str]) -> str:

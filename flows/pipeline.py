@@ -33,6 +33,7 @@ from tasks.files import write_json_atomic, write_text_atomic
 from tasks.model import ModelCheckpoint, ModelSpec, prepare_model
 from tasks.nodes import check_visible_on_nodes, connect_ray
 from tasks.progress import Bar, reporting_to
+from tasks.report import write_report
 
 # Downloads: 4 retries after 2, 4, 8, 16 s (each +-50% jitter), so a mirror's bad minute passes.
 FETCH_RETRIES = dict(
@@ -254,32 +255,68 @@ def evaluate_task(
 def grpo_pipeline(request: RunRequest) -> dict:
     """GRPO post-training, from a bare machine to an evaluated checkpoint."""
     quiet_user_errors()
-    device = detect_device_task(request)
+    timings: dict[str, float] = {}
+
+    def timed(stage: str, task_fn, *args):
+        started = time.perf_counter()
+        try:
+            return task_fn(*args)
+        finally:
+            timings[stage] = time.perf_counter() - started
+
+    device = timed("detect_device", detect_device_task, request)
     run_dir = run_dir_for(request, device.kind)
     result: dict = {"run_dir": str(run_dir), "device": device.kind}
     if "resolve_profile" not in request.stages:
         return result
-    profile = resolve_profile_task(request, device, run_dir)
+    profile = timed("resolve_profile", resolve_profile_task, request, device, run_dir)
     if "prepare_environment" not in request.stages:
         return result
-    env = prepare_environment_task(profile, run_dir, request.ray_address)
-    data = model = None
+    env = timed("prepare_environment", prepare_environment_task, profile, run_dir, request.ray_address)
+    try:
+        _run_stages(request, device, profile, env, run_dir, result, timed)
+    except BaseException as exc:
+        # The report says which stage failed and why, next to whatever the run did produce.
+        failed = next(reversed(timings), "?")
+        _report(run_dir, profile, device, env, result, timings, failure=f"Stage `{failed}`: {type(exc).__name__}: {exc}")
+        raise
+    if "report" in request.stages:
+        result["report"] = str(timed("report", report_task, run_dir, profile, device, env, result, dict(timings)))
+    return result
+
+
+def _run_stages(request, device, profile, env, run_dir, result, timed) -> None:
+    data = model = policy = None
     if "fetch_dataset" in request.stages:
-        data = fetch_dataset_task(profile, run_dir, request.ray_address, env)
+        data = timed("fetch_dataset", fetch_dataset_task, profile, run_dir, request.ray_address, env)
         result["dataset"] = data.model_dump(mode="json")
     if "prepare_checkpoint" in request.stages:
-        model = prepare_checkpoint_task(profile, run_dir, request.ray_address, env)
+        model = timed("prepare_checkpoint", prepare_checkpoint_task, profile, run_dir, request.ray_address, env)
         result["model"] = model.model_dump(mode="json")
     command = training_command(request, profile, env, run_dir, data, model)
     write_json_atomic(run_dir / "plan.json", {"backend": profile.backend, "command": command})
     result["command"] = command
-    policy = None
     if "train" in request.stages:
-        train = train_task(profile, device, env, data, model, run_dir, request.ray_address)
+        train = timed("train", train_task, profile, device, env, data, model, run_dir, request.ray_address)
         result["train"] = train.model_dump(mode="json")
         if "export_checkpoint" in request.stages:
-            policy = export_checkpoint_task(train, run_dir)
+            policy = timed("export_checkpoint", export_checkpoint_task, train, run_dir)
             result["policy"] = policy.model_dump(mode="json")
     if "evaluate" in request.stages:
-        result["eval"] = evaluate_task(profile, device, data, model, policy, run_dir).model_dump(mode="json")
-    return result
+        result["eval"] = timed("evaluate", evaluate_task, profile, device, data, model, policy, run_dir).model_dump(mode="json")
+
+
+def _report(run_dir, profile, device, env, result, timings, failure=None) -> Path:
+    return write_report(
+        run_dir, profile=profile.model_dump(mode="json"), device=device.model_dump(mode="json"), env=env.redacted(),
+        train=result.get("train"), evaluation=result.get("eval"), timings=timings, failure=failure,
+    )
+
+
+@task(name="report")
+def report_task(run_dir: Path, profile: RunProfile, device: DeviceInfo, env: RuntimeEnv, result: dict,
+                timings: dict[str, float]) -> Path:
+    path = _report(run_dir, profile, device, env, result, timings)
+    create_markdown_artifact(key="run-report", markdown=path.read_text(), description=f"Report of run {run_dir.name}")
+    get_run_logger().info("report: %s", path)
+    return path

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # The stages of the flow in order (DESIGN.md). `--stages` picks a subset of the ones built so far.
 PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")
-STAGES = (*PLANNING_STAGES, "fetch_dataset", "prepare_checkpoint", "train", "export_checkpoint", "evaluate")
+STAGES = (*PLANNING_STAGES, "fetch_dataset", "prepare_checkpoint", "train", "export_checkpoint", "evaluate", "report")
 # Stages whose outputs a stage reads; they run with it (cached, or a finished run's training, they
 # cost about a second).
 INPUT_STAGES = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 
 import yaml
 from prefect.client.orchestration import get_client
@@ -56,6 +57,14 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     evaluated = {m["name"]: m for m in result["eval"]["models"]}
     assert set(evaluated) == {"base", "trained"} and all(m["prompts"] == 128 for m in evaluated.values())
     assert json.loads((run_dir / "eval" / "eval.json").read_text())["models"][1]["name"] == "trained"
+    report = (run_dir / "report.md").read_text()
+    assert result["report"] == str(run_dir / "report.md")
+    assert "| metric | base | trained | Δ (last - first) |" in report and "## Time per stage" in report
+    for image in ("reward_curve.png", "eval_comparison.png"):
+        assert f"]({image})" in report and (run_dir / image).read_bytes().startswith(b"\x89PNG")
+    for target in re.findall(r"\]\(([^)]+)\)", report):
+        assert (run_dir / target).exists(), target  # every link in the report resolves
+    assert "hf_never_written" not in report
 
     flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
     assert flow_run.state.is_completed()
@@ -88,9 +97,12 @@ def test_a_transient_hub_fault_is_retried_by_the_task_and_a_missing_repo_is_not(
         fetch = _task_named(state, "fetch_dataset")
         assert fetch.run_count == 2 and fetch.state.is_completed()
 
-        missing = request.model_copy(update={"overrides": [*stores(tmp_path), "data.dataset=gsm8k", "data.source=org/none"]})
+        missing = request.model_copy(update={"overrides": [*stores(tmp_path), "data.dataset=gsm8k", "data.source=org/none"],
+                                             "run_name": "missing"})
         state = grpo_pipeline(missing, return_state=True)
         assert state.is_failed()
+        report = (tmp_path / "missing" / "report.md").read_text()
+        assert "**The run failed.** Stage `fetch_dataset`: SourceError: dataset org/none@main" in report
         fetch = _task_named(state, "fetch_dataset")
         assert fetch.run_count == 1 and fetch.state.is_failed()
 

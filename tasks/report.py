@@ -1,0 +1,170 @@
+"""The run report: `runs/<run>/report.md` and its plots, readable on its own.
+
+    python -m flows.grpo --model tiny --device cpu --run-name try1   # ends with the report's path
+
+It puts together what the stages wrote: the base vs trained table (deltas, bootstrap intervals),
+the reward curve over training steps and the evaluation comparison (PNG, matplotlib), the device,
+the environment (redacted), the resolved profile, how long each stage took, and links to every file.
+A failed run gets a report too, saying which stage failed and why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tasks.files import write_text_atomic
+
+REPORT = "report.md"
+REWARD_CURVE = "reward_curve.png"
+EVAL_PLOT = "eval_comparison.png"
+TABLE_METRICS = (
+    ("mean_reward", "mean reward"),
+    ("accuracy", "accuracy"),
+    ("format_rate", "format rate"),
+    ("pass_at_k", "pass@k"),
+    ("response_length_mean", "response length"),
+    ("truncation_rate", "truncated"),
+)
+
+
+def plot_reward_curve(metrics_file: Path, out: Path) -> bool:
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] if metrics_file.is_file() else []
+    if not records:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a cluster node or in CI
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    mean = [r["reward_mean"] for r in records]
+    std = [r["reward_std"] or 0.0 for r in records]
+    figure, axis = plt.subplots(figsize=(7, 3.5), dpi=100)
+    axis.plot(steps, mean, marker="o", markersize=3, label="mean reward")
+    axis.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, label="± std")
+    axis.set_xlabel("training step")
+    axis.set_ylabel("reward")
+    axis.set_title("Reward during training")
+    axis.legend(loc="lower right")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+    return True
+
+
+def plot_eval(models: list[dict], out: Path) -> bool:
+    if not models:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ("mean_reward", "accuracy", "format_rate")
+    figure, axis = plt.subplots(figsize=(7, 3.5), dpi=100)
+    width = 0.8 / len(models)
+    for index, model in enumerate(models):
+        xs = [i + index * width for i in range(len(names))]
+        values = [model[n] for n in names]
+        low, high = model["reward_ci95"]
+        errors = [[model["mean_reward"] - low, 0, 0], [high - model["mean_reward"], 0, 0]]
+        axis.bar(xs, values, width, yerr=errors, capsize=4, label=model["name"])
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], ["mean reward (95% CI)", "accuracy", "format rate"])
+    axis.set_ylim(0, 1.05)
+    axis.set_title("Evaluation on the validation split")
+    axis.legend()
+    axis.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+    return True
+
+
+def _metrics_table(models: list[dict]) -> str:
+    header = "| metric | " + " | ".join(m["name"] for m in models) + (" | Δ (last - first) |" if len(models) > 1 else " |")
+    lines = [header, "|---" * (len(models) + 1 + (len(models) > 1)) + "|"]
+    for key, label in TABLE_METRICS:
+        cells = []
+        for m in models:
+            cell = f"{m[key]:.3f}" if isinstance(m[key], float) else str(m[key])
+            if key == "mean_reward":
+                cell += f" [{m['reward_ci95'][0]:.3f}, {m['reward_ci95'][1]:.3f}]"
+            cells.append(cell)
+        delta = f" {models[-1][key] - models[0][key]:+.3f} |" if len(models) > 1 else ""
+        lines.append(f"| {label} | " + " | ".join(cells) + " |" + delta)
+    return "\n".join(lines)
+
+
+def _verdict(models: list[dict]) -> str:
+    if len(models) < 2:
+        return ""
+    first, last = models[0], models[-1]
+    if last["reward_ci95"][0] > first["reward_ci95"][1]:
+        return f"**{last['name']}** beats **{first['name']}**: the 95% intervals of the mean reward do not overlap."
+    if last["reward_ci95"][1] < first["reward_ci95"][0]:
+        return f"**{last['name']}** is worse than **{first['name']}**: the 95% intervals of the mean reward do not overlap."
+    return (f"The 95% intervals of the mean reward overlap: the difference between **{first['name']}** and "
+            f"**{last['name']}** may be noise.")
+
+
+def write_report(
+    run_dir: Path,
+    *,
+    profile: dict[str, Any] | None = None,
+    device: dict[str, Any] | None = None,
+    env: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
+    evaluation: dict[str, Any] | None = None,
+    timings: dict[str, float] | None = None,
+    failure: str | None = None,
+) -> Path:
+    """Write report.md (and its plots) from what the run produced; every argument may be missing."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    parts = [f"# GRPO run `{run_dir.name}`", ""]
+    if failure:
+        parts += [f"> **The run failed.** {failure}", ""]
+    if profile:
+        model, data, algo = profile["model"], profile["data"], profile["algorithm"]
+        parts += [f"Model **{model['name']}** (`{model['path']}`), dataset **{data['dataset']}**, backend "
+                  f"**{profile['backend']}**, device **{profile['platform']['kind']}**; GRPO with {algo['rollout_n']} "
+                  f"responses per prompt, {data['train_batch_size']} prompts per step, learning rate {algo['lr']}.", ""]
+    models = (evaluation or {}).get("models") or []
+    if models:
+        parts += ["## Evaluation", "", f"{models[0]['prompts']} validation prompts, {models[0]['k']} response(s) each, "
+                  "scored with the training reward.", "", _metrics_table(models), "", _verdict(models), ""]
+        if plot_eval(models, run_dir / EVAL_PLOT):
+            parts += [f"![evaluation]({EVAL_PLOT})", ""]
+        parts += ["Per-sample results: " + ", ".join(f"[{m['name']}]({Path(m['samples_file']).relative_to(run_dir)})"
+                                                  for m in models), ""]
+    if train:
+        parts += ["## Training", ""]
+        if train.get("already_complete"):
+            parts += [f"Already complete at step {train['steps_done']}: nothing was trained by this run.", ""]
+        else:
+            resumed = f", resumed from step {train['resumed_from']}" if train.get("resumed_from") is not None else ""
+            parts += [f"{train['steps_done']} of {train['max_steps']} steps{resumed}; policy in "
+                      f"[{Path(train['checkpoint_dir']).relative_to(run_dir)}]({Path(train['checkpoint_dir']).relative_to(run_dir)}).", ""]
+        if plot_reward_curve(Path(train["metrics_file"]), run_dir / REWARD_CURVE):
+            parts += [f"![reward curve]({REWARD_CURVE})", "", f"Step by step: [metrics.jsonl]({Path(train['metrics_file']).relative_to(run_dir)})", ""]
+    if timings:
+        total = sum(timings.values())
+        parts += ["## Time per stage", "", "| stage | seconds | share |", "|---|---|---|"]
+        parts += [f"| {stage} | {seconds:.1f} | {seconds / total:.0%} |" for stage, seconds in timings.items()]
+        parts += [f"| **all** | {total:.1f} | |", ""]
+    if device:
+        parts += ["## Device", "", f"{device['kind']}, {device.get('count', 0)} device(s), decided by "
+                  f"{device.get('decided_by', '?')}: {device.get('reason', '')}", ""]
+    if env:
+        parts += ["## Environment (secrets redacted)", "", "| variable | value | source |", "|---|---|---|"]
+        parts += [f"| `{name}` | `{item['value']}` | {item['source']} |" for name, item in env.items()]
+        parts.append("")
+    if profile:
+        parts += ["## Resolved profile", "", "```yaml", yaml.safe_dump(profile, sort_keys=False).rstrip(), "```", ""]
+    files = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.iterdir() if p.is_file() and p.name != REPORT)
+    parts += ["## Files", ""] + [f"- [{name}]({name})" for name in files] + [""]
+    return write_text_atomic(run_dir / REPORT, "\n".join(parts))
