@@ -27,7 +27,7 @@ from profiles.schema import RunProfile
 from tasks.dataset import DatasetFiles, DataSpec, fetch_dataset
 from tasks.device import DeviceInfo, detect_device, requested_device
 from tasks.environment import RuntimeEnv, resolve_environment
-from tasks.evaluate import EvalReport, EvalSettings, evaluate
+from tasks.evaluate import EvalReport, EvalSettings, choose_engine, evaluate
 from tasks.export import ExportedPolicy, export_checkpoint
 from tasks.files import write_json_atomic, write_text_atomic
 from tasks.model import ModelCheckpoint, ModelSpec, prepare_model
@@ -233,7 +233,9 @@ def evaluate_task(
     settings = EvalSettings.from_profile(profile.eval, profile.data.max_response_length,
                                          profile.algorithm.reward_function, device.kind)
     with progress_artifact("evaluate", f"evaluate {', '.join(models)}"):
-        report = evaluate(models, Path(data.val_files[0]), settings, run_dir / "eval")
+        engine = choose_engine(device.kind, device.count)
+        logger.info("generation engine: %s", engine.__name__)
+        report = evaluate(models, Path(data.val_files[0]), settings, run_dir / "eval", engine)
     rows = []
     for m in report.models:
         logger.info("%s: mean reward %.3f [%.3f, %.3f], accuracy %.3f, format %.3f, pass@%d %.3f, length %.1f (p95 %d), "

@@ -8,8 +8,10 @@ metrics (mean reward with a bootstrap 95% interval, accuracy, format rate, pass@
 mean / p95, truncation rate) are computed from exactly those records.
 
 Generation happens at one boundary, `Generate(model_dir, prompts, settings) -> responses`, so the
-engine can change and tests can stand in a known model. The engine here is batched transformers
-`generate`; a vLLM engine for accelerator hosts and sharding over Ray workers are not built yet.
+engine can change and tests can stand in a known model. Engines: vLLM (`vllm` / `vllm-ascend`) when
+it is importable and the device is a GPU or NPU; otherwise batched transformers `generate`. With
+several accelerators the prompts are split into contiguous shards, one Ray task per device, and the
+results are put back in prompt order.
 """
 
 from __future__ import annotations
@@ -153,6 +155,49 @@ def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: 
     return responses
 
 
+def vllm_generate(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
+    """vLLM's offline engine: the chat template applied by vLLM, n samples per prompt, results in
+    prompt order; a response cut by max_tokens reports finish_reason "length"."""
+    from vllm import LLM, SamplingParams
+
+    engine = LLM(model=str(model_dir), seed=settings.seed)
+    params = SamplingParams(n=settings.samples_per_prompt, temperature=settings.temperature,
+                            max_tokens=settings.max_new_tokens, seed=settings.seed)
+    outputs = engine.chat(prompts, params, use_tqdm=False)
+    return [
+        [Response(text=c.text, tokens=len(c.token_ids), truncated=c.finish_reason == "length") for c in output.outputs]
+        for output in outputs
+    ]
+
+
+def choose_engine(device: str, devices: int) -> Generate:
+    """vLLM on an accelerator when it is installed, else transformers; sharded over the devices."""
+    import importlib.util
+
+    engine = vllm_generate if device in ("gpu", "npu") and importlib.util.find_spec("vllm") else transformers_generate
+    return sharded(engine, devices, device) if device in ("gpu", "npu") and devices > 1 else engine
+
+
+def sharded(generate: Generate, shards: int, device: str) -> Generate:
+    """`generate` over `shards` Ray tasks (one device each), contiguous prompt ranges, merged in order."""
+
+    def generate_sharded(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
+        import ray
+
+        from tasks.nodes import connect_ray
+
+        connect_ray(None, None)
+        resources = {"num_gpus": 1} if device == "gpu" else {"resources": {"NPU": 1}} if device == "npu" else {"num_cpus": 1}
+        run = ray.remote(**resources)(generate)
+        size = math.ceil(len(prompts) / shards)
+        pieces = [prompts[start : start + size] for start in range(0, len(prompts), size)]
+        results = ray.get([run.remote(model_dir, piece, settings) for piece in pieces])
+        return [group for piece in results for group in piece]
+
+    generate_sharded.__name__ = f"{getattr(generate, '__name__', 'engine')} x {shards} Ray workers"
+    return generate_sharded
+
+
 def _as_list(value) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
@@ -229,6 +274,6 @@ def evaluate(
     rows = load_validation(val_file, settings.max_prompts)
     return EvalReport(
         val_file=str(val_file),
-        engine="transformers" if generate is transformers_generate else getattr(generate, "__name__", "custom"),
+        engine=getattr(generate, "__name__", "custom"),
         models=[evaluate_model(name, path, rows, settings, out_dir, generate) for name, path in models.items()],
     )
