@@ -53,7 +53,8 @@ class RunRequest(BaseModel):
         title="Stages",
         description="Stages to run, in flow order. The planning stages (detect_device, resolve_profile, "
         "prepare_environment) that a later stage depends on always run with it, and so do the data and model "
-        "stages when training is asked for; with their results cached they take about a second.",
+        "stages when training is asked for (with their results cached they take about a second); any stage "
+        "after planning ends with the report.",
     )
     run_name: str | None = Field(
         None, title="Run name", description="Name of the run directory; default: model-device-timestamp."
@@ -74,7 +75,8 @@ class RunRequest(BaseModel):
         while missing := {needed for s in stages for needed in INPUT_STAGES.get(s, ())} - set(stages):
             stages = [*stages, *missing]
         if set(stages) - set(PLANNING_STAGES):
-            stages = [*stages, *PLANNING_STAGES]
+            # Work beyond planning always ends with the report of what it did.
+            stages = [*stages, *PLANNING_STAGES, "report"]
         elif stages:
             # Each planning stage needs the ones before it.
             stages = [*stages, *PLANNING_STAGES[: max(PLANNING_STAGES.index(s) for s in stages)]]

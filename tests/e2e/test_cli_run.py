@@ -36,3 +36,28 @@ def test_a_bad_dataset_fails_the_flow_with_one_line_and_exit_2(tmp_path):
     assert error.startswith(f"error: {unsplit}: no train or test split")
     assert "Traceback" not in done.stderr + done.stdout
     assert not (tmp_path / "data" / "gsm8k").exists()
+
+
+def test_evaluate_any_directories_without_training_and_refuse_one_without_weights(tmp_path):
+    from tasks.builtin_models import build_tiny
+
+    first, second = tmp_path / "policy-a", tmp_path / "policy-b"
+    build_tiny(first)
+    build_tiny(second, seed=1)
+    done = run_cli("--stages", "evaluate", "--set", f"eval.models=[{first},{second}]", "--set", "eval.max_prompts=8",
+                   "--run-name", "eval-only", tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "eval policy-a: mean reward" in done.stdout and "eval policy-b: mean reward" in done.stdout
+    run_dir = tmp_path / "runs" / "eval-only"
+    assert sorted(p.name for p in (run_dir / "eval").glob("*.jsonl")) == ["policy-a.jsonl", "policy-b.jsonl"]
+    assert not (run_dir / "checkpoints").exists()  # nothing was trained
+    assert "| metric | policy-a | policy-b | Δ (last - first) |" in (run_dir / "report.md").read_text()
+
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    (empty / "config.json").write_text((first / "config.json").read_text())
+    done = run_cli("--stages", "evaluate", "--set", f"eval.models=[{empty}]", "--run-name", "bad-eval", tmp_path=tmp_path)
+    assert done.returncode == 2
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert error == f"error: {empty}: no safetensors weights"
+    assert "Traceback" not in done.stderr and not (tmp_path / "runs" / "bad-eval" / "eval").exists()

@@ -65,8 +65,13 @@ def _kill_a_worker_after_checkpoint(checkpoints: Path, at_least: int, killed: di
     while time.monotonic() < deadline:
         step = latest_step(checkpoints)
         if step is not None and step >= at_least:
-            for process in psutil.process_iter(["cmdline"]):
-                if "RayTrainWorker" in " ".join(process.info["cmdline"] or []):
+            # Only this test's own Ray (its raylet is a child of this process): never another run's.
+            for process in psutil.Process().children(recursive=True):
+                try:
+                    is_worker = "RayTrainWorker" in " ".join(process.cmdline())
+                except psutil.Error:
+                    continue
+                if is_worker:
                     killed["after_checkpoint"] = step
                     process.kill()
                     return
