@@ -12,6 +12,9 @@ STAMP  := $(VENV)/.installed
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_AUTH_MODE ?= disabled
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
+# Prefect's temporary local API (a run without PREFECT_API_URL) must start within this; its 20 s
+# default is too short on a busy 2-core machine with a fresh database.
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
 .PHONY: setup test demo demo-dry-run clean
 

@@ -24,7 +24,8 @@ def ours(stderr: str) -> str:
 
 
 def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect")}
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
     env.pop("PREFECT_API_URL", None)
     return subprocess.run(
         [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
