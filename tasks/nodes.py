@@ -7,6 +7,7 @@ small task on each alive node before training and names the nodes that cannot se
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from profiles.errors import UserError
@@ -23,9 +24,11 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
     import ray
 
     if not ray.is_initialized():
-        # A Ray started here runs no dashboard: on a small machine its processes take a third of
-        # the CPU that training needs (bench/bench_local_backend.py). A cluster keeps its own.
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False, include_dashboard=False)
+        # No address: a fresh local Ray ("local"), never whatever /tmp/ray/ray_current_cluster names
+        # (a cluster that may be long dead: ray.init would wait on it). A Ray started here runs no
+        # dashboard: on a small machine it takes a third of the CPU training needs. A cluster keeps its own.
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", runtime_env=runtime_env,
+                 log_to_driver=False, include_dashboard=False)
 
 
 def _problems_on_this_node(paths: list[str]) -> dict[str, list[str]]:
