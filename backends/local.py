@@ -82,6 +82,7 @@ class LocalTrainSettings(BaseModel):
     ray_resource: str | None
     dtype: str = Field(..., description="Training dtype on this device: float32 on cpu, the profile's otherwise.")
     max_steps: int = Field(..., gt=0, description="Optimizer steps in all.")
+    step_timeout_s: float = Field(3600, gt=0, description="No new step for this long is taken for a hang.")
     save_steps: int = Field(..., description="Checkpoint every this many optimizer steps (<= 0: only at the end).")
     seed: int
     max_prompt_length: int
@@ -374,6 +375,7 @@ def plan_local_training(
         ray_resource=profile.platform.ray_resource,
         dtype="float32" if kind == "cpu" else profile.engine.dtype,
         max_steps=steps * updates_per_step,
+        step_timeout_s=profile.trainer.step_timeout_s,
         save_steps=profile.trainer.save_freq * updates_per_step if profile.trainer.save_freq > 0 else 0,
         seed=profile.data.seed,
         max_prompt_length=profile.data.max_prompt_length,
@@ -446,7 +448,7 @@ def train_local(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from tasks.nodes import connect_ray
+    from tasks.nodes import connect_ray, stop_ray_job
 
     resumed = latest_step(settings.checkpoints)
     result = partial_result(settings, resumed)
@@ -483,10 +485,20 @@ def train_local(
     follower = MetricsFollower(settings.metrics_file, resumed)
     runner = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     runner.start()
+    last_step_at = time.monotonic()
     while runner.is_alive():
         runner.join(POLL_S)
         for record in follower.new():
+            last_step_at = time.monotonic()
             on_step(record)
+        if time.monotonic() - last_step_at > settings.step_timeout_s:
+            # A hung collective or a stuck worker never raises: end this driver's Ray job, which
+            # takes its workers (and their devices) with it, so the retry starts clean.
+            stop_ray_job()
+            raise TrainingInterrupted(
+                f"no training step finished in {settings.step_timeout_s:.0f} s (trainer.step_timeout_s): taken for a "
+                f"hang, workers stopped; the latest checkpoint is step {latest_step(settings.checkpoints) or 0}"
+            )
     for record in follower.new():
         on_step(record)
     if "error" in outcome:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 
@@ -148,8 +149,15 @@ def format_command(command: list[str]) -> str:
     return " \\\n    ".join(" ".join(line) for line in lines)
 
 
+# Read by Prefect when it starts its temporary local API (a run without PREFECT_API_URL): offline,
+# its telemetry logs an error; on a busy 2-core machine its 20 s start limit is too short.
+PREFECT_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name, value in PREFECT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     try:
         if args.json and not args.dry_run:
             raise UserError("--json only applies to --dry-run; add --dry-run")

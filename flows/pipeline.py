@@ -12,38 +12,58 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from uuid import UUID
 
 import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
+from prefect.context import get_run_context
+from prefect.logging import get_logger
 from prefect.tasks import exponential_backoff
 
 from backends.local import TrainResult, check_prompt_lengths, latest_step, plan_local_training, train_local
-from flows.plan import profile_for, run_dir_for, training_command
+from flows.plan import check_stages_supported, profile_for, run_dir_for, training_command
 from flows.request import RunRequest
 from profiles.errors import UserError
-from profiles.schema import RunProfile
-from tasks.dataset import DatasetFiles, DataSpec, fetch_dataset
+from profiles.schema import ModelArchitecture, RunProfile
+from tasks.dataset import DatasetFiles, DataSpec, dataset_dir, fetch_dataset
 from tasks.device import DeviceInfo, detect_device, requested_device
 from tasks.environment import RuntimeEnv, resolve_environment
 from tasks.evaluate import EvalReport, EvalSettings, choose_engine, evaluate
-from tasks.export import ExportedPolicy, export_checkpoint
+from tasks.export import MERGE_TIMEOUT_S, ExportedPolicy, export_checkpoint
 from tasks.files import write_json_atomic, write_text_atomic
-from tasks.model import ModelCheckpoint, ModelSpec, prepare_model
-from tasks.nodes import check_visible_on_nodes, connect_ray
+from tasks.model import ModelCheckpoint, ModelSpec, model_dir, prepare_model
+from tasks.nodes import check_visible_on_nodes, connect_ray, stop_ray_job
 from tasks.progress import Bar, reporting_to
 from tasks.report import write_report
+from tasks.store import fingerprint, verify_entry
 
+# Task settings, per stage. Every stage fails at once on a config error (`retry_unless_user_error`).
+# Prefect's `timeout_seconds` interrupts a stage that runs in the flow's main thread (it uses
+# SIGALRM); work that blocks elsewhere carries its own limit: the device probe and the checkpoint
+# merge are subprocesses with timeouts, hub transfers time out per read (huggingface_hub), and a
+# training step that never ends is caught by `trainer.step_timeout_s`.
+HOUR = 3600
 # Downloads: 4 retries after 2, 4, 8, 16 s (each +-50% jitter), so a mirror's bad minute passes.
-FETCH_RETRIES = dict(
-    retries=4,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),
-    retry_jitter_factor=0.5,
-)
+FETCH_RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5)
+STAGE_SETTINGS: dict[str, dict] = {
+    "detect_device": dict(retries=1, retry_delay_seconds=2, timeout_seconds=300),
+    "resolve_profile": dict(timeout_seconds=120),
+    "prepare_environment": dict(timeout_seconds=120),
+    "fetch_dataset": dict(**FETCH_RETRIES, timeout_seconds=2 * HOUR),
+    # 244 GB of weights at 100 MB/s is 40 min; a slow mirror may take hours.
+    "prepare_checkpoint": dict(**FETCH_RETRIES, timeout_seconds=12 * HOUR),
+    # A lost worker, node or collective is retried twice, resuming from the latest checkpoint. No
+    # wall-clock limit: a run may take days; a hang is a step that never ends.
+    "train": dict(retries=2, retry_delay_seconds=10),
+    "export_checkpoint": dict(retries=1, retry_delay_seconds=10, timeout_seconds=MERGE_TIMEOUT_S + 600),
+    "evaluate": dict(retries=1, retry_delay_seconds=10, timeout_seconds=6 * HOUR),
+    "report": dict(timeout_seconds=300),
+}
 PROGRESS_UPDATE_S = 1.0
-# Training: a lost worker, node or collective is retried twice, resuming from the latest checkpoint.
-TRAIN_RETRIES = dict(retries=2, retry_delay_seconds=10)
 
 
 class UserErrorWithoutTraceback(logging.Filter):
@@ -95,6 +115,34 @@ def progress_artifact(key: str, description: str) -> Iterator[None]:
     update_progress_artifact(artifact_id, progress=100.0, description=f"{description}: done")
 
 
+def stage_task(name: str, **options):
+    """A stage's Prefect task, with the settings of its row in STAGE_SETTINGS."""
+    return task(name=name, retry_condition_fn=retry_unless_user_error, **STAGE_SETTINGS[name], **options)
+
+
+@dataclass
+class LocalSourceUnchanged(CachePolicy):
+    """Part of the data and model stages' cross-run cache key: for a local source directory, what
+    it looks like now (file names, sizes, mtimes), so an edited directory is read again."""
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
+        spec = inputs["spec"]
+        return fingerprint(Path(spec.source)) if spec.source_kind == "local" else None
+
+
+# Keyed by the stage's inputs and code, not by the run (Prefect's default adds the run id), with
+# the result persisted, so a later run with the same data and model settings skips the stage.
+CACHED_ACROSS_RUNS = dict(cache_policy=INPUTS + TASK_SOURCE + LocalSourceUnchanged(), persist_result=True)
+
+
+def reuse_only_if_intact(task_fn, output_dir: Path, in_store: bool):
+    """The task, which an earlier run's cached result may stand in for while the directory that
+    result names is intact (its files all there, at their recorded sizes); else made to run, which
+    repairs the entry and replaces the cached result."""
+    intact = not verify_entry(output_dir, deep=False) if in_store else output_dir.is_dir()
+    return task_fn if intact else task_fn.with_options(refresh_cache=True)
+
+
 def check_shared(path: str, setting: str, ray_address: str | None, env: RuntimeEnv | None) -> None:
     """On a cluster, the stage's output must be visible from every node before training starts."""
     if ray_address:
@@ -103,21 +151,22 @@ def check_shared(path: str, setting: str, ray_address: str | None, env: RuntimeE
         get_run_logger().info("%s is visible from all %d Ray nodes", path, nodes)
 
 
-@task(name="detect_device", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_user_error)
+@stage_task("detect_device")
 def detect_device_task(request: RunRequest) -> DeviceInfo:
     device = detect_device(requested_device(request.device))
     get_run_logger().info("device: %s (%s)", device.kind, device.reason)
     return device
 
 
-@task(name="resolve_profile", retry_condition_fn=retry_unless_user_error)
+@stage_task("resolve_profile")
 def resolve_profile_task(request: RunRequest, device: DeviceInfo, run_dir: Path) -> RunProfile:
     profile = profile_for(request, device.kind)
+    check_stages_supported(profile, request.stages)
     write_text_atomic(run_dir / "profile.yaml", yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
     return profile
 
 
-@task(name="prepare_environment", retry_condition_fn=retry_unless_user_error)
+@stage_task("prepare_environment")
 def prepare_environment_task(profile: RunProfile, run_dir: Path, ray_address: str | None) -> RuntimeEnv:
     env = resolve_environment(profile, ray_address=ray_address)
     # The driver is the process that starts Ray and the backends; they inherit it from here.
@@ -136,42 +185,32 @@ def prepare_environment_task(profile: RunProfile, run_dir: Path, ray_address: st
     return env
 
 
-@task(name="fetch_dataset", retry_condition_fn=retry_unless_user_error, **FETCH_RETRIES)
-def fetch_dataset_task(
-    profile: RunProfile, run_dir: Path, ray_address: str | None, env: RuntimeEnv | None
-) -> DatasetFiles:
+@stage_task("fetch_dataset", **CACHED_ACROSS_RUNS)
+def fetch_dataset_task(spec: DataSpec) -> DatasetFiles:
     logger = get_run_logger()
-    spec = DataSpec.from_profile(profile.data)
     with progress_artifact("fetch-dataset", f"dataset {spec.dataset} from {spec.source}"):
         files = fetch_dataset(spec, log=logger.warning)
     logger.info(
         "dataset %s: %s, rows %s, at %s",
-        spec.dataset, "cached, nothing fetched" if files.cached else "fetched and verified", files.rows, files.path,
+        spec.dataset, "in the store, verified" if files.cached else "fetched and verified", files.rows, files.path,
     )
-    check_shared(files.path, "data.root", ray_address, env)
-    write_json_atomic(run_dir / "data" / "dataset.json", files.model_dump(mode="json"))
     return files
 
 
-@task(name="prepare_checkpoint", retry_condition_fn=retry_unless_user_error, **FETCH_RETRIES)
-def prepare_checkpoint_task(
-    profile: RunProfile, run_dir: Path, ray_address: str | None, env: RuntimeEnv | None
-) -> ModelCheckpoint:
+@stage_task("prepare_checkpoint", **CACHED_ACROSS_RUNS)
+def prepare_checkpoint_task(spec: ModelSpec, architecture: ModelArchitecture) -> ModelCheckpoint:
     logger = get_run_logger()
-    spec = ModelSpec.from_profile(profile.model)
     with progress_artifact("prepare-checkpoint", f"base model {spec.source}"):
-        checkpoint = prepare_model(spec, profile.model.architecture, log=logger.warning)
+        checkpoint = prepare_model(spec, architecture, log=logger.warning)
     logger.info(
         "base model %s: %s, %s parameters, at %s", spec.source,
-        "cached, nothing fetched" if checkpoint.cached else "prepared and verified",
+        "in the store, verified" if checkpoint.cached else "prepared and verified",
         f"{checkpoint.num_parameters:,}", checkpoint.path,
     )
-    check_shared(checkpoint.path, "model.root", ray_address, env)
-    write_json_atomic(run_dir / "model.json", checkpoint.model_dump(mode="json"))
     return checkpoint
 
 
-@task(name="train", retry_condition_fn=retry_unless_user_error, **TRAIN_RETRIES)
+@stage_task("train")
 def train_task(
     profile: RunProfile,
     device: DeviceInfo,
@@ -182,11 +221,6 @@ def train_task(
     ray_address: str | None,
 ) -> TrainResult:
     logger = get_run_logger()
-    if profile.backend != "local":
-        raise UserError(
-            "the train stage runs the local backend; verl trains on the cluster from the rendered command "
-            "(python -m flows.grpo ... --dry-run prints it)"
-        )
     settings = plan_local_training(profile, data.train_files, model.path, run_dir, device.count)
     if overlong := check_prompt_lengths(settings):
         logger.warning("%d prompts longer than data.max_prompt_length=%d are left out", overlong, settings.max_prompt_length)
@@ -212,7 +246,7 @@ def train_task(
     return result
 
 
-@task(name="export_checkpoint", retry_condition_fn=retry_unless_user_error)
+@stage_task("export_checkpoint")
 def export_checkpoint_task(train: TrainResult, run_dir: Path) -> ExportedPolicy:
     policy = export_checkpoint(train.backend, train.checkpoint_dir, train.steps_done)
     get_run_logger().info("trained policy (step %d) verified: %s", policy.step, policy.path)
@@ -220,7 +254,7 @@ def export_checkpoint_task(train: TrainResult, run_dir: Path) -> ExportedPolicy:
     return policy
 
 
-@task(name="evaluate", retry_condition_fn=retry_unless_user_error)
+@stage_task("evaluate")
 def evaluate_task(
     profile: RunProfile, device: DeviceInfo, data: DatasetFiles, model: ModelCheckpoint,
     policy: ExportedPolicy | None, run_dir: Path,
@@ -253,72 +287,125 @@ def evaluate_task(
     return report
 
 
-@flow(name="grpo_pipeline", log_prints=True)
-def grpo_pipeline(request: RunRequest) -> dict:
-    """GRPO post-training, from a bare machine to an evaluated checkpoint."""
-    quiet_user_errors()
-    timings: dict[str, float] = {}
+@dataclass
+class RunRecord:
+    """What a flow run has done so far; the failure hooks write the report from it."""
 
-    def timed(stage: str, task_fn, *args):
+    run_dir: Path
+    device: DeviceInfo
+    profile: RunProfile | None = None
+    env: RuntimeEnv | None = None
+    result: dict = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    stage: str | None = None
+    failure: str | None = None
+
+    def run(self, stage: str, task_fn, *args):
+        """Run one stage's task, timed; a cache hit is said to be one."""
+        self.stage = stage
         started = time.perf_counter()
         try:
-            return task_fn(*args)
+            state = task_fn(*args, return_state=True)
+            value = state.result()
+            if state.name == "Cached":
+                get_run_logger().info("%s: skipped, its inputs and output are unchanged since an earlier run", stage)
+                value = value.model_copy(update={"cached": True})
+            return value
+        except BaseException as exc:
+            self.failure = f"Stage `{stage}`: {type(exc).__name__}: {exc}"
+            raise
         finally:
-            timings[stage] = time.perf_counter() - started
+            self.timings[stage] = time.perf_counter() - started
 
-    device = timed("detect_device", detect_device_task, request)
+
+# Flow runs of this process, by id, for the failure hooks (they get the run, not its variables).
+RUNS: dict[UUID, RunRecord] = {}
+
+
+def after_failure(flow, flow_run, state) -> None:
+    """Prefect `on_failure` / `on_crashed`: stop the Ray job the run started (its training workers
+    hold devices), and write the failure into the report next to what the run did produce."""
+    record = RUNS.pop(flow_run.id, None)
+    stopped = stop_ray_job()
+    logger = get_logger("grpo_pipeline")
+    if stopped:
+        logger.info("stopped this run's Ray job")
+    if record is None or record.profile is None or record.env is None:
+        return  # failed while planning: nothing ran, Prefect's state message says why
+    failure = record.failure or f"Stage `{record.stage}`: {state.message}"
+    path = _report(record, failure=failure)
+    logger.error("the run failed in stage %s; report: %s", record.stage, path)
+
+
+@flow(name="grpo_pipeline", log_prints=True, on_failure=[after_failure], on_crashed=[after_failure])
+def grpo_pipeline(request: RunRequest) -> dict:
+    """GRPO post-training, from a bare machine to an evaluated checkpoint.
+
+    Args:
+        request: What to run: the model recipe, the device, the backend, profile overrides, the
+            stages, where the run's files go, and the Ray cluster.
+    """
+    quiet_user_errors()
+    started = time.perf_counter()
+    device = detect_device_task(request)
     run_dir = run_dir_for(request, device.kind)
-    result: dict = {"run_dir": str(run_dir), "device": device.kind}
-    if "resolve_profile" not in request.stages:
-        return result
-    profile = timed("resolve_profile", resolve_profile_task, request, device, run_dir)
-    if "prepare_environment" not in request.stages:
-        return result
-    env = timed("prepare_environment", prepare_environment_task, profile, run_dir, request.ray_address)
-    try:
-        _run_stages(request, device, profile, env, run_dir, result, timed)
-    except BaseException as exc:
-        # The report says which stage failed and why, next to whatever the run did produce.
-        failed = next(reversed(timings), "?")
-        _report(run_dir, profile, device, env, result, timings, failure=f"Stage `{failed}`: {type(exc).__name__}: {exc}")
-        raise
-    if "report" in request.stages:
-        result["report"] = str(timed("report", report_task, run_dir, profile, device, env, result, dict(timings)))
-    return result
+    record = RUNS[get_run_context().flow_run.id] = RunRecord(run_dir=run_dir, device=device)
+    record.timings["detect_device"] = time.perf_counter() - started
+    record.result.update(run_dir=str(run_dir), device=device.kind)
+    if "resolve_profile" in request.stages:
+        record.profile = record.run("resolve_profile", resolve_profile_task, request, device, run_dir)
+    if "prepare_environment" in request.stages:
+        record.env = record.run("prepare_environment", prepare_environment_task, record.profile, run_dir,
+                                request.ray_address)
+        _run_stages(request, record)
+    RUNS.pop(get_run_context().flow_run.id, None)
+    return record.result
 
 
-def _run_stages(request, device, profile, env, run_dir, result, timed) -> None:
+def _run_stages(request: RunRequest, record: RunRecord) -> None:
+    profile, env, run_dir, result = record.profile, record.env, record.run_dir, record.result
     data = model = policy = None
     if "fetch_dataset" in request.stages:
-        data = timed("fetch_dataset", fetch_dataset_task, profile, run_dir, request.ray_address, env)
+        spec = DataSpec.from_profile(profile.data)
+        data = record.run("fetch_dataset", reuse_only_if_intact(fetch_dataset_task, dataset_dir(spec), in_store=True), spec)
+        check_shared(data.path, "data.root", request.ray_address, env)
+        write_json_atomic(run_dir / "data" / "dataset.json", data.model_dump(mode="json"))
         result["dataset"] = data.model_dump(mode="json")
     if "prepare_checkpoint" in request.stages:
-        model = timed("prepare_checkpoint", prepare_checkpoint_task, profile, run_dir, request.ray_address, env)
+        spec = ModelSpec.from_profile(profile.model)
+        prepare = reuse_only_if_intact(prepare_checkpoint_task, model_dir(spec), in_store=spec.source_kind != "local")
+        model = record.run("prepare_checkpoint", prepare, spec, profile.model.architecture)
+        check_shared(model.path, "model.root", request.ray_address, env)
+        write_json_atomic(run_dir / "model.json", model.model_dump(mode="json"))
         result["model"] = model.model_dump(mode="json")
     command = training_command(request, profile, env, run_dir, data, model)
     write_json_atomic(run_dir / "plan.json", {"backend": profile.backend, "command": command})
     result["command"] = command
     if "train" in request.stages:
-        train = timed("train", train_task, profile, device, env, data, model, run_dir, request.ray_address)
+        train = record.run("train", train_task, profile, record.device, env, data, model, run_dir, request.ray_address)
         result["train"] = train.model_dump(mode="json")
         if "export_checkpoint" in request.stages:
-            policy = timed("export_checkpoint", export_checkpoint_task, train, run_dir)
+            policy = record.run("export_checkpoint", export_checkpoint_task, train, run_dir)
             result["policy"] = policy.model_dump(mode="json")
     if "evaluate" in request.stages:
-        result["eval"] = timed("evaluate", evaluate_task, profile, device, data, model, policy, run_dir).model_dump(mode="json")
+        evaluation = record.run("evaluate", evaluate_task, profile, record.device, data, model, policy, run_dir)
+        result["eval"] = evaluation.model_dump(mode="json")
+    if "report" in request.stages:
+        result["report"] = str(record.run("report", report_task, record))
 
 
-def _report(run_dir, profile, device, env, result, timings, failure=None) -> Path:
+def _report(record: RunRecord, failure: str | None = None) -> Path:
     return write_report(
-        run_dir, profile=profile.model_dump(mode="json"), device=device.model_dump(mode="json"), env=env.redacted(),
-        train=result.get("train"), evaluation=result.get("eval"), timings=timings, failure=failure,
+        record.run_dir, profile=record.profile.model_dump(mode="json"), device=record.device.model_dump(mode="json"),
+        env=record.env.redacted(), train=record.result.get("train"), evaluation=record.result.get("eval"),
+        timings=dict(record.timings), failure=failure,
     )
 
 
-@task(name="report")
-def report_task(run_dir: Path, profile: RunProfile, device: DeviceInfo, env: RuntimeEnv, result: dict,
-                timings: dict[str, float]) -> Path:
-    path = _report(run_dir, profile, device, env, result, timings)
-    create_markdown_artifact(key="run-report", markdown=path.read_text(), description=f"Report of run {run_dir.name}")
+@stage_task("report")
+def report_task(record: RunRecord) -> Path:
+    path = _report(record)
+    create_markdown_artifact(key="run-report", markdown=path.read_text(),
+                             description=f"Report of run {record.run_dir.name}")
     get_run_logger().info("report: %s", path)
     return path

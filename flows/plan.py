@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 
 from backends.verl import TrainingInputs, verl_command
 from flows.request import RunRequest
+from profiles.errors import UserError
 from profiles.loader import resolve_profile
 from profiles.schema import RunProfile
 from tasks.dataset import DatasetFiles, DataSpec, dataset_dir
@@ -88,9 +89,21 @@ def profile_for(request: RunRequest, device_kind: str) -> RunProfile:
     return resolve_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
 
 
+def check_stages_supported(profile: RunProfile, stages: list[str]) -> None:
+    """Refuse, before anything is fetched, a stage this backend cannot run from the flow."""
+    if profile.backend == "verl" and "train" in stages:
+        raise UserError(
+            "backend verl: the flow does not submit verl training yet; stage the data and model with "
+            "--stages fetch_dataset,prepare_checkpoint and launch the rendered command on the cluster "
+            "(--dry-run prints it), or train with --backend local"
+        )
+
+
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run)
     profile = profile_for(request, device.kind)
+    if not dry_run:
+        check_stages_supported(profile, request.stages)
     env = resolve_environment(profile, ray_address=request.ray_address)
     run_dir = run_dir_for(request, device.kind)
     return RunPlan(

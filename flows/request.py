@@ -49,12 +49,14 @@ class RunRequest(BaseModel):
         None, title="Profile file", description="A YAML file of profile settings, applied before the overrides."
     )
     stages: list[str] = Field(
-        default_factory=lambda: list(STAGES),
+        list(STAGES),  # a default, not a factory, so the UI's form shows it
         title="Stages",
-        description="Stages to run, in flow order. The planning stages (detect_device, resolve_profile, "
+        description="Stages to run, in flow order; empty: all. The planning stages (detect_device, resolve_profile, "
         "prepare_environment) that a later stage depends on always run with it, and so do the data and model "
         "stages when training is asked for (with their results cached they take about a second); any stage "
         "after planning ends with the report.",
+        # The UI's form offers the stage names to pick from.
+        json_schema_extra={"items": {"type": "string", "enum": list(STAGES)}},
     )
     run_name: str | None = Field(
         None, title="Run name", description="Name of the run directory; default: model-device-timestamp."
@@ -69,6 +71,8 @@ class RunRequest(BaseModel):
     @field_validator("stages")
     @classmethod
     def known_stages(cls, stages: list[str]) -> list[str]:
+        if not stages:
+            return list(STAGES)
         unknown = [s for s in stages if s not in STAGES]
         if unknown:
             raise ValueError(f"unknown stage(s) {', '.join(unknown)}; the stages are {', '.join(STAGES)}")

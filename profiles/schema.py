@@ -281,6 +281,11 @@ class TrainerSection(Section):
     resume_mode: Literal["auto", "disable"] = Field(
         "auto", description="`auto` resumes from the latest checkpoint of this run."
     )
+    step_timeout_s: int = Field(
+        3600, gt=0,
+        description="Local backend: a step (the first includes loading the model) that takes longer is taken "
+        "for a hang; the workers are stopped and the train stage's retry resumes from the latest checkpoint.",
+    )
 
 
 class RunProfile(Section):

@@ -31,6 +31,18 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
                  log_to_driver=False, include_dashboard=False)
 
 
+def stop_ray_job() -> bool:
+    """End this process's Ray job: Ray stops every actor and task it started (training workers,
+    evaluation shards) and frees their devices; a local Ray started here stops too. False when
+    this process was not connected."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    ray.shutdown()
+    return True
+
+
 def _problems_on_this_node(paths: list[str]) -> dict[str, list[str]]:
     from tasks.store import verify_entry
 

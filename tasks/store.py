@@ -115,6 +115,18 @@ def read_manifest(directory: Path) -> Manifest | None:
         return None
 
 
+def fingerprint(directory: Path) -> str | None:
+    """What a directory looks like now, cheaply: each file's name, size and mtime; None when it does
+    not exist. A cached result that was read from the directory stands only while this is unchanged."""
+    if not directory.is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in content_files(directory):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(directory)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
 def verify_entry(directory: Path, deep: bool | None = None) -> list[str]:
     """Problems with an entry (empty when intact). deep=True hashes every file; deep=False only
     compares sizes (a quick look, e.g. from another node); the default hashes every file of a small

@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 
 import pytest
+from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, temporary_settings
 from prefect.testing.utilities import prefect_test_harness
 
 
 @pytest.fixture(scope="session")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=120):
+def prefect_api(tmp_path_factory):
+    # Persisted task results (the cross-run cache of the data and model stages) go to a fresh
+    # directory, not ~/.prefect/storage.
+    storage = tmp_path_factory.mktemp("prefect-results")
+    with prefect_test_harness(server_startup_timeout=120), temporary_settings({PREFECT_LOCAL_STORAGE_PATH: storage}):
         yield
 
 

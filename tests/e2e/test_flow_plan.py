@@ -73,10 +73,20 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     keys = ["fetch-dataset", "prepare-checkpoint", "train", "evaluate"]
     assert {a.key: a.data for a in asyncio.run(_artifacts(keys))} == dict.fromkeys(keys, 100.0)
 
-    # A second run finds both in the stores and fetches nothing.
-    again = grpo_pipeline(RunRequest(**{**request.model_dump(), "run_name": "plan-2",
-                                        "stages": ["fetch_dataset", "prepare_checkpoint"]}))
-    assert again["dataset"]["cached"] and again["model"]["cached"]
+    # A second run reuses both stages' results from the first (Prefect's cross-run cache) and runs neither.
+    again_request = RunRequest(**{**request.model_dump(), "run_name": "plan-2", "stages": ["fetch_dataset", "prepare_checkpoint"]})
+    again = grpo_pipeline(again_request, return_state=True)
+    assert again.result()["dataset"] == {**result["dataset"], "cached": True} and again.result()["model"]["cached"]
+    assert _task_named(again, "fetch_dataset").state.name == "Cached"
+    assert _task_named(again, "prepare_checkpoint").state.name == "Cached"
+    assert json.loads((tmp_path / "plan-2" / "data" / "dataset.json").read_text())["path"] == dataset["path"]
+
+    # A damaged store entry is not covered by the cache: the stage runs, and repairs it.
+    next((tmp_path / "data").rglob("test.parquet")).unlink()
+    third = grpo_pipeline(again_request.model_copy(update={"run_name": "plan-3"}), return_state=True)
+    assert _task_named(third, "fetch_dataset").state.name == "Completed"
+    assert _task_named(third, "prepare_checkpoint").state.name == "Cached"
+    assert third.result()["dataset"]["rows"] == {"train": 1024, "test": 128}
 
 
 async def _artifacts(keys: list[str]):
@@ -120,6 +130,23 @@ def test_a_config_error_is_not_retried(prefect_api, tmp_path):
     flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
     failed = [t for t in task_runs if t.name.startswith("resolve_profile")]
     assert len(failed) == 1 and failed[0].run_count == 1 and failed[0].state.is_failed()
+
+
+def test_a_hung_training_is_stopped_and_the_failure_hook_reports_it_and_ends_the_ray_job(prefect_api, tmp_path, monkeypatch):
+    import ray
+
+    import flows.pipeline
+
+    # One attempt: the retries (resuming from the checkpoint) are the kill test's subject, not this one's.
+    monkeypatch.setattr(flows.pipeline, "train_task", flows.pipeline.train_task.with_options(retries=0))
+    request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="hung",
+                         overrides=[*stores(tmp_path), "trainer.step_timeout_s=1"])
+    state = grpo_pipeline(request, return_state=True)
+    assert state.is_failed()
+    assert not ray.is_initialized()  # the hook ended the run's Ray job, workers included
+    report = (tmp_path / "hung" / "report.md").read_text()
+    assert "**The run failed.** Stage `train`: TrainingInterrupted: no training step finished in 1 s" in report
+    assert _task_named(state, "train").state.is_failed()
 
 
 def test_prefect_yaml_entrypoints_resolve():
