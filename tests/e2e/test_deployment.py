@@ -100,7 +100,7 @@ def test_every_deployment_of_prefect_yaml_is_registered_with_its_settings(deploy
         assert deployment.work_queue_name == entry["work_pool"]["work_queue_name"]
         assert deployment.global_concurrency_limit.limit == 1
         assert deployment.parameters == entry["parameters"]
-        assert deployment.job_variables["env"] == entry["job_variables"]["env"]
+        assert deployment.job_variables["env"] == entry["work_pool"]["job_variables"]["env"]
         (schedule,) = deployment.schedules
         # Only the smoke run is on a schedule by default; the big models' cron is an example, off.
         assert schedule.active == (entry["name"] == "local-smoke")
