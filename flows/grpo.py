@@ -149,8 +149,8 @@ def format_command(command: list[str]) -> str:
     return " \\\n    ".join(" ".join(line) for line in lines)
 
 
-# Read by Prefect when it starts its temporary local API (a run without PREFECT_API_URL): offline,
-# its telemetry logs an error; on a busy 2-core machine its 20 s start limit is too short.
+# Read by Prefect (a started API, or its temporary one): offline, its telemetry logs an error; on a
+# busy 2-core machine the temporary API's 20 s start limit is too short.
 PREFECT_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
 
 
@@ -169,11 +169,27 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from flows.plan import plan_run
 
-        # Validate everything (device usable, profile valid) before a Prefect server or Ray starts.
-        plan_run(request, dry_run=False)
-        from flows.pipeline import grpo_pipeline
+        from flows.local_api import start_unless_configured
 
-        print_run_summary(grpo_pipeline(request))
+        api = start_unless_configured()
+        try:
+            # Validate everything (device usable, profile valid) before the flow run or Ray starts.
+            plan_run(request, dry_run=False)
+            from flows.pipeline import grpo_pipeline
+
+            if api is not None:
+                api.wait_ready()
+            print_run_summary(grpo_pipeline(request))
+        finally:
+            if api is not None:
+                from prefect.events.worker import EventsWorker
+                from prefect.logging.handlers import APILogHandler
+
+                # The run's last log lines and events, while the API is there to take them (at exit,
+                # Prefect would try to send them to a stopped API, and wait).
+                APILogHandler().flush()
+                EventsWorker.drain_all(timeout=5)
+                api.stop()
         return 0
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)

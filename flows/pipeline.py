@@ -358,6 +358,7 @@ def grpo_pipeline(request: RunRequest) -> dict:
         record.env = record.run("prepare_environment", prepare_environment_task, record.profile, run_dir,
                                 request.ray_address)
         _run_stages(request, record)
+        write_json_atomic(run_dir / "timings.json", record.timings)
     RUNS.pop(get_run_context().flow_run.id, None)
     return record.result
 
@@ -395,6 +396,7 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
 
 
 def _report(record: RunRecord, failure: str | None = None) -> Path:
+    write_json_atomic(record.run_dir / "timings.json", record.timings)
     return write_report(
         record.run_dir, profile=record.profile.model_dump(mode="json"), device=record.device.model_dump(mode="json"),
         env=record.env.redacted(), train=record.result.get("train"), evaluation=record.result.get("eval"),

@@ -140,6 +140,11 @@ def detect_device(requested: str, dry_run: bool = False, probe: dict | None = No
             decided_by="requested",
             reason=f"requested {requested}; dry run, so not checked on this host",
         )
+    if requested == "cpu" and probe is None:
+        # The CPU is always there; probing the accelerators (a subprocess that imports torch, ~2 s)
+        # would only fill in what this run does not use.
+        return DeviceInfo(kind="cpu", count=os.cpu_count() or 1, decided_by="requested",
+                          reason="requested cpu (accelerators not probed)")
     report = run_probe() if probe is None else probe
     probes = {kind: info["detail"] for kind, info in report.items() if isinstance(info, dict)}
     if "torch" in report:

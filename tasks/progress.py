@@ -33,9 +33,13 @@ class Bar(tqdm):
         super().__init__(*args, **kwargs)
         # Captured here: updates may come from worker threads that do not share this context.
         self._progress_sink = _sink.get()
+        # A disabled bar (TQDM_DISABLE=1, or no terminal with tqdm.auto's defaults) sets no desc.
+        self._what = str(kwargs.get("desc") or "working")
 
     def update(self, n: float | None = 1) -> bool | None:
         displayed = super().update(n)
+        if self.disable:
+            self.n += n or 0  # a disabled tqdm counts nothing, and the flow's progress still needs the count
         if self._progress_sink is not None and self.total:
-            self._progress_sink(min(self.n / self.total, 1.0), str(self.desc or "working"))
+            self._progress_sink(min(self.n / self.total, 1.0), self._what)
         return displayed

@@ -1,0 +1,71 @@
+"""Prefect's API on 127.0.0.1 for one command-line run, when no PREFECT_API_URL is set.
+
+Without an API URL, Prefect would start its temporary server inside the flow run: importing the
+server takes this process ~6 s and the server ~6 s more, one after the other, before the first
+stage. Started here as a subprocess first thing (`prefect server start`, SQLite under
+PREFECT_HOME, no UI, no background services), it comes up while the run is validated and the
+stages are imported. It stops when the run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+STARTUP_TIMEOUT_S = 120
+
+
+class LocalAPI:
+    def __init__(self) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.log = Path(tempfile.gettempdir()) / f"grpo-pipeline-prefect-api-{self.port}.log"
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--no-services", "--no-ui", "--analytics-off"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text()[-2000:] if self.log.exists() else ""
+                self.stop()
+                raise RuntimeError(f"Prefect's local API did not start (log {self.log}):\n{tail}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.unlink(missing_ok=True)
+
+
+def start_unless_configured() -> LocalAPI | None:
+    """Start the local API and point this process (and so Ray's workers) at it, unless the user
+    set PREFECT_API_URL. Call before Prefect is imported: it reads the URL once, at import."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    api = LocalAPI()
+    os.environ["PREFECT_API_URL"] = api.url
+    return api

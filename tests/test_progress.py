@@ -1,0 +1,22 @@
+"""The progress a stage reports to the flow's UI, with and without a terminal bar."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.progress import Bar, reporting_to
+
+
+@pytest.mark.parametrize("disable", [False, True])  # True: TQDM_DISABLE=1, or no terminal
+def test_the_sink_sees_the_fraction_and_what_whether_or_not_the_bar_is_shown(disable):
+    seen = []
+    with reporting_to(lambda fraction, what: seen.append((fraction, what))):
+        with Bar(total=4, desc="hashing", disable=disable) as bar:
+            bar.update(1)
+            bar.update(3)
+    assert seen == [(0.25, "hashing"), (1.0, "hashing")]
+
+
+def test_without_a_sink_a_bar_is_a_plain_bar():
+    with Bar(total=2, disable=True) as bar:
+        bar.update(2)
