@@ -16,7 +16,7 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 # default is too short on a busy 2-core machine with a fresh database.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: setup test demo demo-dry-run clean
+.PHONY: setup test demo demo-tiny clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ test: $(STAMP)
 # base vs trained evaluation and the run report.
 demo: $(STAMP)
 	$(PY) -m flows.grpo --model smollm2-135m --device cpu
+
+# The same pipeline on a tiny random model (built in seconds): about a minute.
+demo-tiny: $(STAMP)
+	$(PY) -m flows.grpo --model tiny --device cpu
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
