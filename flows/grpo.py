@@ -19,6 +19,7 @@ import sys
 import yaml
 from pydantic import ValidationError
 
+from flows.local_api import LocalAPIError, local_api_unless_configured
 from flows.request import STAGES, RunRequest
 from profiles.errors import UserError
 from profiles.loader import builtin_models
@@ -182,32 +183,22 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from flows.plan import plan_run
 
-        from flows.local_api import start_unless_configured
-
-        api = start_unless_configured()
-        try:
-            # Validate everything (device usable, profile valid) before the flow run or Ray starts.
-            plan_run(request, dry_run=False)
+        # Validate everything (device usable, profile valid) before a Prefect API or Ray starts.
+        plan_run(request, dry_run=False)
+        with local_api_unless_configured() as api:
             from flows.pipeline import grpo_pipeline
 
             if api is not None:
                 import_ahead(request.stages)
                 api.wait_ready()
             print_run_summary(grpo_pipeline(request))
-        finally:
-            if api is not None:
-                from prefect.events.worker import EventsWorker
-                from prefect.logging.handlers import APILogHandler
-
-                # The run's last log lines and events, while the API is there to take them (at exit,
-                # Prefect would try to send them to a stopped API, and wait).
-                APILogHandler().flush()
-                EventsWorker.drain_all(timeout=5)
-                api.stop()
         return 0
     except UserError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except LocalAPIError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

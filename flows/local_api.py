@@ -16,9 +16,15 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 STARTUP_TIMEOUT_S = 120
+
+
+class LocalAPIError(RuntimeError):
+    pass
 
 
 class LocalAPI:
@@ -46,11 +52,19 @@ class LocalAPI:
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
                 tail = self.log.read_text()[-2000:] if self.log.exists() else ""
-                self.stop()
-                raise RuntimeError(f"Prefect's local API did not start (log {self.log}):\n{tail}")
+                raise LocalAPIError(f"Prefect's local API did not start; set PREFECT_API_URL to a running "
+                                    f"server, or see its log:\n{tail}")
             time.sleep(0.2)
 
     def stop(self) -> None:
+        if "prefect" in sys.modules:
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogHandler
+
+            # The run's last log lines and events, while the API is there to take them (at exit,
+            # Prefect would send them to a stopped API, and wait).
+            APILogHandler().flush()
+            EventsWorker.drain_all(timeout=5)
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -61,11 +75,17 @@ class LocalAPI:
         self.log.unlink(missing_ok=True)
 
 
-def start_unless_configured() -> LocalAPI | None:
-    """Start the local API and point this process (and so Ray's workers) at it, unless the user
-    set PREFECT_API_URL. Call before Prefect is imported: it reads the URL once, at import."""
+@contextmanager
+def local_api_unless_configured() -> Iterator[LocalAPI | None]:
+    """The local API, with this process (and so Ray's workers) pointed at it, unless the user set
+    PREFECT_API_URL. Enter before Prefect is imported: it reads the URL once, at import."""
     if os.environ.get("PREFECT_API_URL"):
-        return None
+        yield None
+        return
     api = LocalAPI()
     os.environ["PREFECT_API_URL"] = api.url
-    return api
+    try:
+        yield api
+    finally:
+        api.stop()
+        os.environ.pop("PREFECT_API_URL", None)

@@ -333,6 +333,7 @@ def after_failure(flow, flow_run, state) -> None:
     if record is None or record.profile is None or record.env is None:
         return  # failed while planning: nothing ran, Prefect's state message says why
     failure = record.failure or f"Stage `{record.stage}`: {state.message}"
+    write_json_atomic(record.run_dir / "timings.json", record.timings)
     path = _report(record, failure=failure)
     logger.error("the run failed in stage %s; report: %s", record.stage, path)
 
@@ -396,7 +397,6 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
 
 
 def _report(record: RunRecord, failure: str | None = None) -> Path:
-    write_json_atomic(record.run_dir / "timings.json", record.timings)
     return write_report(
         record.run_dir, profile=record.profile.model_dump(mode="json"), device=record.device.model_dump(mode="json"),
         env=record.env.redacted(), train=record.result.get("train"), evaluation=record.result.get("eval"),
