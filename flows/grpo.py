@@ -94,7 +94,10 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(p) for p in error["loc"])
-        raise UserError(f"--{field.replace('_', '-')}={error.get('input')!r}: {error['msg']}") from None
+        message = error["msg"].removeprefix("Value error, ")
+        if field.startswith("overrides"):  # `--set` values may be secrets: never echo them
+            raise UserError(f"--set: {message}") from None
+        raise UserError(f"--{field.replace('_', '-')}={getattr(args, field, None) or fields.get(field)!r}: {message}") from None
 
 
 def print_dry_run(plan, as_json: bool) -> None:

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from tasks.environment import is_secret
+
 # The stages of the flow in order (DESIGN.md). `--stages` picks a subset of the ones built so far.
 PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")
 STAGES = (*PLANNING_STAGES, "fetch_dataset", "prepare_checkpoint", "train", "export_checkpoint", "evaluate", "report")
@@ -19,8 +21,13 @@ INPUT_STAGES = {
 }
 
 
+# `env.NAME=${NAME}` (read from the environment when the run starts) or `${NAME:-default}`.
+ENV_REFERENCE = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[^}]*)?\}")
+
+
 class RunRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A request is stored by Prefect and shown in its UI; a validation error must not echo its values.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     model: str = Field(
         "smollm2-135m",
@@ -85,6 +92,19 @@ class RunRequest(BaseModel):
             # Each planning stage needs the ones before it.
             stages = [*stages, *PLANNING_STAGES[: max(PLANNING_STAGES.index(s) for s in stages)]]
         return [s for s in STAGES if s in stages]
+
+    @field_validator("overrides")
+    @classmethod
+    def no_secret_values(cls, overrides: list[str]) -> list[str]:
+        for item in overrides:
+            key, _, value = (part.strip() for part in item.partition("="))
+            name = key.removeprefix("env.")
+            if key.startswith("env.") and is_secret(name) and not ENV_REFERENCE.fullmatch(value):
+                raise ValueError(
+                    f"{key}: a secret's value in the run request would be stored by Prefect and shown in its UI; "
+                    f"export {name} where the flow runs (the worker's environment) and pass {key}=${{{name}}}"
+                )
+        return overrides
 
     @field_validator("run_name")
     @classmethod

@@ -65,6 +65,8 @@ def test_local_backend_dry_run_on_cpu():
         (["--bogus-flag"], {}, "unrecognized arguments: --bogus-flag"),
         (["--set", "proxy_policy=sometimes"], {}, "proxy_policy='sometimes': input should be 'clear', 'bypass-cluster' or 'keep'"),
         (["--set", "env.BAD-NAME=1"], {}, "env name 'BAD-NAME' is not a valid variable name"),
+        # A secret typed into the request would be stored by Prefect: refused, and not echoed.
+        (["--set", "env.HF_TOKEN=hf_typed_in"], {}, "--set: env.HF_TOKEN: a secret's value in the run request"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, env, fragment):
@@ -76,7 +78,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, env, fragment):
     assert "Traceback" not in done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    assert fragment in lines[0]
+    assert fragment in lines[0] and "hf_typed_in" not in done.stderr
 
 
 def test_real_run_on_a_missing_gpu_fails_clearly_before_the_flow(tmp_path):
