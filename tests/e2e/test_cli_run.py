@@ -70,3 +70,39 @@ def test_evaluate_any_directories_without_training_and_refuse_one_without_weight
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert error == f"error: {empty}: no safetensors weights"
     assert "Traceback" not in ours(done.stderr) and not (tmp_path / "runs" / "bad-eval" / "eval").exists()
+
+
+def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stopped(tmp_path):
+    """What a worker's cancel or a killed terminal does: Prefect marks the run crashed, and the
+    crash hook stops the Ray job (training workers included) and writes the report."""
+    import signal
+    import time
+
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
+         "--run-name", "stopped", "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}",
+         "--set", "trainer.total_training_steps=500"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    metrics = tmp_path / "runs" / "stopped" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().strip()) and process.poll() is None:
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode != 0
+    report = (tmp_path / "runs" / "stopped" / "report.md").read_text()
+    assert "**The run failed.** Stage `train`" in report, output[-3000:]
+    assert "stopped this run's Ray job" in output
+    deadline = time.monotonic() + 30
+    while _train_workers() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not _train_workers()
+
+
+def _train_workers() -> list[str]:
+    found = subprocess.run(["pgrep", "-af", "RayTrainWorker"], capture_output=True, text=True).stdout
+    return [line for line in found.splitlines() if "pgrep" not in line]
