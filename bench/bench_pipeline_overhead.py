@@ -8,6 +8,7 @@ Prefect's temporary local API, a local Ray), timed from process start to exit. T
 `timings.json` gives the time inside the train and evaluate stages; everything else (process start,
 imports, the Prefect API, device detection, profile, environment, the cached data and model stages,
 export, report, task orchestration) is overhead. Prints each part and the overhead's share of the run.
+With `--started-api` the runs use one Prefect API started beforehand, as runs of a deployment do.
 """
 
 from __future__ import annotations
@@ -43,7 +44,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", choices=["tiny", "smollm2-135m"])
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--started-api", action="store_true",
+                        help="run against a Prefect API started beforehand (as a deployment's worker does) instead "
+                        "of the one each CLI run starts for itself")
     args = parser.parse_args()
+    if args.started_api:
+        sys.path.insert(0, str(ROOT))
+        from flows.local_api import LocalAPI
+
+        api = LocalAPI()
+        api.wait_ready()
+        os.environ["PREFECT_API_URL"] = api.url
     run_dir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     warm = run_pipeline(args.model, run_dir, "warm-up", stages="fetch_dataset,prepare_checkpoint")
     print(f"warm-up (data and model stages): {warm:.1f} s")
@@ -61,7 +72,9 @@ def main() -> None:
               f"Prefect API start/stop) {outside:.1f}; other stages: {parts}")
         results.append({"wall_s": wall, "work_s": work, "overhead_s": overhead, "fraction": overhead / wall,
                         "outside_stages_s": outside, "stages_s": timings})
-    print(json.dumps({"model": args.model, "rounds": results}))
+    print(json.dumps({"model": args.model, "started_api": args.started_api, "rounds": results}))
+    if args.started_api:
+        api.stop()
 
 
 if __name__ == "__main__":
