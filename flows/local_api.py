@@ -28,7 +28,7 @@ class LocalAPIError(RuntimeError):
 
 
 class LocalAPI:
-    def __init__(self) -> None:
+    def __init__(self, env: dict[str, str] | None = None) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -38,7 +38,7 @@ class LocalAPI:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port),
                  "--no-services", "--no-ui", "--analytics-off"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
             )
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
@@ -57,14 +57,6 @@ class LocalAPI:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        if "prefect" in sys.modules:
-            from prefect.events.worker import EventsWorker
-            from prefect.logging.handlers import APILogHandler
-
-            # The run's last log lines and events, while the API is there to take them (at exit,
-            # Prefect would send them to a stopped API, and wait).
-            APILogHandler().flush()
-            EventsWorker.drain_all(timeout=5)
         if self.process.poll() is None:
             self.process.terminate()
             try:
@@ -87,5 +79,13 @@ def local_api_unless_configured() -> Iterator[LocalAPI | None]:
     try:
         yield api
     finally:
+        if "prefect" in sys.modules:
+            from prefect.events.worker import EventsWorker
+            from prefect.logging.handlers import APILogHandler
+
+            # The run's last log lines and events, while the API is there to take them (at exit,
+            # Prefect would send them to a stopped API, and wait).
+            APILogHandler().flush()
+            EventsWorker.drain_all(timeout=5)
         api.stop()
         os.environ.pop("PREFECT_API_URL", None)

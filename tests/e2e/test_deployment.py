@@ -6,64 +6,38 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
+
+from flows.local_api import LocalAPI
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 FLOW_RUN_TIMEOUT_S = 600
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A started Prefect server (SQLite under a fresh PREFECT_HOME); yields the env that points at it."""
+    """A started Prefect server (SQLite under a fresh PREFECT_HOME); yields the env that points at it.
+    It runs no background services, so no scheduled run of the deployments competes with the test's."""
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
         "PREFECT_LOCAL_STORAGE_PATH": str(home / "results"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
-        # Scheduled runs of the deployments would compete with the one this test creates.
-        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
     }
-    log = open(home / "server.log", "w")
-    process = subprocess.Popen(
-        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=5) as response:
-                if response.status == 200:
-                    break
-        except OSError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-        time.sleep(1)
+    env.pop("PREFECT_API_URL", None)
+    api = LocalAPI(env=env)
     try:
-        yield env
+        api.wait_ready(timeout=180)
+        yield {**env, "PREFECT_API_URL": api.url}
     finally:
-        os.killpg(process.pid, 15)
-        process.wait(30)
-        log.close()
+        api.stop()
 
 
 def _prefect(env: dict, *args: str, timeout: float = 300) -> str:
