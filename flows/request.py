@@ -21,7 +21,8 @@ INPUT_STAGES = {
 }
 
 
-# `env.NAME=${NAME}` (read from the environment when the run starts) or `${NAME:-default}`.
+# `env.HF_TOKEN=${HF_TOKEN}` lists a secret for the workers without its value: the value exported
+# where the flow runs wins over a profile's (tasks/environment.py), so that is the one they get.
 ENV_REFERENCE = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[^}]*)?\}")
 
 
