@@ -153,9 +153,8 @@ def format_command(command: list[str]) -> str:
     return " \\\n    ".join(" ".join(line) for line in lines)
 
 
-# Read by Prefect (a started API, or its temporary one): offline, its telemetry logs an error; on a
-# busy 2-core machine the temporary API's 20 s start limit is too short.
-PREFECT_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120"}
+# Offline, a Prefect server logs a telemetry error unless this is off (read by the CLI's local API).
+PREFECT_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
 
 
 def import_ahead(stages: list[str]) -> None:

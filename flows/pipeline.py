@@ -323,8 +323,9 @@ RUNS: dict[UUID, RunRecord] = {}
 
 
 def after_failure(flow, flow_run, state) -> None:
-    """Prefect `on_failure` / `on_crashed`: stop the Ray job the run started (its training workers
-    hold devices), and write the failure into the report next to what the run did produce."""
+    """Prefect `on_failure` / `on_crashed` / `on_cancellation` (a cancel from the UI stops the
+    run's process): stop the Ray job the run started (its training workers hold devices), and write
+    where the run stopped into the report, next to what it did produce."""
     record = RUNS.pop(flow_run.id, None)
     stopped = stop_ray_job()
     logger = get_logger("grpo_pipeline")
@@ -338,7 +339,8 @@ def after_failure(flow, flow_run, state) -> None:
     logger.error("the run failed in stage %s; report: %s", record.stage, path)
 
 
-@flow(name="grpo_pipeline", log_prints=True, on_failure=[after_failure], on_crashed=[after_failure])
+@flow(name="grpo_pipeline", log_prints=True, on_failure=[after_failure], on_crashed=[after_failure],
+      on_cancellation=[after_failure])
 def grpo_pipeline(request: RunRequest) -> dict:
     """GRPO post-training, from a bare machine to an evaluated checkpoint.
 
