@@ -79,13 +79,20 @@ def local_api_unless_configured() -> Iterator[LocalAPI | None]:
     try:
         yield api
     finally:
-        if "prefect" in sys.modules:
-            from prefect.events.worker import EventsWorker
-            from prefect.logging.handlers import APILogHandler
+        try:
+            _flush_to(api)
+        finally:  # whatever the flush does, the server must not outlive the run
+            api.stop()
+            os.environ.pop("PREFECT_API_URL", None)
 
-            # The run's last log lines and events, while the API is there to take them (at exit,
-            # Prefect would send them to a stopped API, and wait).
-            APILogHandler().flush()
-            EventsWorker.drain_all(timeout=5)
-        api.stop()
-        os.environ.pop("PREFECT_API_URL", None)
+
+def _flush_to(api: LocalAPI) -> None:
+    """Send the run's last log lines and events while the API is there to take them (at exit,
+    Prefect would send them to a stopped API, and wait)."""
+    if "prefect" not in sys.modules or api.process.poll() is not None:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    EventsWorker.drain_all(timeout=5)

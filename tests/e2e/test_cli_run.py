@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from tasks.rl_data import arith_splits
 
@@ -97,3 +98,19 @@ def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stoppe
 def _train_workers() -> list[str]:
     found = subprocess.run(["pgrep", "-af", "RayTrainWorker"], capture_output=True, text=True).stdout
     return [line for line in found.splitlines() if "pgrep" not in line]
+
+
+def test_the_local_api_stops_even_when_sending_the_last_logs_fails(monkeypatch):
+    from prefect.logging.handlers import APILogHandler
+
+    from flows.local_api import local_api_unless_configured
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+
+    def broken_flush(self):
+        raise RuntimeError("flush failed")
+
+    monkeypatch.setattr(APILogHandler, "flush", broken_flush)
+    with pytest.raises(RuntimeError, match="flush failed"), local_api_unless_configured() as api:
+        api.wait_ready()
+    assert api.process.poll() is not None and "PREFECT_API_URL" not in os.environ
