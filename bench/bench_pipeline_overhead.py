@@ -4,7 +4,7 @@
 
 First a warm-up run of the data and model stages fills the stores and Prefect's cache. Then each
 round runs the whole pipeline as `make demo` does (`python -m flows.grpo ...` in a fresh process,
-Prefect's temporary local API, a local Ray), timed from process start to exit. The run's
+the Prefect API the CLI starts for the run, a local Ray), timed from process start to exit. The run's
 `timings.json` gives the time inside the train and evaluate stages; everything else (process start,
 imports, the Prefect API, device detection, profile, environment, the cached data and model stages,
 export, report, task orchestration) is overhead. Prints each part and the overhead's share of the run.

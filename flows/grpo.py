@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 
@@ -153,10 +152,6 @@ def format_command(command: list[str]) -> str:
     return " \\\n    ".join(" ".join(line) for line in lines)
 
 
-# Offline, a Prefect server logs a telemetry error unless this is off (read by the CLI's local API).
-PREFECT_DEFAULTS = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-
-
 def import_ahead(stages: list[str]) -> None:
     """Import what the later stages will need while Prefect's local API is still starting (about
     8 s on 2 cores, longer than validating the run): the seconds are spent in parallel with it
@@ -172,8 +167,6 @@ def import_ahead(stages: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    for name, value in PREFECT_DEFAULTS.items():
-        os.environ.setdefault(name, value)
     try:
         if args.json and not args.dry_run:
             raise UserError("--json only applies to --dry-run; add --dry-run")
