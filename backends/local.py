@@ -50,6 +50,7 @@ from pydantic import BaseModel, Field
 
 from profiles.errors import ProfileError, UserError
 from profiles.schema import RunProfile
+from profiles.validation import check_workers_fit
 from tasks.files import write_text_atomic
 
 CHECKPOINTS = "checkpoints"
@@ -349,14 +350,9 @@ def plan_local_training(
 ) -> LocalTrainSettings:
     """Every check that can fail before a worker starts: worker count vs devices, batch and group
     sizes, the dataset's reward columns, prompt lengths."""
-    workers = profile.cluster.nnodes * profile.cluster.devices_per_node
+    workers = profile.world_size
     kind = profile.platform.kind
-    if profile.cluster.nnodes == 1 and workers > devices_here:
-        unit = "CPU cores" if kind == "cpu" else f"{kind.upper()}s"
-        raise ProfileError(
-            f"cluster.devices_per_node={profile.cluster.devices_per_node}: {workers} training workers but this host has "
-            f"{devices_here} {unit}; use at most {devices_here}"
-        )
+    check_workers_fit(profile, devices_here)
     grpo, updates_per_step = grpo_fields(profile, workers)
     check_reward_columns(data_train_files, profile.algorithm.reward_function)
     steps = profile.trainer.total_training_steps or profile.trainer.total_epochs * (

@@ -48,14 +48,14 @@ def main() -> None:
                         help="run against a Prefect API started beforehand (as a deployment's worker does) instead "
                         "of the one each CLI run starts for itself")
     args = parser.parse_args()
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     if args.started_api:
         sys.path.insert(0, str(ROOT))
         from flows.local_api import LocalAPI
 
-        api = LocalAPI()
+        api = LocalAPI(run_dir / "prefect-api.log")
         api.wait_ready()
         os.environ["PREFECT_API_URL"] = api.url
-    run_dir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     warm = run_pipeline(args.model, run_dir, "warm-up", stages="fetch_dataset,prepare_checkpoint")
     print(f"warm-up (data and model stages): {warm:.1f} s")
     results = []

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import sys
+from pathlib import Path
 
 import yaml
 from pydantic import ValidationError
@@ -22,6 +25,7 @@ from flows.local_api import LocalAPIError, local_api_unless_configured
 from flows.request import STAGES, RunRequest
 from profiles.errors import UserError
 from profiles.loader import builtin_models
+from profiles.secrets import scrub
 
 EXIT_USER_ERROR = 2
 
@@ -86,16 +90,20 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         "run_root": args.run_dir,
         "ray_address": args.ray_address,
     }
-    if args.stages:
+    if args.stages is not None:
         fields["stages"] = [s.strip() for s in args.stages.split(",") if s.strip()]
+        if not fields["stages"]:
+            raise UserError(f"--stages={args.stages!r} names no stage; list some ({','.join(STAGES)}) or leave the option "
+                            "out to run them all")
     try:
         return RunRequest(**fields)
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(p) for p in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
-        if field.startswith("overrides"):  # `--set` values may be secrets: never echo them
-            raise UserError(f"--set: {message}") from None
+        if field.startswith(("overrides", "ray_address")):
+            # Values that may carry a secret are never echoed; these messages name their option.
+            raise UserError(message) from None
         raise UserError(f"--{field.replace('_', '-')}={getattr(args, field, None) or fields.get(field)!r}: {message}") from None
 
 
@@ -171,16 +179,34 @@ def main(argv: list[str] | None = None) -> int:
         if args.json and not args.dry_run:
             raise UserError("--json only applies to --dry-run; add --dry-run")
         request = request_from_args(args)
-        if args.dry_run:
-            from flows.plan import plan_run
-
-            print_dry_run(plan_run(request, dry_run=True), args.json)
-            return 0
         from flows.plan import plan_run
 
-        # Validate everything (device usable, profile valid) before a Prefect API or Ray starts.
-        plan_run(request, dry_run=False)
-        with local_api_unless_configured() as api:
+        if args.dry_run:
+            print_dry_run(plan_run(request, dry_run=True), args.json)
+            return 0
+        # Validate everything (device usable, profile valid, run folder writable, cluster answering)
+        # before a Prefect API or Ray starts; the flow uses the folder named here.
+        plan = plan_run(request, dry_run=False)
+        request = request.model_copy(update={"run_name": Path(plan.run_dir).name})
+        return run_flow(request)
+    except UserError as exc:
+        print(f"error: {scrub(str(exc))}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except LocalAPIError as exc:
+        print(f"error: {scrub(str(exc))}", file=sys.stderr)
+        return 1
+
+
+def run_flow(request: RunRequest) -> int:
+    """The flow run, under this process's lease (flows/lease.py), with Prefect's local API unless one
+    is configured. A stop (SIGTERM, Ctrl-C) ends it in order (Prefect marks it crashed, its hooks
+    stop the Ray job and write the report) and exits with the signal's conventional code."""
+    from flows import lease
+
+    database = os.environ.get("PREFECT_API_URL") or f"local:{lease.prefect_home()}"
+    previous = signal.signal(signal.SIGTERM, _stop_on_signal)
+    try:
+        with lease.held(database) as held, local_api_unless_configured(held.api_log) as api:
             from flows.pipeline import grpo_pipeline
 
             if api is not None:
@@ -188,12 +214,38 @@ def main(argv: list[str] | None = None) -> int:
                 api.wait_ready()
             print_run_summary(grpo_pipeline(request))
         return 0
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except LocalAPIError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    except BaseException as exc:
+        signum = _stop_signal(exc)
+        if signum is None:
+            raise
+        print(f"stopped by {signal.Signals(signum).name}; see the run's report.md for where", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Ray's core (a C++ library) may abort at interpreter exit after a stop; everything of the
+        # run is closed by now, so leave without running exit handlers.
+        os._exit(128 + signum)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class RunStopped(BaseException):
+    """SIGTERM outside the flow run (inside it, Prefect raises its own TerminationSignal)."""
+
+    def __init__(self, signum: int):
+        self.signal = signum
+
+
+def _stop_on_signal(signum, frame) -> None:
+    raise RunStopped(signum)
+
+
+def _stop_signal(exc: BaseException) -> int | None:
+    if isinstance(exc, KeyboardInterrupt):
+        return signal.SIGINT
+    prefect_exceptions = sys.modules.get("prefect.exceptions")
+    if isinstance(exc, RunStopped) or (prefect_exceptions and isinstance(exc, prefect_exceptions.TerminationSignal)):
+        return exc.signal
+    return None
 
 
 if __name__ == "__main__":

@@ -4,16 +4,19 @@ Without an API URL, Prefect would start its temporary server inside the flow run
 server takes this process ~6 s and the server ~6 s more, one after the other, before the first
 stage. Started here as a subprocess first thing (`prefect server start`, SQLite under
 PREFECT_HOME, no UI, no background services), it comes up while the run is validated and the
-stages are imported. It stops when the run ends.
+stages are imported. It stops when the run ends, and on Linux also when this process is killed
+outright (the kernel sends it SIGTERM: `PR_SET_PDEATHSIG`); elsewhere the next run's lease reaper
+ends it (flows/lease.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -27,18 +30,27 @@ class LocalAPIError(RuntimeError):
     pass
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class LocalAPI:
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log: Path, env: dict[str, str] | None = None) -> None:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/api"
-        self.log = Path(tempfile.gettempdir()) / f"grpo-pipeline-prefect-api-{self.port}.log"
-        with open(self.log, "w") as log:
+        self.log = log
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as handle:
+            # Its own session, so a Ctrl-C in the terminal reaches the run (which stops it in order), not it.
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(self.port),
                  "--no-services", "--no-ui", "--analytics-off"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                preexec_fn=_die_with_parent,
             )
 
     def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
@@ -68,13 +80,14 @@ class LocalAPI:
 
 
 @contextmanager
-def local_api_unless_configured() -> Iterator[LocalAPI | None]:
-    """The local API, with this process (and so Ray's workers) pointed at it, unless the user set
-    PREFECT_API_URL. Enter before Prefect is imported: it reads the URL once, at import."""
+def local_api_unless_configured(log: Path) -> Iterator[LocalAPI | None]:
+    """The local API (its output in `log`), with this process (and so Ray's workers) pointed at it,
+    unless the user set PREFECT_API_URL. Enter before Prefect is imported: it reads the URL once,
+    at import."""
     if os.environ.get("PREFECT_API_URL"):
         yield None
         return
-    api = LocalAPI()
+    api = LocalAPI(log)
     os.environ["PREFECT_API_URL"] = api.url
     try:
         yield api

@@ -25,9 +25,11 @@ from prefect.logging import get_logger
 from prefect.tasks import exponential_backoff
 
 from backends.local import TrainResult, check_prompt_lengths, latest_step, plan_local_training, train_local
-from flows.plan import check_stages_supported, profile_for, run_dir_for, training_command
+from flows import lease
+from flows.plan import check_plan, check_run_dir, profile_for, run_dir_for, training_command
 from flows.request import RunRequest
 from profiles.errors import UserError
+from profiles.secrets import scrub, secret_values
 from profiles.schema import ModelArchitecture, RunProfile
 from tasks.dataset import DatasetFiles, DataSpec, dataset_dir, fetch_dataset
 from tasks.device import DeviceInfo, detect_device, requested_device
@@ -39,7 +41,7 @@ from tasks.model import ModelCheckpoint, ModelSpec, model_dir, prepare_model
 from tasks.nodes import check_visible_on_nodes, connect_ray, stop_ray_job
 from tasks.progress import Bar, reporting_to
 from tasks.report import write_report
-from tasks.store import fingerprint, verify_entry
+from tasks.store import fingerprint, verify_entry, what_is_checked
 
 # Task settings, per stage. Every stage fails at once on a config error (`retry_unless_user_error`).
 # Prefect's `timeout_seconds` interrupts a stage that runs in the flow's main thread (it uses
@@ -66,20 +68,26 @@ STAGE_SETTINGS: dict[str, dict] = {
 PROGRESS_UPDATE_S = 1.0
 
 
-class UserErrorWithoutTraceback(logging.Filter):
-    """A user error is reported by its one-line message; Prefect would log its traceback, which only
-    buries the line that says what to fix."""
+class RunLogFilter(logging.Filter):
+    """On every handler of the run's logs (the terminal, and Prefect's API, which stores them): a
+    user error is reported by its one-line message (Prefect would log its traceback, which only
+    buries the line that says what to fix), and no secret value of this process reaches a line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], UserError):
             record.exc_info, record.exc_text = None, None
+        values = secret_values()
+        if values:
+            record.msg, record.args = scrub(record.getMessage(), values), ()
+            if record.exc_info and not record.exc_text:
+                record.exc_text = scrub(logging.Formatter().formatException(record.exc_info), values)
         return True
 
 
-def quiet_user_errors() -> None:
+def filter_run_logs() -> None:
     for handler in {*logging.getLogger("prefect").handlers, *logging.getLogger().handlers}:
-        if not any(isinstance(f, UserErrorWithoutTraceback) for f in handler.filters):
-            handler.addFilter(UserErrorWithoutTraceback())
+        if not any(isinstance(f, RunLogFilter) for f in handler.filters):
+            handler.addFilter(RunLogFilter())
 
 
 def retry_unless_user_error(task, task_run, state) -> bool:
@@ -137,10 +145,14 @@ CACHED_ACROSS_RUNS = dict(cache_policy=INPUTS + TASK_SOURCE + LocalSourceUnchang
 
 def reuse_only_if_intact(task_fn, output_dir: Path, in_store: bool):
     """The task, which an earlier run's cached result may stand in for while the directory that
-    result names is intact (its files all there, at their recorded sizes); else made to run, which
-    repairs the entry and replaces the cached result."""
-    intact = not verify_entry(output_dir, deep=False) if in_store else output_dir.is_dir()
-    return task_fn if intact else task_fn.with_options(refresh_cache=True)
+    result names passes the store's own check (`verify_entry`: see `what_is_checked`), and what
+    that check was; a damaged entry makes the task run, which repairs it and replaces the result.
+    A local model directory is used in place: its fingerprint is part of the cache key."""
+    if in_store:
+        intact, checked = not verify_entry(output_dir), what_is_checked(output_dir)
+    else:
+        intact, checked = output_dir.is_dir(), "file names, sizes and mtimes, in the cache key"
+    return (task_fn if intact else task_fn.with_options(refresh_cache=True)), checked
 
 
 def check_shared(path: str, setting: str, ray_address: str | None, env: RuntimeEnv | None) -> None:
@@ -161,7 +173,8 @@ def detect_device_task(request: RunRequest) -> DeviceInfo:
 @stage_task("resolve_profile")
 def resolve_profile_task(request: RunRequest, device: DeviceInfo, run_dir: Path) -> RunProfile:
     profile = profile_for(request, device.kind)
-    check_stages_supported(profile, request.stages)
+    check_plan(request, profile, device, dry_run=False)
+    check_run_dir(run_dir, dry_run=False)
     write_text_atomic(run_dir / "profile.yaml", yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
     return profile
 
@@ -169,6 +182,7 @@ def resolve_profile_task(request: RunRequest, device: DeviceInfo, run_dir: Path)
 @stage_task("prepare_environment")
 def prepare_environment_task(profile: RunProfile, run_dir: Path, ray_address: str | None) -> RuntimeEnv:
     env = resolve_environment(profile, ray_address=ray_address)
+    env.check_references()
     # The driver is the process that starts Ray and the backends; they inherit it from here.
     env.apply()
     for action in env.proxy_actions:
@@ -300,22 +314,30 @@ class RunRecord:
     stage: str | None = None
     failure: str | None = None
 
-    def run(self, stage: str, task_fn, *args):
-        """Run one stage's task, timed; a cache hit is said to be one."""
-        self.stage = stage
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """Work that a failure report names `name`: a stage's task, or the flow's own work between
+        tasks (finding a store entry, checking the cluster), timed under that name."""
+        self.stage = name
         started = time.perf_counter()
         try:
+            yield
+        except BaseException as exc:
+            self.failure = f"Stage `{name}`: {type(exc).__name__}: {scrub(str(exc))}"
+            raise
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - started
+
+    def run(self, stage: str, task_fn, *args, checked: str | None = None):
+        """Run one stage's task; a cache hit is said to be one, with what was checked to trust it."""
+        with self.step(stage):
             state = task_fn(*args, return_state=True)
             value = state.result()
             if state.name == "Cached":
-                get_run_logger().info("%s: skipped, its inputs and output are unchanged since an earlier run", stage)
+                get_run_logger().info("%s: skipped, its inputs and output are unchanged since an earlier run (checked: %s)",
+                                      stage, checked)
                 value = value.model_copy(update={"cached": True})
             return value
-        except BaseException as exc:
-            self.failure = f"Stage `{stage}`: {type(exc).__name__}: {exc}"
-            raise
-        finally:
-            self.timings[stage] = time.perf_counter() - started
 
 
 # Flow runs of this process, by id, for the failure hooks (they get the run, not its variables).
@@ -331,11 +353,15 @@ def after_failure(flow, flow_run, state) -> None:
     logger = get_logger("grpo_pipeline")
     if stopped:
         logger.info("stopped this run's Ray job")
-    if record is None or record.profile is None or record.env is None:
-        return  # failed while planning: nothing ran, Prefect's state message says why
-    failure = record.failure or f"Stage `{record.stage}`: {state.message}"
-    write_json_atomic(record.run_dir / "timings.json", record.timings)
-    path = _report(record, failure=failure)
+    if record is None:
+        return  # the device could not be decided: no run directory; Prefect's state message says why
+    failure = record.failure or f"Stage `{record.stage}`: {scrub(state.message or '')}"
+    try:
+        write_json_atomic(record.run_dir / "timings.json", record.timings)
+        path = _report(record, failure=failure)
+    except OSError as exc:  # the run's folder itself may be what failed
+        logger.error("the run failed in stage %s; no report (%s)", record.stage, exc.strerror or exc)
+        return
     logger.error("the run failed in stage %s; report: %s", record.stage, path)
 
 
@@ -348,11 +374,22 @@ def grpo_pipeline(request: RunRequest) -> dict:
         request: What to run: the model recipe, the device, the backend, profile overrides, the
             stages, where the run's files go, and the Ray cluster.
     """
-    quiet_user_errors()
+    filter_run_logs()
+    flow_run_id = get_run_context().flow_run.id
+    database = lease.database_of_this_run()
+    with lease.held(database):
+        lease.note_flow_run(flow_run_id)
+        lease.end_leftovers(database, get_run_logger().warning)
+        record = _run_planning_and_stages(request, flow_run_id)
+    RUNS.pop(flow_run_id, None)
+    return record.result
+
+
+def _run_planning_and_stages(request: RunRequest, flow_run_id: UUID) -> RunRecord:
     started = time.perf_counter()
     device = detect_device_task(request)
     run_dir = run_dir_for(request, device.kind)
-    record = RUNS[get_run_context().flow_run.id] = RunRecord(run_dir=run_dir, device=device)
+    record = RUNS[flow_run_id] = RunRecord(run_dir=run_dir, device=device)
     record.timings["detect_device"] = time.perf_counter() - started
     record.result.update(run_dir=str(run_dir), device=device.kind)
     if "resolve_profile" in request.stages:
@@ -362,24 +399,28 @@ def grpo_pipeline(request: RunRequest) -> dict:
                                 request.ray_address)
         _run_stages(request, record)
         write_json_atomic(run_dir / "timings.json", record.timings)
-    RUNS.pop(get_run_context().flow_run.id, None)
-    return record.result
+    return record
 
 
 def _run_stages(request: RunRequest, record: RunRecord) -> None:
     profile, env, run_dir, result = record.profile, record.env, record.run_dir, record.result
     data = model = policy = None
     if "fetch_dataset" in request.stages:
-        spec = DataSpec.from_profile(profile.data)
-        data = record.run("fetch_dataset", reuse_only_if_intact(fetch_dataset_task, dataset_dir(spec), in_store=True), spec)
-        check_shared(data.path, "data.root", request.ray_address, env)
+        with record.step("fetch_dataset"):
+            spec = DataSpec.from_profile(profile.data)
+            fetch, checked = reuse_only_if_intact(fetch_dataset_task, dataset_dir(spec), in_store=True)
+        data = record.run("fetch_dataset", fetch, spec, checked=checked)
+        with record.step("fetch_dataset: check that every Ray node sees data.root"):
+            check_shared(data.path, "data.root", request.ray_address, env)
         write_json_atomic(run_dir / "data" / "dataset.json", data.model_dump(mode="json"))
         result["dataset"] = data.model_dump(mode="json")
     if "prepare_checkpoint" in request.stages:
-        spec = ModelSpec.from_profile(profile.model)
-        prepare = reuse_only_if_intact(prepare_checkpoint_task, model_dir(spec), in_store=spec.source_kind != "local")
-        model = record.run("prepare_checkpoint", prepare, spec, profile.model.architecture)
-        check_shared(model.path, "model.root", request.ray_address, env)
+        with record.step("prepare_checkpoint"):
+            spec = ModelSpec.from_profile(profile.model)
+            prepare, checked = reuse_only_if_intact(prepare_checkpoint_task, model_dir(spec), spec.source_kind != "local")
+        model = record.run("prepare_checkpoint", prepare, spec, profile.model.architecture, checked=checked)
+        with record.step("prepare_checkpoint: check that every Ray node sees model.root"):
+            check_shared(model.path, "model.root", request.ray_address, env)
         write_json_atomic(run_dir / "model.json", model.model_dump(mode="json"))
         result["model"] = model.model_dump(mode="json")
     command = training_command(request, profile, env, run_dir, data, model)
@@ -400,9 +441,10 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
 
 def _report(record: RunRecord, failure: str | None = None) -> Path:
     return write_report(
-        record.run_dir, profile=record.profile.model_dump(mode="json"), device=record.device.model_dump(mode="json"),
-        env=record.env.redacted(), train=record.result.get("train"), evaluation=record.result.get("eval"),
-        timings=dict(record.timings), failure=failure,
+        record.run_dir, profile=record.profile.model_dump(mode="json") if record.profile else None,
+        device=record.device.model_dump(mode="json"), env=record.env.redacted() if record.env else None,
+        train=record.result.get("train"), evaluation=record.result.get("eval"), timings=dict(record.timings),
+        failure=failure,
     )
 
 

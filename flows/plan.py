@@ -6,6 +6,8 @@ directly, so rendering a cluster's command on a laptop needs no Prefect server a
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,10 +19,12 @@ from flows.request import RunRequest
 from profiles.errors import UserError
 from profiles.loader import resolve_profile
 from profiles.schema import RunProfile
+from profiles.validation import check_workers_fit
 from tasks.dataset import DatasetFiles, DataSpec, dataset_dir
 from tasks.device import DeviceInfo, detect_device, requested_device
 from tasks.environment import RuntimeEnv, resolve_environment
 from tasks.model import ModelCheckpoint, ModelSpec, model_dir
+from tasks.nodes import check_reachable, parse_ray_address
 
 
 class RunPlan(BaseModel):
@@ -89,23 +93,68 @@ def profile_for(request: RunRequest, device_kind: str) -> RunProfile:
     return resolve_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
 
 
-def check_stages_supported(profile: RunProfile, stages: list[str]) -> None:
-    """Refuse, before anything is fetched, a stage this backend cannot run from the flow."""
-    if profile.backend == "verl" and "train" in stages:
+def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> None:
+    """Refuse, before anything is fetched or started, what a later stage would fail on: a stage this
+    backend cannot run from the flow, a data or model source that is not there, more training
+    workers than the host has devices, and (for a real run) a Ray cluster that does not answer."""
+    stages = request.stages
+    if profile.backend == "verl" and "train" in stages and not dry_run:
         raise UserError(
             "backend verl: the flow does not submit verl training yet; stage the data and model with "
             "--stages fetch_dataset,prepare_checkpoint and launch the rendered command on the cluster "
             "(--dry-run prints it), or train with --backend local"
         )
+    if {"fetch_dataset", "train", "evaluate"} & set(stages):
+        DataSpec.from_profile(profile.data)
+    if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
+        ModelSpec.from_profile(profile.model)
+    if "train" in stages:
+        check_workers_fit(profile, device.count)
+    if not dry_run and (address := request.ray_address or os.environ.get("RAY_ADDRESS")):
+        origin = "--ray-address" if request.ray_address else "RAY_ADDRESS"
+        if parsed := parse_ray_address(address, origin):
+            check_reachable(parsed, origin)
+
+
+def check_run_dir(run_dir: Path, dry_run: bool) -> None:
+    """The run's folder can exist here: each name within the file system's limit and, for a run, the
+    folder made and written to now (a dry run writes nothing: it only checks the names)."""
+    ancestor = next(p for p in (run_dir, *run_dir.parents) if _exists(p))
+    try:
+        name_max = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    too_long = [part for part in run_dir.relative_to(ancestor).parts if len(os.fsencode(part)) > name_max]
+    if too_long:
+        raise UserError(f"--run-dir/--run-name: the name {too_long[0][:40]}... is {len(os.fsencode(too_long[0]))} bytes, "
+                        f"more than the file system's limit of {name_max}; choose a shorter --run-name")
+    if dry_run:
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise UserError(f"--run-dir: cannot write the run's folder {run_dir} ({exc.strerror or exc}); choose a writable "
+                        "--run-dir") from None
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long, a part that is a file: treated as not there
+        return False
 
 
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run)
     profile = profile_for(request, device.kind)
-    if not dry_run:
-        check_stages_supported(profile, request.stages)
+    check_plan(request, profile, device, dry_run)
     env = resolve_environment(profile, ray_address=request.ray_address)
+    if not dry_run:
+        env.check_references()
     run_dir = run_dir_for(request, device.kind)
+    check_run_dir(run_dir, dry_run)
     return RunPlan(
         run_dir=str(run_dir), device=device, profile=profile, env=env, command=training_command(request, profile, env, run_dir)
     )

@@ -7,7 +7,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tasks.environment import is_secret
+from profiles.errors import ProfileError, UserError
+from profiles.loader import overrides_to_layer
+from profiles.secrets import secret_literal_problems
+from tasks.nodes import parse_ray_address
 
 # The stages of the flow in order (DESIGN.md). `--stages` picks a subset of the ones built so far.
 PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")
@@ -19,11 +22,6 @@ INPUT_STAGES = {
     "export_checkpoint": ("train",),
     "evaluate": ("fetch_dataset", "prepare_checkpoint"),
 }
-
-
-# `env.HF_TOKEN=${HF_TOKEN}` lists a secret for the workers without its value: the value exported
-# where the flow runs wins over a profile's (tasks/environment.py), so that is the one they get.
-ENV_REFERENCE = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*(:-[^}]*)?\}")
 
 
 class RunRequest(BaseModel):
@@ -97,15 +95,25 @@ class RunRequest(BaseModel):
     @field_validator("overrides")
     @classmethod
     def no_secret_values(cls, overrides: list[str]) -> list[str]:
-        for item in overrides:
-            key, _, value = (part.strip() for part in item.partition("="))
-            name = key.removeprefix("env.")
-            if key.startswith("env.") and is_secret(name) and not ENV_REFERENCE.fullmatch(value):
-                raise ValueError(
-                    f"{key}: a secret's value in the run request would be stored by Prefect and shown in its UI; "
-                    f"export {name} where the flow runs (the worker's environment) and pass {key}=${{{name}}}"
-                )
+        """Prefect stores a run's parameters and shows them in its UI: a secret is named here only
+        by reference (`env.HF_TOKEN=${HF_TOKEN}`, read where the flow runs; profiles/secrets.py)."""
+        try:
+            layer = overrides_to_layer(overrides)
+        except ProfileError as exc:
+            raise ValueError(str(exc)) from None
+        if problems := secret_literal_problems(layer.get("env"), "--set"):
+            raise ValueError("; ".join(problems))
         return overrides
+
+    @field_validator("ray_address")
+    @classmethod
+    def ray_address_form(cls, address: str | None) -> str | None:
+        if address:
+            try:
+                parse_ray_address(address)
+            except UserError as exc:
+                raise ValueError(str(exc)) from None
+        return address or None
 
     @field_validator("run_name")
     @classmethod

@@ -8,11 +8,11 @@ is an error instead of a silently ignored setting. Layout rules that involve sev
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 import re
+import types
+from typing import Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 DeviceKind = Literal["gpu", "npu", "cpu"]
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -20,8 +20,22 @@ BackendName = Literal["local", "verl"]
 ProxyPolicy = Literal["clear", "bypass-cluster", "keep"]
 
 
+def _is_number(annotation: Any) -> bool:
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_is_number(arg) for arg in get_args(annotation))
+    return annotation in (int, float)
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic reads `true` as 1 for a number; `engine.tp=true` is a mistake, not TP 1."""
+        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
+            raise ValueError("expects a number, not true/false")
+        return value
 
 
 class Platform(Section):
@@ -331,8 +345,11 @@ class RunProfile(Section):
                 value = "true" if value else "false"
             elif isinstance(value, (int, float)):
                 value = str(value)
-            if not isinstance(value, str) or "\n" in value or "\0" in value:
-                raise ValueError(f"env {name}={value!r} must be a single-line string")
+            # The value is not echoed: it may be a secret.
+            if not isinstance(value, str):
+                raise ValueError(f"env {name}: its value is a {type(value).__name__}; it must be a single-line string")
+            if "\n" in value or "\0" in value:
+                raise ValueError(f"env {name}: its value spans several lines; it must be a single-line string")
             clean[name] = value
         return clean
 

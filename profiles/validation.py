@@ -153,3 +153,17 @@ def validate_profile(p: RunProfile) -> None:
     problems += length_problems(p)
     if problems:
         raise ProfileError("invalid profile: " + "; ".join(problems))
+
+
+def check_workers_fit(p: RunProfile, devices_here: int) -> None:
+    """The local backend on one host starts one training worker per device (on cpu: per process
+    slot); more than the host has would wait for devices that never come."""
+    workers = p.world_size
+    if p.backend != "local" or p.cluster.nnodes != 1 or devices_here <= 0 or workers <= devices_here:
+        return
+    kind = p.platform.kind
+    unit = "CPU cores" if kind == "cpu" else f"{kind.upper()}s"
+    raise ProfileError(
+        f"cluster.devices_per_node={p.cluster.devices_per_node}: {workers} training workers but this host has "
+        f"{devices_here} {unit}; set --set cluster.devices_per_node={devices_here} (or fewer)"
+    )

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field
 
 from profiles.errors import UserError
+from profiles.loader import path_kind
 from profiles.schema import DataSection
 from tasks.store import Built, Store
 
@@ -65,8 +66,9 @@ class DataSpec(BaseModel):
             raise UserError(f"data.source={data.source!r}: arith data is generated; leave data.source empty")
         source = data.source or DEFAULT_SOURCES[data.dataset]
         local = Path(source).expanduser()
-        kind = "local" if source.startswith(("/", ".", "~")) or local.is_dir() else "hub"
-        if kind == "local" and not local.is_dir():
+        is_dir = path_kind(local, "data.source") == "dir"
+        kind = "local" if source.startswith(("/", ".", "~")) or is_dir else "hub"
+        if kind == "local" and not is_dir:
             raise UserError(f"data.source={source!r} is not a directory; give a local directory or a hub repo id")
         files = data.files or DEFAULT_FILES.get(source, ANY_PARQUET)
         return cls(

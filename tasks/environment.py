@@ -13,28 +13,29 @@ on other nodes.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, MutableMapping
 from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from profiles.errors import ProfileError
 from profiles.schema import RunProfile
+from profiles.secrets import is_secret, parse_reference, redact
 
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 NO_PROXY_VARS = ("no_proxy", "NO_PROXY")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
-# Whole name parts, so HF_TOKEN and WANDB_API_KEY are secrets but TOKENIZERS_PARALLELISM is not.
-_SECRET_PARTS = {"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL", "CREDENTIALS"}
-_SECRET_SUFFIX = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD)$")
-REDACTED = "***"
-
 
 class EnvValue(BaseModel):
-    value: str | None = Field(..., description="The value the run uses; null: the variable is removed.")
+    value: str | None = Field(..., description="The value the run uses; null: the variable is removed (or, for a "
+                              "secret, never recorded).")
     source: Literal["profile", "user", "proxy-policy"] = Field(
         ..., description="`user`: exported before the run, and wins; `proxy-policy`: set by the proxy step."
+    )
+    secret_from: str | None = Field(
+        None, description="A secret: the variable of the flow's process it is read from when applied; its value "
+        "is never held here, so this value can be stored, logged and shown as it is.",
     )
 
 
@@ -46,14 +47,18 @@ class RuntimeEnv(BaseModel):
         default_factory=list,
         description="Set on the driver but not forwarded to workers (Ray assigns device visibility per worker).",
     )
+    unset_references: list[str] = Field(
+        default_factory=list, description="`NAME (${OTHER})`: references to variables this process does not have."
+    )
 
     @property
     def worker_env(self) -> dict[str, str]:
-        """Ray runtime_env env_vars. Secrets stay out (a runtime_env lands in job metadata and command
-        lines); a removed proxy becomes an empty value, which curl, requests and urllib read as none."""
+        """Ray runtime_env env_vars. Secrets stay out (a runtime_env lands in Ray's GCS, job metadata and
+        command lines; see profiles/secrets.py); a removed proxy becomes an empty value, which curl,
+        requests and urllib read as none."""
         env = {}
         for name, item in self.values.items():
-            if name in self.driver_only or is_secret(name):
+            if name in self.driver_only or is_secret(name) or item.secret_from:
                 continue
             env[name] = "" if item.value is None else item.value
         return env
@@ -61,44 +66,63 @@ class RuntimeEnv(BaseModel):
     def ray_runtime_env(self) -> dict:
         return {"env_vars": self.worker_env}
 
+    def check_references(self) -> None:
+        """A run (not a dry run) needs every variable its profile refers to."""
+        if self.unset_references:
+            raise ProfileError(
+                f"env: {', '.join(self.unset_references)} refer(s) to a variable that is not set where the flow runs; "
+                "export it there (for a deployment: in the worker's environment), or remove the entry"
+            )
+
     def apply(self, environ: MutableMapping[str, str] | None = None) -> None:
         """Make the driver's environment the run's environment."""
         environ = os.environ if environ is None else environ
         for name, item in self.values.items():
-            if item.value is None:
+            if item.secret_from:
+                if item.secret_from in environ:
+                    environ[name] = environ[item.secret_from]
+            elif item.value is None:
                 environ.pop(name, None)
             else:
                 environ[name] = item.value
 
     def redacted(self) -> dict[str, dict[str, str | None]]:
         return {
-            name: {"value": redact(name, item.value), "source": item.source}
+            name: {"value": "***" if item.secret_from else redact(name, item.value), "source": item.source}
             for name, item in sorted(self.values.items())
         }
 
 
-def is_secret(name: str) -> bool:
-    upper = name.upper()
-    return bool(_SECRET_PARTS.intersection(upper.split("_")) or _SECRET_SUFFIX.search(upper))
-
-
-def redact(name: str, value: str | None) -> str | None:
-    if value is None:
-        return None
-    if is_secret(name):
-        return REDACTED
-    # Proxy URLs may carry credentials: http://user:password@proxy:3128
-    return re.sub(r"(?<=://)[^/@\s]+@", f"{REDACTED}@", value)
-
-
 def ray_head_host(ray_address: str | None) -> str | None:
-    if not ray_address or ray_address in ("auto", "local"):
+    from tasks.nodes import parse_ray_address
+
+    if not ray_address:
         return None
-    address = re.sub(r"^[a-z]+://", "", ray_address).split("/", 1)[0]
-    bracketed = re.match(r"\[([^\]]+)\]", address)  # [IPv6]:port
-    if bracketed:
-        return bracketed.group(1)
-    return (address.rsplit(":", 1)[0] if address.count(":") == 1 else address) or None
+    address = parse_ray_address(ray_address, "RAY_ADDRESS")
+    return address.host if address else None
+
+
+def profile_value(name: str, value: str, environ: dict[str, str]) -> tuple[EnvValue | None, str | None]:
+    """A profile's env entry as the run uses it, or why it cannot be: the exported variable of the
+    same name wins (as `${VAR:-default}` did upstream); a `${OTHER}` / `${OTHER:-default}` value is
+    read from the environment; a secret is only ever a reference (profiles/secrets.py)."""
+    if name in environ:
+        if is_secret(name):
+            return EnvValue(value=None, source="user", secret_from=name), None
+        return EnvValue(value=environ[name], source="user"), None
+    reference = parse_reference(value)
+    if reference is None:
+        return EnvValue(value=value, source="profile"), None
+    other, default = reference
+    if is_secret(name):
+        if other in environ:
+            return EnvValue(value=None, source="user", secret_from=other), None
+        return None, f"{name} (${{{other}}})"
+    if other in environ:
+        return EnvValue(value=environ[other], source="user"), None
+    if default is not None:
+        return EnvValue(value=default, source="profile"), None
+    return None, f"{name} (${{{other}}})"
 
 
 def proxy_step(
@@ -130,11 +154,13 @@ def resolve_environment(
 ) -> RuntimeEnv:
     environ = dict(os.environ) if environ is None else environ
     values: dict[str, EnvValue] = {}
+    unset = []
     for name, default in profile.env.items():
-        if name in environ:
-            values[name] = EnvValue(value=environ[name], source="user")
+        item, missing = profile_value(name, default, environ)
+        if item is None:
+            unset.append(missing)
         else:
-            values[name] = EnvValue(value=default, source="profile")
+            values[name] = item
     head = ray_head_host(ray_address or environ.get("RAY_ADDRESS"))
     proxy_values, actions = proxy_step(profile.proxy_policy, environ, [h for h in (head, *cluster_hosts) if h])
     values.update(proxy_values)
@@ -144,4 +170,5 @@ def resolve_environment(
         proxy_policy=profile.proxy_policy,
         proxy_actions=actions,
         driver_only=[visible] if visible in values else [],
+        unset_references=unset,
     )

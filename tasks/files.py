@@ -1,29 +1,41 @@
-"""Atomic writes: a reader (or a retry) sees the old file or the new one, never half of one."""
+"""Atomic writes: a reader (or a retry) sees the old file or the new one, never half of one.
+
+File modes are chosen, not left to `mkstemp` (which makes every file 0600): a run's files (report,
+profile, metrics, manifests) are for the team and for Ray nodes that may run as other users, so
+they get the usual 0666 less the umask (0644 under the common umask 022); `private=True` makes a
+file only its owner can read (the run's lease, the local Prefect API's log).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
+SHARED_MODE, PRIVATE_MODE = 0o666, 0o600
 
-def write_text_atomic(path: Path, text: str) -> Path:
+
+def write_text_atomic(path: Path, text: str, mode: int | None = None, private: bool = False) -> Path:
+    """`mode`: exact permission bits; else SHARED_MODE less the umask, or PRIVATE_MODE."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_MODE if private else SHARED_MODE)
     try:
         with os.fdopen(fd, "w") as handle:
             handle.write(text)
             handle.flush()
+            if mode is not None:
+                os.fchmod(handle.fileno(), mode)
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
 
 
-def write_json_atomic(path: Path, data: Any) -> Path:
-    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+def write_json_atomic(path: Path, data: Any, mode: int | None = None, private: bool = False) -> Path:
+    return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=mode, private=private)

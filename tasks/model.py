@@ -23,7 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from profiles.errors import UserError
-from profiles.loader import architecture_from_hf_config
+from profiles.loader import architecture_from_hf_config, path_kind
 from profiles.schema import ModelArchitecture, ModelSection
 from tasks.builtin_models import BUILDERS
 from tasks.store import Built, Store
@@ -57,8 +57,9 @@ class ModelSpec(BaseModel):
                                 f"{', '.join(BUILTIN_PREFIX + n for n in BUILDERS)}")
             return cls(source_kind="builtin", source=name, **common)
         local = Path(model.path).expanduser()
-        if model.path.startswith(("/", ".", "~")) or local.is_dir():
-            if not local.is_dir():
+        is_dir = path_kind(local, "model.path") == "dir"
+        if model.path.startswith(("/", ".", "~")) or is_dir:
+            if not is_dir:
                 raise UserError(f"model.path={model.path!r} is not a directory; give a local HF directory or a hub repo id")
             return cls(source_kind="local", source=str(local.resolve()), **common)
         return cls(source_kind="hub", source=model.path, revision=model.revision, files=model.files, **common)

@@ -1,34 +1,173 @@
-"""Is a store entry visible from every node of the Ray cluster?
+"""The run's Ray: its address, the connection (bounded in time), its end, and whether a store entry
+is visible from every node.
 
-Datasets and models must sit on storage every node mounts (`data.root`, `model.root`). A path that
-exists only on the head node fails half an hour into a cluster run, on one worker; this check runs a
-small task on each alive node before training and names the nodes that cannot see the files.
+    python -m flows.grpo --model tiny --device cpu --ray-address head-node:6379
+
+An address is checked for its form when the run is requested and for an answer from the head
+before anything starts, so a typo fails in seconds with the address in the message, not minutes
+later inside Ray's own retries. Datasets and models must sit on storage every node mounts
+(`data.root`, `model.root`): a path that exists only on the head node fails half an hour into a
+cluster run, on one worker; a small task on each alive node checks it before training and names the
+nodes that cannot see the files.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import signal
+import socket
+import threading
 from pathlib import Path
+from typing import NamedTuple
 
 from profiles.errors import UserError
+from profiles.secrets import redact_url_credentials
 
 NODE_CHECK_TIMEOUT_S = 120
+# Reaching a cluster's head: a TCP connect first (a wrong host or port fails in seconds), then
+# Ray's own connection, which would otherwise retry for many minutes against a port that answers
+# but is not Ray's; a slow head may need more (GRPO_PIPELINE_RAY_CONNECT_TIMEOUT_S).
+TCP_PROBE_TIMEOUT_S = 10
+RAY_CONNECT_TIMEOUT_VAR, RAY_CONNECT_TIMEOUT_S = "GRPO_PIPELINE_RAY_CONNECT_TIMEOUT_S", 60.0
+# Ports Ray listens on by default, by address scheme (a bare host:port must name its port).
+DEFAULT_PORTS = {"ray": 10001, "http": 8265, "https": 443}
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
+_IPV6 = re.compile(r"[0-9A-Fa-f:.]+")
 
 
 class NotSharedError(UserError):
     """A path some Ray nodes cannot see."""
 
 
+class RayAddressError(UserError):
+    """A Ray address that is malformed or cannot be reached."""
+
+
+class RayAddress(NamedTuple):
+    scheme: str | None
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme + '://' if self.scheme else ''}{host}:{self.port}"
+
+
+def parse_ray_address(address: str, origin: str = "--ray-address") -> RayAddress | None:
+    """`host:port`, `ray://host[:port]`, `http(s)://host[:port]` or `[IPv6]:port`; None for `auto`
+    and `local` (Ray finds or starts the cluster itself). Credentials are refused: Ray's clients do
+    not use them, and the address is stored by Prefect and shown in its UI and the NO_PROXY list
+    (Ray authenticates with RAY_AUTH_TOKEN, exported where the flow runs)."""
+    text = address.strip()
+    if text in ("auto", "local"):
+        return None
+    how = "use host:port (the GCS, e.g. head-node:6379) or ray://host:10001"
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = None, text
+    elif scheme not in DEFAULT_PORTS:
+        raise RayAddressError(f"{origin}: unknown scheme {scheme!r}; {how}")
+    rest = rest.split("/", 1)[0]
+    if "@" in rest:
+        raise RayAddressError(
+            f"{origin}: a Ray address carries no credentials (they would be stored and shown with it); remove the "
+            "user:password@ part and export RAY_AUTH_TOKEN where the flow runs if the cluster uses token auth"
+        )
+    bracketed = re.fullmatch(r"\[([^\]]*)\](?::(.*))?", rest)
+    if bracketed:
+        host, port = bracketed.group(1), bracketed.group(2)
+        host_ok = bool(_IPV6.fullmatch(host))
+    else:
+        host, _, port = rest.partition(":") if rest.count(":") <= 1 else (rest, "", None)
+        port = port or None
+        host_ok = bool(_HOST.fullmatch(host))
+    if not host_ok:
+        raise RayAddressError(f"{origin}={redact_url_credentials(text)!r} names no valid host; {how}")
+    if port is None:
+        if scheme is None:
+            raise RayAddressError(f"{origin}={text!r} has no port; {how}")
+        return RayAddress(scheme, host, DEFAULT_PORTS[scheme])
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise RayAddressError(f"{origin}={text!r}: port {port!r} is not a number from 1 to 65535; {how}")
+    return RayAddress(scheme, host, int(port))
+
+
+def check_reachable(address: RayAddress, origin: str = "--ray-address") -> None:
+    """A TCP connection to the head, so a wrong host or port fails in seconds with its address."""
+    try:
+        with socket.create_connection((address.host, address.port), timeout=TCP_PROBE_TIMEOUT_S):
+            return
+    except OSError as exc:
+        if isinstance(exc, TimeoutError):
+            reason = f"no answer in {TCP_PROBE_TIMEOUT_S} s"
+        else:
+            reason = exc.strerror or type(exc).__name__
+        raise RayAddressError(
+            f"{origin}: cannot reach the Ray cluster at {address} ({reason}); start it (ray start --head) or fix the address"
+        ) from None
+
+
 def connect_ray(address: str | None, runtime_env: dict | None) -> None:
     """Join the run's Ray cluster (or start a local one) once per process, with the run's env."""
     import ray
 
-    if not ray.is_initialized():
-        # No address: a fresh local Ray ("local"), never whatever /tmp/ray/ray_current_cluster names
-        # (a cluster that may be long dead: ray.init would wait on it). A Ray started here runs no
-        # dashboard: on a small machine it takes a third of the CPU training needs. A cluster keeps its own.
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "local", runtime_env=runtime_env,
-                 log_to_driver=False, include_dashboard=False)
+    if ray.is_initialized():
+        return
+    # No address: a fresh local Ray ("local"), never whatever /tmp/ray/ray_current_cluster names
+    # (a cluster that may be long dead: ray.init would wait on it). A Ray started here runs no
+    # dashboard: on a small machine it takes a third of the CPU training needs. A cluster keeps its own.
+    origin = "--ray-address" if address else "RAY_ADDRESS"
+    target = address or os.environ.get("RAY_ADDRESS") or "local"
+    options = dict(address=target, runtime_env=runtime_env, log_to_driver=False, include_dashboard=False)
+    parsed = parse_ray_address(target, origin)
+    with sigterm_handler_kept():
+        if parsed is None:
+            # Started here, in this thread: Ray's local processes die with the thread that started them.
+            ray.init(**options)
+            return
+        check_reachable(parsed, origin)
+        timeout_s = float(os.environ.get(RAY_CONNECT_TIMEOUT_VAR) or RAY_CONNECT_TIMEOUT_S)
+        _init_within(options, timeout_s, f"{origin}: the Ray cluster at {parsed}")
+
+
+def _init_within(options: dict, timeout_s: float, what: str) -> None:
+    """ray.init on an existing cluster, given up after `timeout_s` (it starts no process here, so a
+    helper thread may make the call)."""
+    import ray
+
+    outcome: dict[str, BaseException] = {}
+
+    def init() -> None:
+        try:
+            ray.init(**options)
+        except BaseException as exc:  # re-raised in the caller's thread
+            outcome["error"] = exc
+
+    connecting = threading.Thread(target=init, name="ray-connect", daemon=True)
+    connecting.start()
+    connecting.join(timeout_s)
+    if connecting.is_alive():
+        raise RayAddressError(f"{what} accepted a connection but did not answer as Ray within {timeout_s:.0f} s; "
+                              "check the address names the head's GCS port (6379 by default) or ray:// port (a slow "
+                              f"head: raise {RAY_CONNECT_TIMEOUT_VAR})")
+    if "error" in outcome:
+        raise RayAddressError(f"{what}: {type(outcome['error']).__name__}: {outcome['error']}") from outcome["error"]
+
+
+class sigterm_handler_kept:
+    """ray.init makes SIGTERM `sys.exit` (and Ray's core installs a handler of its own that aborts
+    at exit); the run's handler (Prefect's, which marks the run crashed and runs its hooks) must
+    stay the one that answers a stop."""
+
+    def __enter__(self):
+        self.main = threading.current_thread() is threading.main_thread()
+        self.handler = signal.getsignal(signal.SIGTERM) if self.main else None
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.main and self.handler is not None:
+            signal.signal(signal.SIGTERM, self.handler)
 
 
 def stop_ray_job() -> bool:

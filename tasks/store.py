@@ -1,5 +1,7 @@
 """A content store for datasets and models: built once, verified, never seen half-written.
 
+    python -m tasks.store ~/data/arith/b19035b198d99ff6 --deep   # check an entry, hashing every file
+
 An entry lives at `<root>/<name>/<key>/`, where the key hashes everything that determines its content
 (source, revision, file patterns, preprocessing version), so a second run with the same inputs finds
 it no matter which run built it. Each entry holds a `manifest.json` with the size and sha256 of every
@@ -31,9 +33,15 @@ from tasks.progress import Bar
 MANIFEST = "manifest.json"
 HASH_CHUNK = 8 << 20
 # Hashing every byte of a 244 GB checkpoint on every run would cost minutes. Up to this size a
-# cached entry is hashed in full on every use (datasets: milliseconds); above it, a file whose size
-# and mtime are those recorded is trusted and any other file is hashed.
+# cached entry is hashed in full on every use (datasets, small models: milliseconds); above it, a
+# file whose size, mtime and ctime are those recorded when it was last hashed is trusted and any
+# other file is hashed. Writing to a file changes its mtime, and setting the mtime back changes its
+# ctime (which no call can set), so an edited file is always hashed.
 DEEP_VERIFY_MAX_BYTES = 256 << 20
+# Entries are shared by a team and by Ray nodes that may run as other users: everyone who can reach
+# the store reads them (they hold data and weights, never a secret). Nothing rewrites an entry in
+# place, so no one needs to write to it.
+ENTRY_FILE_MODE, ENTRY_DIR_MODE = 0o644, 0o755
 # sha256 runs outside the GIL, so files hash in parallel.
 HASH_THREADS = min(8, os.cpu_count() or 1)
 
@@ -42,6 +50,10 @@ class FileRecord(BaseModel):
     size: int = Field(..., ge=0, description="Bytes.")
     sha256: str = Field(..., description="Hex sha256 of the content.")
     mtime_ns: int | None = Field(None, description="Modification time when hashed.")
+    ctime_ns: int | None = Field(None, description="Inode change time when hashed.")
+
+    def stat_matches(self, stat: os.stat_result) -> bool:
+        return (stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns) == (self.size, self.mtime_ns, self.ctime_ns)
 
 
 class Built(BaseModel):
@@ -102,10 +114,11 @@ def hash_tree(directory: Path, desc: str, known: dict[str, str] | None = None) -
     files = {f.relative_to(directory).as_posix(): f for f in content_files(directory)}
     todo = [name for name in files if name not in known]
     hashes = dict(known) | dict(zip(todo, sha256_files([files[n] for n in todo], desc)))
-    return {
-        name: FileRecord(size=path.stat().st_size, sha256=hashes[name], mtime_ns=path.stat().st_mtime_ns)
-        for name, path in files.items()
-    }
+    return {name: _record(path.stat(), hashes[name]) for name, path in files.items()}
+
+
+def _record(stat: os.stat_result, sha256: str) -> FileRecord:
+    return FileRecord(size=stat.st_size, sha256=sha256, mtime_ns=stat.st_mtime_ns, ctime_ns=stat.st_ctime_ns)
 
 
 def read_manifest(directory: Path) -> Manifest | None:
@@ -130,33 +143,69 @@ def fingerprint(directory: Path) -> str | None:
 def verify_entry(directory: Path, deep: bool | None = None) -> list[str]:
     """Problems with an entry (empty when intact). deep=True hashes every file; deep=False only
     compares sizes (a quick look, e.g. from another node); the default hashes every file of a small
-    entry, and of a large one each file whose size or mtime is not the one recorded."""
+    entry, and of a large one each file whose size, mtime or ctime is not the one recorded (and
+    records the new times of a file that proves intact, so it is not hashed again)."""
     manifest = read_manifest(directory)
     if manifest is None:
         return [f"{directory / MANIFEST} is missing or unreadable"]
     small = manifest.total_bytes <= DEEP_VERIFY_MAX_BYTES
-    problems, to_hash = [], []
+    problems, to_hash, restamped = [], [], {}
     for name, record in manifest.files.items():
         path = directory / name
-        if not path.is_file():
+        try:
+            stat = path.stat()
+        except OSError:
             problems.append(f"{name} is missing")
-        elif path.stat().st_size != record.size:
-            problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {record.size}")
-        elif deep or (deep is None and (small or path.stat().st_mtime_ns != record.mtime_ns)):
-            to_hash.append(name)
-    hashes = sha256_files([directory / n for n in to_hash], f"verify {directory.parent.name}")
-    for name, digest in zip(to_hash, hashes):
+            continue
+        if stat.st_size != record.size:
+            problems.append(f"{name} has {stat.st_size} bytes, the manifest says {record.size}")
+        elif deep or (deep is None and (small or not record.stat_matches(stat))):
+            to_hash.append((name, stat))
+    hashes = sha256_files([directory / name for name, _ in to_hash], f"verify {directory.parent.name}")
+    for (name, stat), digest in zip(to_hash, hashes):
         if digest != manifest.files[name].sha256:
             problems.append(f"{name} does not match its sha256")
+        elif not manifest.files[name].stat_matches(stat):
+            restamped[name] = _record(stat, digest)
     extra = {f.relative_to(directory).as_posix() for f in content_files(directory)} - set(manifest.files)
     problems += [f"{name} is not in the manifest" for name in sorted(extra)]
+    if restamped and not problems:
+        _restamp(directory, manifest, restamped)
     return problems
+
+
+def _restamp(directory: Path, manifest: Manifest, records: dict[str, FileRecord]) -> None:
+    """Best effort: a reader without write access to a shared store only hashes those files again."""
+    try:
+        updated = manifest.model_copy(update={"files": manifest.files | records})
+        write_json_atomic(directory / MANIFEST, updated.model_dump(mode="json"), mode=ENTRY_FILE_MODE)
+    except OSError:
+        pass
+
+
+def what_is_checked(directory: Path) -> str:
+    """What `verify_entry` checks on this entry by default, in words (for the log of a cache hit)."""
+    manifest = read_manifest(directory)
+    if manifest is None:
+        return "no manifest"
+    files, size = len(manifest.files), Bar.format_sizeof(manifest.total_bytes, "B", 1000)
+    if manifest.total_bytes <= DEEP_VERIFY_MAX_BYTES:
+        return f"sha256 of all {files} files ({size})"
+    return f"size, mtime and ctime of all {files} files ({size}), sha256 of any that changed"
 
 
 class Entry(BaseModel):
     path: Path
     manifest: Manifest
     cached: bool = Field(..., description="True when an intact entry was found and nothing was built.")
+
+
+def make_readable(directory: Path) -> None:
+    """Entry modes (ENTRY_FILE_MODE, ENTRY_DIR_MODE), whatever the builder's umask; done before the
+    manifest records each file's ctime, which a chmod changes."""
+    os.chmod(directory, ENTRY_DIR_MODE)
+    for path in directory.rglob("*"):
+        os.chmod(path, ENTRY_DIR_MODE if path.is_dir() else ENTRY_FILE_MODE)
 
 
 class Store:
@@ -202,13 +251,14 @@ class Store:
             out.mkdir(parents=True)
             scratch.mkdir(exist_ok=True)
             built = build(scratch, out)
+            make_readable(out)
             manifest = Manifest(
                 identity=identity,
                 files=hash_tree(out, f"sha256 {name}", built.sha256),
                 details=built.details,
                 created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             )
-            write_json_atomic(out / MANIFEST, manifest.model_dump(mode="json"))
+            write_json_atomic(out / MANIFEST, manifest.model_dump(mode="json"), mode=ENTRY_FILE_MODE)
             self._install(out, final)
             shutil.rmtree(staging, ignore_errors=True)
             return Entry(path=final, manifest=manifest, cached=False)
@@ -232,3 +282,23 @@ class Store:
         os.replace(built, final)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tasks.store ENTRY... [--deep]`: check store entries; exit 1 if one is damaged."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tasks.store", description="Check content-store entries.")
+    parser.add_argument("entries", nargs="+", type=Path, help="entry directories (each holds a manifest.json)")
+    parser.add_argument("--deep", action="store_true", help="hash every file, whatever its timestamps say")
+    args = parser.parse_args(argv)
+    damaged = 0
+    for entry in args.entries:
+        problems = verify_entry(entry, deep=True if args.deep else None)
+        damaged += bool(problems)
+        print(f"{entry}: {'; '.join(problems) if problems else 'intact'}")
+    return 1 if damaged else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

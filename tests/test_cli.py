@@ -66,7 +66,7 @@ def test_local_backend_dry_run_on_cpu():
         (["--set", "proxy_policy=sometimes"], {}, "proxy_policy='sometimes': input should be 'clear', 'bypass-cluster' or 'keep'"),
         (["--set", "env.BAD-NAME=1"], {}, "env name 'BAD-NAME' is not a valid variable name"),
         # A secret typed into the request would be stored by Prefect: refused, and not echoed.
-        (["--set", "env.HF_TOKEN=hf_typed_in"], {}, "--set: env.HF_TOKEN: a secret's value in the run request"),
+        (["--set", "env.HF_TOKEN=hf_typed_in"], {}, "--set: env.HF_TOKEN holds a literal value; a secret is read from the environment"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, args, env, fragment):
@@ -115,3 +115,140 @@ def test_dry_run_json_applies_proxy_policy_to_all_case_forms_and_hides_token(pol
         assert not any(part.split("=")[0].endswith(("_proxy", "_PROXY")) and "NO_PROXY" not in part.upper()
                        for part in plan["command"])
     assert SECRET not in done.stdout + done.stderr
+
+
+# --- Hostile input (issue 12): each is refused by a dry run with one line, exit 2, no traceback,
+# and no secret value in the output. `{tmp}` is the test's directory.
+SECRET_LIKE = "hf_s3cr3t_never_shown"
+
+
+def _files(tmp_path):
+    (tmp_path / "latin1.yaml").write_bytes(b"engine:\n  tp: \xff\xfe\n")
+    (tmp_path / "multiline-token.yaml").write_text(f"env:\n  HF_TOKEN: |\n    {SECRET_LIKE}\n    second line\n")
+    (tmp_path / "token.yaml").write_text(f"env:\n  HF_TOKEN: {SECRET_LIKE}\n")
+    levels = ["a: &a [" + ", ".join(["lol"] * 9) + "]"]
+    for name, below in zip("bcdefghi", "abcdefgh"):
+        levels.append(f"{name}: &{name} [" + ", ".join([f"*{below}"] * 9) + "]")
+    (tmp_path / "bomb.yaml").write_text("engine:\n  transformer_overrides:\n" + "".join(f"    {line}\n" for line in levels))
+    (tmp_path / "self.yaml").write_text("engine:\n  transformer_overrides: &me\n    again: *me\n")
+    for name, config in (("list-config", b"[1, 2]"), ("string-text-config", b'{"text_config": "qwen"}'),
+                         ("binary-config", bytes(range(256)))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_bytes(config)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--profile-file", "{tmp}/latin1.yaml"], "is not UTF-8 text (byte 0xff at offset 14); save it as UTF-8"),
+        (["--profile-file", "{tmp}/bomb.yaml"], "expands to more than 20,000 values through YAML anchors and aliases"),
+        (["--profile-file", "{tmp}/self.yaml"], "(or an alias refers to itself)"),
+        (["--model", "{tmp}/list-config"], "config.json holds a JSON list, not the object of a Hugging Face config"),
+        (["--model", "{tmp}/string-text-config"], "config.json's text_config is a str, not an object"),
+        (["--model", "{tmp}/binary-config"], "config.json is not JSON text"),
+        (["--model", "{tmp}/" + "m" * 300], "File name too long; give a shorter or accessible path"),
+        (["--stages", ""], "--stages='' names no stage"),
+        (["--stages", " , "], "names no stage"),
+        (["--set", "engine.tp=true"], "engine.tp=True: expects a number, not true/false"),
+        (["--set", "algorithm.lr=false"], "algorithm.lr=False: expects a number, not true/false"),
+        (["--set", "model.path=builtin:nope"], "model.path='builtin:nope': no such built-in model"),
+        (["--set", "data.dataset=gsm8k", "--set", "data.source=/nonexistent/dir"], "data.source='/nonexistent/dir' is not a directory"),
+        (["--ray-address", "notahost:99999"], "port '99999' is not a number from 1 to 65535"),
+        (["--ray-address", "head-node"], "has no port"),
+        (["--run-name", "r" * 300], "is 300 bytes, more than the file system's limit of 255"),
+    ],
+    ids=["non-utf8-profile", "yaml-alias-bomb", "yaml-alias-to-itself", "config-json-list", "config-json-string-text-config",
+         "config-json-binary", "model-path-too-long", "empty-stages", "blank-stages", "bool-for-int", "bool-for-float",
+         "unknown-builtin-model", "missing-data-source", "ray-port-out-of-range", "ray-address-without-port",
+         "run-name-too-long"],
+)
+def test_a_dry_run_refuses_hostile_input_with_one_line(tmp_path, args, fragment):
+    _files(tmp_path)
+    # A later --model replaces the first (argparse keeps the last value).
+    done = cli("--model", "tiny", "--device", "cpu", *[a.replace("{tmp}", str(tmp_path)) for a in args], "--dry-run",
+               "--run-dir", str(tmp_path / "runs"))
+    assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert fragment in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--set", f"env={{WANDB_API_KEY: {SECRET_LIKE}, API_KEY: {SECRET_LIKE}}}"], "env.WANDB_API_KEY holds a literal value"),
+        (["--set", f"env.MY_PASSWORD=${{MY_PASSWORD:-{SECRET_LIKE}}}"], "env.MY_PASSWORD holds a default value in its reference"),
+        (["--profile-file", "{tmp}/token.yaml"], "token.yaml: env.HF_TOKEN holds a literal value"),
+        (["--profile-file", "{tmp}/multiline-token.yaml"], "env.HF_TOKEN holds a literal value"),
+        (["--set", f"env.HF_TOKEN=[{SECRET_LIKE}]"], "env.HF_TOKEN holds a literal value"),
+        (["--set", f"env.HF_TOKEN:{SECRET_LIKE}"], "--set 'env.HF_TOKEN...' (the rest not shown: it may be a secret) is not KEY=VALUE"),
+        (["--set", f"env.LIST_VALUE=[{SECRET_LIKE}]"], "env LIST_VALUE: its value is a list"),
+        (["--ray-address", f"ray://user:{SECRET_LIKE}@head:10001"], "a Ray address carries no credentials"),
+        (["--ray-address", f"ray://user:{SECRET_LIKE}@bad host"], "a Ray address carries no credentials"),
+    ],
+    ids=["env-mapping", "reference-with-literal-default", "profile-file-literal", "profile-file-multiline",
+         "list-value-for-secret", "no-equals-sign", "list-value-not-echoed", "ray-address-credentials",
+         "ray-address-credentials-bad-host"],
+)
+def test_a_secret_literal_is_refused_and_never_echoed(tmp_path, args, fragment):
+    _files(tmp_path)
+    done = cli("--model", "tiny", "--device", "cpu", *[a.replace("{tmp}", str(tmp_path)) for a in args], "--dry-run", "--json")
+    assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], done.stderr
+    assert SECRET_LIKE not in done.stdout + done.stderr
+
+
+def test_an_exported_secret_is_named_by_reference_and_never_shown(tmp_path):
+    done = cli("--model", "tiny", "--device", "cpu", "--set", "env.HF_TOKEN=${HF_TOKEN}", "--set",
+               "env.WANDB_API_KEY=${MY_WANDB_KEY}", "--dry-run", "--json",
+               env={"HF_TOKEN": SECRET_LIKE, "MY_WANDB_KEY": SECRET_LIKE + "2"})
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["env"]["HF_TOKEN"] == {"value": "***", "source": "user"}
+    assert plan["env"]["WANDB_API_KEY"] == {"value": "***", "source": "user"}
+    assert plan["profile"]["env"]["HF_TOKEN"] == "${HF_TOKEN}"  # the profile holds the reference only
+    assert SECRET_LIKE not in done.stdout + done.stderr
+
+
+def test_a_run_refuses_a_reference_to_a_secret_that_is_not_exported(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
+    done = subprocess.run([sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--set",
+                           "env.HF_TOKEN=${HF_TOKEN}", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("error: env: HF_TOKEN (${HF_TOKEN}) refer(s) to a variable that is not set"), done.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("run_dir", "run_name", "fragment"),
+    [
+        ("/proc/grpo-runs", "r1", "--run-dir: cannot write the run's folder /proc/grpo-runs/r1"),
+        ("/etc/hostname/runs", "r1", "(Not a directory); choose a writable --run-dir"),
+        ("{tmp}/runs", "r" * 300, "is 300 bytes, more than the file system's limit of 255"),
+    ],
+    ids=["proc", "under-a-file", "name-too-long"],
+)
+def test_a_run_whose_folder_cannot_be_written_starts_nothing(tmp_path, run_dir, run_name, fragment):
+    done = cli("--model", "tiny", "--device", "cpu", "--run-dir", run_dir.replace("{tmp}", str(tmp_path)),
+               "--run-name", run_name, env={"PREFECT_HOME": str(tmp_path / "prefect")})
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], done.stderr[-2000:]
+    assert not (tmp_path / "prefect").exists()  # no Prefect API, no lease: nothing started
+
+
+def test_an_unreachable_ray_address_fails_in_seconds_before_anything_starts(tmp_path):
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    for address, fragment in (("notahost.invalid:6379", "cannot reach the Ray cluster at notahost.invalid:6379"),
+                              (f"127.0.0.1:{port}", f"cannot reach the Ray cluster at 127.0.0.1:{port} (Connection refused)")):
+        done = cli("--model", "tiny", "--device", "cpu", "--ray-address", address, "--run-dir", str(tmp_path / "runs"),
+                   env={"PREFECT_HOME": str(tmp_path / "prefect")})
+        assert done.returncode == 2 and done.stderr.startswith(f"error: --ray-address: {fragment}"), done.stderr[-2000:]
+        assert not (tmp_path / "prefect").exists() and not (tmp_path / "runs").exists()

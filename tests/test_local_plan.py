@@ -83,3 +83,27 @@ def test_overlong_prompts_are_refused_or_filtered(tmp_path, arith_train, tiny_mo
     filtered = plan(tmp_path, arith_train, tiny_model, 2, "data.max_prompt_length=8", "data.filter_overlong_prompts=true")
     assert check_prompt_lengths(filtered) == 64
     assert check_prompt_lengths(plan(tmp_path, arith_train, tiny_model)) == 0
+
+
+def test_a_one_gpu_host_is_refused_the_gpu_platforms_eight_workers_at_planning(tmp_path):
+    """--device gpu with a local HF directory on a 1-GPU host: refused when the run is planned (the
+    CLI before anything starts, a deployment in resolve_profile), naming the setting to change."""
+    import json
+
+    from flows.plan import check_plan
+    from flows.request import RunRequest
+    from tasks.device import detect_device
+
+    model = tmp_path / "hf-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                   "num_key_value_heads": 2, "hidden_size": 64, "vocab_size": 512}))
+    one_gpu = detect_device("gpu", probe={"gpu": {"status": "available", "count": 1, "names": ["NVIDIA H200"],
+                                                  "memory_gib": [139.8], "detail": "CUDA sees 1 GPU(s)"}})
+    request = RunRequest(model=str(model), device="gpu")
+    profile = resolve_profile(str(model), "gpu")
+    with pytest.raises(ProfileError, match=r"cluster.devices_per_node=8: 8 training workers but this host has 1 GPUs; "
+                                           r"set --set cluster.devices_per_node=1"):
+        check_plan(request, profile, one_gpu, dry_run=False)
+    fitted = resolve_profile(str(model), "gpu", overrides=["cluster.devices_per_node=1"])
+    check_plan(request, fitted, one_gpu, dry_run=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from flows.plan import check_stages_supported
+from flows.plan import check_plan
 from flows.request import RunRequest
 from flows.serve import PREFECT_YAML, deployments_in, to_runner_deployment
 from profiles.errors import UserError
@@ -28,7 +28,10 @@ def test_an_unknown_deployment_name_is_refused_with_the_known_ones():
 
 
 def test_verl_training_is_refused_before_anything_is_fetched_and_staging_is_not():
-    profile = resolve_profile("qwen3.5-122b-a10b", "npu")
+    from tasks.device import detect_device
+
+    profile, npu = resolve_profile("qwen3.5-122b-a10b", "npu"), detect_device("npu", dry_run=True)
     with pytest.raises(UserError, match="does not submit verl training yet"):
-        check_stages_supported(profile, RunRequest(model="qwen3.5-122b-a10b").stages)
-    check_stages_supported(profile, RunRequest(model="qwen3.5-122b-a10b", stages=["fetch_dataset", "prepare_checkpoint"]).stages)
+        check_plan(RunRequest(model="qwen3.5-122b-a10b"), profile, npu, dry_run=False)
+    staging = RunRequest(model="qwen3.5-122b-a10b", stages=["fetch_dataset", "prepare_checkpoint"])
+    check_plan(staging, profile, npu, dry_run=False)

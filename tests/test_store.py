@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import tasks.store
 from tasks.store import MANIFEST, Built, Store, verify_entry
 
 IDENTITY = {"source": "unit", "revision": "r1"}
@@ -116,13 +117,65 @@ def test_concurrent_runs_build_once_and_never_see_half_an_entry(tmp_path):
     assert verify_entry(Path(paths[0])) == []
 
 
-def test_a_large_entry_hashes_only_the_files_whose_size_or_mtime_changed(tmp_path, monkeypatch):
-    monkeypatch.setattr("tasks.store.DEEP_VERIFY_MAX_BYTES", 100)  # the entry (2.5 kB) counts as large
-    store, calls = Store(tmp_path), []
-    entry = store.get_or_build("thing", IDENTITY, build_two_files(calls))
+def test_a_large_entry_edited_with_its_mtime_set_back_is_still_hashed_and_caught(tmp_path, monkeypatch):
+    """Setting the mtime back (touch -r) changes the ctime, which no call can set: the edit is seen."""
+    monkeypatch.setattr("tasks.store.DEEP_VERIFY_MAX_BYTES", 100)
+    entry = Store(tmp_path).get_or_build("thing", IDENTITY, build_two_files([]))
     blob = entry.path / "sub" / "b.bin"
-    stat = blob.stat()
-    blob.write_bytes(b"\xff" + blob.read_bytes()[1:])  # same size, new mtime: hashed, caught
+    before = blob.stat()
+    with open(blob, "r+b") as handle:  # one byte in the middle, same size
+        handle.seek(1000)
+        handle.write(b"\x00" if handle.read(1) != b"\x00" else b"\x01")
+    os.utime(blob, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert blob.stat().st_mtime_ns == before.st_mtime_ns and blob.stat().st_size == before.st_size
     assert verify_entry(entry.path) == ["sub/b.bin does not match its sha256"]
-    os.utime(blob, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size and mtime: trusted
-    assert verify_entry(entry.path) == [] and verify_entry(entry.path, deep=True) == ["sub/b.bin does not match its sha256"]
+
+
+def test_a_large_entry_hashes_only_files_whose_times_changed_and_only_once(tmp_path, monkeypatch):
+    """Unchanged files are trusted on their size, mtime and ctime; a file whose times changed but not
+    its bytes (a copied store) is hashed, and the manifest then records its new times."""
+    monkeypatch.setattr("tasks.store.DEEP_VERIFY_MAX_BYTES", 100)  # the entry (2.5 kB) counts as large
+    entry = Store(tmp_path).get_or_build("thing", IDENTITY, build_two_files([]))
+    hashed = []
+    real = tasks.store.sha256_files
+    monkeypatch.setattr("tasks.store.sha256_files", lambda paths, desc: hashed.append(len(paths)) or real(paths, desc))
+    assert verify_entry(entry.path) == [] and hashed == [0]
+    blob = entry.path / "sub" / "b.bin"
+    os.utime(blob, ns=(blob.stat().st_atime_ns, blob.stat().st_mtime_ns + 10**9))
+    assert verify_entry(entry.path) == [] and hashed == [0, 1]
+    assert verify_entry(entry.path) == [] and hashed == [0, 1, 0]
+    assert verify_entry(entry.path, deep=True) == [] and hashed == [0, 1, 0, 2]
+
+
+def test_entries_are_readable_by_everyone_whatever_the_builders_umask(tmp_path):
+    old = os.umask(0o077)
+    try:
+        entry = Store(tmp_path).get_or_build("thing", IDENTITY, build_two_files([]))
+    finally:
+        os.umask(old)
+    for path in [entry.path, *entry.path.rglob("*")]:
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
+    assert verify_entry(entry.path) == []  # the manifest recorded the times after the modes were set
+
+
+def test_run_files_follow_the_umask_and_private_ones_are_owner_only(tmp_path):
+    from tasks.files import write_text_atomic
+
+    old = os.umask(0o022)
+    try:
+        shared = write_text_atomic(tmp_path / "report.md", "# report")
+        private = write_text_atomic(tmp_path / "lease.json", "{}", private=True)
+    finally:
+        os.umask(old)
+    assert shared.stat().st_mode & 0o777 == 0o644 and private.stat().st_mode & 0o777 == 0o600
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_the_deep_check_command_reports_each_entry(tmp_path, capsys):
+    from tasks.store import main
+
+    good = Store(tmp_path).get_or_build("thing", IDENTITY, build_two_files([]))
+    bad = Store(tmp_path).get_or_build("thing", {**IDENTITY, "revision": "r2"}, build_two_files([]))
+    (bad.path / "a.txt").write_text("ALPHA")
+    assert main([str(good.path), str(bad.path), "--deep"]) == 1
+    assert capsys.readouterr().out.splitlines() == [f"{good.path}: intact", f"{bad.path}: a.txt does not match its sha256"]

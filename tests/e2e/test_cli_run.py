@@ -85,7 +85,9 @@ def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stoppe
         time.sleep(0.5)
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
-    assert process.returncode != 0
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]  # the shell's code for "stopped by SIGTERM"
+    assert "stopped by SIGTERM" in output and "Aborted" not in output
+    assert not list((tmp_path / "prefect" / "grpo-pipeline" / "leases").glob("*"))  # released, log removed
     report = (tmp_path / "runs" / "stopped" / "report.md").read_text()
     assert "**The run failed.** Stage `train`" in report, output[-3000:]
     assert "stopped this run's Ray job" in output
@@ -100,7 +102,7 @@ def _train_workers() -> list[str]:
     return [line for line in found.splitlines() if "pgrep" not in line]
 
 
-def test_the_local_api_stops_even_when_sending_the_last_logs_fails(monkeypatch):
+def test_the_local_api_stops_even_when_sending_the_last_logs_fails(monkeypatch, tmp_path):
     from prefect.logging.handlers import APILogHandler
 
     from flows.local_api import local_api_unless_configured
@@ -111,6 +113,98 @@ def test_the_local_api_stops_even_when_sending_the_last_logs_fails(monkeypatch):
         raise RuntimeError("flush failed")
 
     monkeypatch.setattr(APILogHandler, "flush", broken_flush)
-    with pytest.raises(RuntimeError, match="flush failed"), local_api_unless_configured() as api:
+    with pytest.raises(RuntimeError, match="flush failed"), local_api_unless_configured(tmp_path / "api.log") as api:
         api.wait_ready()
     assert api.process.poll() is not None and "PREFECT_API_URL" not in os.environ
+
+
+def test_a_port_that_is_not_rays_fails_the_run_in_bounded_time_naming_the_address_and_the_step(tmp_path):
+    """A head address whose port accepts connections but is not Ray's GCS: Ray's own client would
+    retry for many minutes; the run stops after the connection limit, and its report names the step."""
+    import socket
+
+    with socket.socket() as listener:  # accepts TCP connections (the kernel's backlog), never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "GRPO_PIPELINE_RAY_CONNECT_TIMEOUT_S": "3"}
+        env.pop("PREFECT_API_URL", None)
+        done = subprocess.run(
+            [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
+             "--run-name", "not-ray", "--ray-address", address, "--stages", "fetch_dataset",
+             "--set", f"data.root={tmp_path / 'data'}"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        )
+    assert done.returncode == 2, done.stderr[-3000:]
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: --ray-address: the Ray cluster at {address} accepted a connection but did not "
+                            "answer as Ray within 3 s")
+    report = (tmp_path / "runs" / "not-ray" / "report.md").read_text()
+    assert "**The run failed.** Stage `fetch_dataset: check that every Ray node sees data.root`: RayAddressError" in report
+
+
+def test_a_run_killed_with_sigkill_leaves_nothing_a_later_run_does_not_end(tmp_path):
+    """kill -9 of the CLI mid-training: its Prefect API dies with it; the next run ends the Ray
+    processes and training worker it left, marks its flow run crashed, and removes its files."""
+    import json
+    import time
+
+    import psutil
+
+    from flows.lease import _lease_of
+    from flows.local_api import LocalAPI
+
+    home = tmp_path / "prefect"
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(home)}
+    env.pop("PREFECT_API_URL", None)
+    common = ["--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
+              "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}"]
+    killed = subprocess.Popen([sys.executable, "-m", "flows.grpo", *common, "--run-name", "killed",
+                               "--set", "trainer.total_training_steps=500"],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = tmp_path / "runs" / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().strip()):
+        assert killed.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.5)
+    leases = home / "grpo-pipeline" / "leases"
+    (lease_file,) = leases.glob("*.json")
+    lease = json.loads(lease_file.read_text())
+    killed.kill()
+    killed.wait()
+
+    def carrying_the_lease() -> list[str]:
+        found = []
+        for process in psutil.process_iter():
+            try:
+                if _lease_of(process) == lease["id"]:
+                    found.append(" ".join(process.cmdline())[:80])
+            except psutil.Error:
+                continue
+        return found
+
+    deadline = time.monotonic() + 20
+    while any("prefect" in cmd and "server" in cmd for cmd in carrying_the_lease()):
+        assert time.monotonic() < deadline, "the local Prefect API outlived the process that started it"
+        time.sleep(0.5)
+
+    later = subprocess.run([sys.executable, "-m", "flows.grpo", *common, "--run-name", "later", "--stages", "fetch_dataset"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert later.returncode == 0, later.stderr[-3000:]
+    assert f"marked 1 flow run(s) crashed, left by killed run(s) of pid(s) {lease['pid']}" in later.stdout + later.stderr
+    assert carrying_the_lease() == []  # no stray server, Ray agent or training worker
+    steps = metrics.read_text()
+    time.sleep(3)
+    assert metrics.read_text() == steps  # nothing writes into the killed run's directory any more
+    assert sorted(p.name for p in leases.iterdir()) == []  # its lease and its API's log are gone
+
+    api = LocalAPI(tmp_path / "api.log", env={**env, "PREFECT_HOME": str(home)})
+    try:
+        api.wait_ready()
+        done = subprocess.run(
+            [sys.executable, "-c", "import sys; from prefect.client.orchestration import get_client\n"
+             "with get_client(sync_client=True) as c: print(c.read_flow_run(sys.argv[1]).state.type.value)",
+             lease["flow_runs"][0]], env={**env, "PREFECT_API_URL": api.url}, capture_output=True, text=True, timeout=120)
+    finally:
+        api.stop()
+    assert done.stdout.strip() == "CRASHED", done.stderr[-2000:]

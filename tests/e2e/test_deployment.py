@@ -32,7 +32,7 @@ def server(tmp_path_factory):
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
     env.pop("PREFECT_API_URL", None)
-    api = LocalAPI(env=env)
+    api = LocalAPI(home / "api.log", env=env)
     try:
         api.wait_ready(timeout=180)
         yield {**env, "PREFECT_API_URL": api.url}

@@ -6,10 +6,19 @@ import asyncio
 import json
 import os
 import re
+from pathlib import Path
 
 import yaml
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey, FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterKey,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 
 from datasets_fixtures import gsm8k_repo_files
 from flows.pipeline import grpo_pipeline
@@ -65,8 +74,16 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     for target in re.findall(r"\]\(([^)]+)\)", report):
         assert (run_dir / target).exists(), target  # every link in the report resolves
     assert "hf_never_written" not in report
+    # The run's own files are for the team and the Ray nodes: readable, as the umask says (not 0600).
+    for written in [*run_dir.glob("*.*"), *run_dir.glob("data/*.json"), *run_dir.glob("eval/*.json")]:
+        assert written.stat().st_mode & 0o777 == 0o666 & ~_umask(), written
 
     flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
+    stored = json.dumps(flow_run.parameters) + "".join(a.model_dump_json() for a in asyncio.run(_artifacts(None)))
+    stored += "".join(log.message for log in asyncio.run(_logs(flow_run.id)))
+    assert "hf_never_written" not in stored  # Prefect's database: parameters, artifacts, logs
+    for result_file in Path(PREFECT_LOCAL_STORAGE_PATH.value()).rglob("*"):
+        assert not result_file.is_file() or b"hf_never_written" not in result_file.read_bytes()
     assert flow_run.state.is_completed()
     assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(STAGES)
     assert all(t.state.is_completed() for t in task_runs)
@@ -89,9 +106,20 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     assert third.result()["dataset"]["rows"] == {"train": 1024, "test": 128}
 
 
-async def _artifacts(keys: list[str]):
+async def _artifacts(keys: list[str] | None):
     async with get_client() as client:
-        return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+        return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)) if keys else None)
+
+
+async def _logs(flow_run_id):
+    async with get_client() as client:
+        return await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_a_transient_hub_fault_is_retried_by_the_task_and_a_missing_repo_is_not(prefect_api, tmp_path, monkeypatch):
@@ -159,3 +187,56 @@ def test_prefect_yaml_entrypoints_resolve():
         loaded = load_flow_from_entrypoint(deployment["entrypoint"])
         assert loaded.name == "grpo_pipeline"
         RunRequest(**deployment["parameters"]["request"])
+
+
+def _flip_middle_byte(path) -> None:
+    """One byte in the middle, the size unchanged (what bit rot or a stray write does)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.seek(size // 2)
+        byte = handle.read(1)
+        handle.seek(size // 2)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    assert path.stat().st_size == size
+
+
+def test_a_damaged_store_entry_is_never_served_from_the_cache(prefect_api, tmp_path, monkeypatch):
+    """The probe: stage a hub dataset (gsm8k) and the tiny model, flip a byte in the middle of the stored
+    train.parquet and model.safetensors, run again: both stages run (not Cached), find the damage and
+    build the entries again; a third run with intact entries is served from the cache."""
+    from tasks.store import verify_entry
+
+    with HubServer() as hub:
+        hub.add_repo("openai/gsm8k", gsm8k_repo_files())
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+        request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="first",
+                             stages=["fetch_dataset", "prepare_checkpoint"], overrides=[*stores(tmp_path), "data.dataset=gsm8k"])
+        first = grpo_pipeline(request, return_state=True).result()
+        train = next((tmp_path / "data" / "gsm8k").rglob("train.parquet"))
+        weights = next((tmp_path / "models").rglob("model.safetensors"))
+        _flip_middle_byte(train)
+        _flip_middle_byte(weights)
+        damaged = grpo_pipeline(request.model_copy(update={"run_name": "damaged"}), return_state=True)
+        assert _task_named(damaged, "fetch_dataset").state.name == "Completed"
+        assert _task_named(damaged, "prepare_checkpoint").state.name == "Completed"
+        result = damaged.result()
+        assert not result["dataset"]["cached"] and not result["model"]["cached"]
+        assert result["dataset"]["sha256"] == first["dataset"]["sha256"]  # rebuilt to the same content
+        assert verify_entry(train.parent, deep=True) == [] and verify_entry(weights.parent, deep=True) == []
+
+        again = grpo_pipeline(request.model_copy(update={"run_name": "again"}), return_state=True)
+        assert _task_named(again, "fetch_dataset").state.name == "Cached"
+        assert _task_named(again, "prepare_checkpoint").state.name == "Cached"
+
+
+def test_a_failed_deployment_run_reports_the_stage_it_stopped_in(prefect_api, tmp_path):
+    """A run started from a deployment (no CLI planning before it) with a model that does not exist
+    fails in resolve_profile, and its report says so, not a later stage."""
+    request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="nope",
+                         overrides=[*stores(tmp_path), "model.path=builtin:nope"])
+    state = grpo_pipeline(request, return_state=True)
+    assert state.is_failed()
+    report = (tmp_path / "nope" / "report.md").read_text()
+    assert "**The run failed.** Stage `resolve_profile`: UserError: model.path='builtin:nope': no such built-in model" in report
+    assert not (tmp_path / "data").exists() and not (tmp_path / "models").exists()  # nothing was fetched
