@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from flows.local_api import LocalAPIError, local_api_unless_configured
+from flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
 from flows.request import STAGES, RunRequest
 from profiles.errors import UserError
 from profiles.loader import builtin_models
@@ -118,6 +118,8 @@ def print_dry_run(plan, as_json: bool) -> None:
     print("# environment of every process (secrets redacted; source: profile default or user export)")
     for name, item in summary["env"].items():
         print(f"#   {name}={item['value']}  [{item['source']}]")
+    for reference in plan.env.unset_references:
+        print(f"#   {reference}: not set here; a run refuses to start without it")
     print("# training command")
     print(format_command(plan.command))
 
@@ -219,10 +221,13 @@ def run_flow(request: RunRequest) -> int:
         if signum is None:
             raise
         print(f"stopped by {signal.Signals(signum).name}; see the run's report.md for where", file=sys.stderr)
+        # Ray's core (a C++ library) may abort at interpreter exit after a stop; the run is closed by
+        # now (its local API stopped, its lease released), so leave without running exit handlers,
+        # once what Prefect holds for a configured API is sent.
+        if os.environ.get("PREFECT_API_URL"):
+            flush_prefect()
         sys.stdout.flush()
         sys.stderr.flush()
-        # Ray's core (a C++ library) may abort at interpreter exit after a stop; everything of the
-        # run is closed by now, so leave without running exit handlers.
         os._exit(128 + signum)
     finally:
         signal.signal(signal.SIGTERM, previous)

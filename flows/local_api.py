@@ -102,7 +102,13 @@ def local_api_unless_configured(log: Path) -> Iterator[LocalAPI | None]:
 def _flush_to(api: LocalAPI) -> None:
     """Send the run's last log lines and events while the API is there to take them (at exit,
     Prefect would send them to a stopped API, and wait)."""
-    if "prefect" not in sys.modules or api.process.poll() is not None:
+    if api.process.poll() is None:
+        flush_prefect()
+
+
+def flush_prefect() -> None:
+    """Send what Prefect still holds (log lines, events) to its API now, not at interpreter exit."""
+    if "prefect" not in sys.modules:
         return
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogHandler

@@ -49,7 +49,9 @@ class RunRequest(BaseModel):
     overrides: list[str] = Field(
         default_factory=list,
         title="Overrides",
-        description="Profile settings as KEY=VALUE, e.g. `engine.tp=4` or `algorithm.use_kl_loss=true`.",
+        description="Profile settings as KEY=VALUE, e.g. `engine.tp=4` or `algorithm.use_kl_loss=true`. Never a "
+        "secret's value (this form is stored): name it as `env.HF_TOKEN=${HF_TOKEN}` and export it in the "
+        "worker's environment.",
     )
     profile_file: str | None = Field(
         None, title="Profile file", description="A YAML file of profile settings, applied before the overrides."

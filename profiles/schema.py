@@ -327,7 +327,9 @@ class RunProfile(Section):
     env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment every process of the run gets, on every node. A variable the user "
-        "already exported wins over the value here.",
+        "already exported wins over the value here; a whole value `${NAME}` or `${NAME:-default}` is read from "
+        "the environment where the flow runs. A secret (a name like *TOKEN, *KEY, *PASSWORD) is only ever "
+        "`${NAME}`: its value stays in that environment, reaches the driver only, and is never stored or shown.",
     )
 
     @field_validator("env", mode="before")

@@ -7,7 +7,10 @@ user already exported wins, as the upstream launcher's `${VAR:-default}` did, an
 which source each value came from. One explicit proxy step, the same for every device, follows the
 profile's `proxy_policy`. The final values are applied to the driver and packed into the Ray
 `runtime_env` that every backend uses, because an `export` in one shell never reaches Ray workers
-on other nodes.
+on other nodes. A whole value `${NAME}` / `${NAME:-default}` is read from this process's
+environment. Secrets are the exception to all of this (profiles/secrets.py): named only by
+reference, never held in a `RuntimeEnv` (so it can be stored and shown as it is), applied to the
+driver alone and never put in the `runtime_env`.
 """
 
 from __future__ import annotations
