@@ -75,11 +75,11 @@ def main() -> None:
             order = list(checks) if round_ % 2 == 0 else list(reversed(checks))  # alternate who goes first
             for check in order:
                 times[entry, check].append(timed_ms(lambda: checks[check](path)))
-    print(f"{'entry':<16} {'what a cache hit checks':<62} " + " ".join(f"{c:>20}" for c in checks) + "  hit / full")
+    print(f"{'entry':<16} {'what a cache hit checks':<72} " + " ".join(f"{c:>20}" for c in checks) + "  hit / full")
     for entry, path in entries.items():
         medians = {check: statistics.median(times[entry, check]) for check in checks}
         cells = " ".join(f"{medians[c]:>17.1f} ms" for c in checks)
-        print(f"{entry:<16} {what_is_checked(path):<62} {cells}  {medians['cache hit'] / medians['full sha256']:>9.3f}")
+        print(f"{entry:<16} {what_is_checked(path):<72} {cells}  {medians['cache hit'] / medians['full sha256']:>9.3f}")
 
 
 if __name__ == "__main__":

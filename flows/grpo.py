@@ -205,10 +205,11 @@ def run_flow(request: RunRequest) -> int:
     stop the Ray job and write the report) and exits with the signal's conventional code."""
     from flows import lease
 
-    database = os.environ.get("PREFECT_API_URL") or f"local:{lease.prefect_home()}"
+    configured = os.environ.get("PREFECT_API_URL")
     previous = signal.signal(signal.SIGTERM, _stop_on_signal)
     try:
-        with lease.held(database) as held, local_api_unless_configured(held.api_log) as api:
+        with (lease.held(configured or f"local:{lease.prefect_home()}", required=not configured) as held,
+              local_api_unless_configured(held.api_log) as api):
             from flows.pipeline import grpo_pipeline
 
             if api is not None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from profiles.errors import UserError
 from tasks.files import write_json_atomic
 
 LEASE_VAR = "GRPO_PIPELINE_LEASE"
@@ -82,8 +83,10 @@ def current() -> Lease | None:
 
 
 @contextmanager
-def held(database: str | None = None) -> Iterator[Lease]:
-    """This process's lease for the duration (the one it already holds, if any, which then stays)."""
+def held(database: str | None = None, required: bool = False) -> Iterator[Lease]:
+    """This process's lease for the duration (the one it already holds, if any, which then stays).
+    Where PREFECT_HOME cannot be written the run goes on without one (nothing to reap it by), unless
+    `required` (the command line's local API keeps its database there too)."""
     import psutil
 
     if (lease := current()) is not None:
@@ -91,7 +94,14 @@ def held(database: str | None = None) -> Iterator[Lease]:
         return
     lease = Lease(id=f"{int(time.time())}-{os.getpid()}-{secrets.token_hex(3)}", pid=os.getpid(),
                   started=psutil.Process().create_time(), host=socket.gethostname(), database=database)
-    lease.save()
+    try:
+        lease.save()
+    except OSError as exc:
+        if required:
+            raise UserError(f"PREFECT_HOME {prefect_home()} cannot be written ({exc.strerror or exc}); set PREFECT_HOME "
+                            "to a writable directory, or PREFECT_API_URL to a running Prefect server") from None
+        yield lease
+        return
     os.environ[LEASE_VAR] = lease.id
     try:
         yield lease

@@ -23,7 +23,8 @@ from pydantic import BaseModel, Field
 
 from profiles.errors import ProfileError
 from profiles.schema import RunProfile
-from profiles.secrets import is_secret, parse_reference, redact
+from profiles.secrets import REDACTED, is_secret, parse_reference, redact
+from tasks.nodes import parse_ray_address
 
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 NO_PROXY_VARS = ("no_proxy", "NO_PROXY")
@@ -91,14 +92,12 @@ class RuntimeEnv(BaseModel):
 
     def redacted(self) -> dict[str, dict[str, str | None]]:
         return {
-            name: {"value": "***" if item.secret_from else redact(name, item.value), "source": item.source}
+            name: {"value": REDACTED if item.secret_from else redact(name, item.value), "source": item.source}
             for name, item in sorted(self.values.items())
         }
 
 
 def ray_head_host(ray_address: str | None) -> str | None:
-    from tasks.nodes import parse_ray_address
-
     if not ray_address:
         return None
     address = parse_ray_address(ray_address, "RAY_ADDRESS")

@@ -18,6 +18,8 @@ import re
 import signal
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -152,22 +154,21 @@ def _init_within(options: dict, timeout_s: float, what: str) -> None:
                               "check the address names the head's GCS port (6379 by default) or ray:// port (a slow "
                               f"head: raise {RAY_CONNECT_TIMEOUT_VAR})")
     if "error" in outcome:
-        raise RayAddressError(f"{what}: {type(outcome['error']).__name__}: {outcome['error']}") from outcome["error"]
+        raise outcome["error"]
 
 
-class sigterm_handler_kept:
+@contextmanager
+def sigterm_handler_kept() -> Iterator[None]:
     """ray.init makes SIGTERM `sys.exit` (and Ray's core installs a handler of its own that aborts
     at exit); the run's handler (Prefect's, which marks the run crashed and runs its hooks) must
-    stay the one that answers a stop."""
-
-    def __enter__(self):
-        self.main = threading.current_thread() is threading.main_thread()
-        self.handler = signal.getsignal(signal.SIGTERM) if self.main else None
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        if self.main and self.handler is not None:
-            signal.signal(signal.SIGTERM, self.handler)
+    stay the one that answers a stop. Signal handlers belong to the main thread."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def stop_ray_job() -> bool:
