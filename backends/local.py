@@ -51,7 +51,7 @@ from pydantic import BaseModel, Field
 from profiles.errors import ProfileError, UserError
 from profiles.schema import RunProfile
 from profiles.validation import check_workers_fit
-from tasks.files import write_text_atomic
+from common.files import write_text_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -252,7 +252,7 @@ def check_prompt_lengths(settings: LocalTrainSettings) -> int:
 
 
 def _reward_function(custom: str | None) -> Callable:
-    from tasks.rewards import score
+    from common.rewards import score
 
     def reward(prompts, completions, data_source, ground_truth, **_) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
@@ -391,7 +391,7 @@ def check_reward_columns(files: list[str], reward_function: str | None) -> None:
     """The columns the reward reads, and a reward function for every data_source in the data."""
     import pyarrow.parquet as pq
 
-    from tasks.rewards import REWARDS, custom_reward
+    from common.rewards import REWARDS, custom_reward
 
     for path in files:
         columns = pq.ParquetFile(path).schema_arrow.names
@@ -444,7 +444,7 @@ def train_local(
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from tasks.nodes import connect_ray, stop_ray_job
+    from common.ray_cluster import connect_ray, stop_ray_job
 
     resumed = latest_step(settings.checkpoints)
     result = partial_result(settings, resumed)

@@ -33,7 +33,7 @@ from huggingface_hub import snapshot_download  # noqa: E402
 
 from hub_server import HubServer  # noqa: E402
 from profiles.schema import ModelArchitecture, ModelSection  # noqa: E402
-from tasks.model import ModelSpec, prepare_model  # noqa: E402
+from stages.model import ModelSpec, prepare_model  # noqa: E402
 
 
 def make_model(out: Path, megabytes: int) -> ModelArchitecture:

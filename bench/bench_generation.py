@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_generation.py [--model smollm2-135m] [--prompts 64] [--batch 32]
 
 Greedy decoding of `--max-new-tokens` on the arith validation prompts, through
-`tasks.evaluate.transformers_generate` with `eval.batch_size` = `--batch` and = 1, alternating
+`stages.evaluate.transformers_generate` with `eval.batch_size` = `--batch` and = 1, alternating
 twice; prints prompts/s of each and the speed-up.
 """
 
@@ -21,9 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from profiles.loader import resolve_profile  # noqa: E402
-from tasks.evaluate import EvalSettings, transformers_generate  # noqa: E402
-from tasks.model import ModelSpec, prepare_model  # noqa: E402
-from tasks.rl_data import arith_splits  # noqa: E402
+from stages.evaluate import EvalSettings, transformers_generate  # noqa: E402
+from stages.model import ModelSpec, prepare_model  # noqa: E402
+from common.rl_data import arith_splits  # noqa: E402
 
 
 def main() -> None:

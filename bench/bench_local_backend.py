@@ -31,8 +31,8 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from backends.local import LocalTrainSettings, plan_local_training, train_local, training_rows  # noqa: E402
 from profiles.loader import resolve_profile  # noqa: E402
-from tasks.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
-from tasks.rl_data import arith_splits  # noqa: E402
+from common.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
+from common.rl_data import arith_splits  # noqa: E402
 
 
 def make_model(name: str, out: Path) -> None:
@@ -59,7 +59,7 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
     from trl import GRPOConfig, GRPOTrainer
 
-    from tasks.rewards import arith_score
+    from common.rewards import arith_score
 
     set_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)

@@ -27,7 +27,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from profiles.errors import UserError
-from tasks.files import write_json_atomic
+from common.files import write_json_atomic
 
 LEASE_VAR = "GRPO_PIPELINE_LEASE"
 STOP_GRACE_S = 5.0

@@ -31,17 +31,17 @@ from flows.request import RunRequest
 from profiles.errors import UserError
 from profiles.secrets import scrub, secret_values
 from profiles.schema import ModelArchitecture, RunProfile
-from tasks.dataset import DatasetFiles, DataSpec, dataset_dir, fetch_dataset
-from tasks.device import DeviceInfo, detect_device, requested_device
-from tasks.environment import RuntimeEnv, resolve_environment
-from tasks.evaluate import EvalReport, EvalSettings, choose_engine, evaluate
-from tasks.export import MERGE_TIMEOUT_S, ExportedPolicy, export_checkpoint
-from tasks.files import write_json_atomic, write_text_atomic
-from tasks.model import ModelCheckpoint, ModelSpec, model_dir, prepare_model
-from tasks.nodes import check_visible_on_nodes, connect_ray, stop_ray_job
-from tasks.progress import Bar, reporting_to
-from tasks.report import write_report
-from tasks.store import fingerprint, verify_entry, what_is_checked
+from stages.dataset import DatasetFiles, DataSpec, dataset_dir, fetch_dataset
+from stages.device import DeviceInfo, detect_device, requested_device
+from stages.environment import RuntimeEnv, resolve_environment
+from stages.evaluate import EvalReport, EvalSettings, choose_engine, evaluate
+from stages.export import MERGE_TIMEOUT_S, ExportedPolicy, export_checkpoint
+from common.files import write_json_atomic, write_text_atomic
+from stages.model import ModelCheckpoint, ModelSpec, model_dir, prepare_model
+from common.ray_cluster import check_visible_on_nodes, connect_ray, stop_ray_job
+from common.progress import Bar, reporting_to
+from stages.report import write_report
+from common.store import fingerprint, verify_entry, what_is_checked
 
 # Task settings, per stage. Every stage fails at once on a config error (`retry_unless_user_error`).
 # Prefect's `timeout_seconds` interrupts a stage that runs in the flow's main thread (it uses

@@ -20,11 +20,11 @@ from profiles.errors import UserError
 from profiles.loader import resolve_profile
 from profiles.schema import RunProfile
 from profiles.validation import check_workers_fit
-from tasks.dataset import DatasetFiles, DataSpec, dataset_dir
-from tasks.device import DeviceInfo, detect_device, requested_device
-from tasks.environment import RuntimeEnv, resolve_environment
-from tasks.model import ModelCheckpoint, ModelSpec, model_dir
-from tasks.nodes import check_reachable, parse_ray_address
+from stages.dataset import DatasetFiles, DataSpec, dataset_dir
+from stages.device import DeviceInfo, detect_device, requested_device
+from stages.environment import RuntimeEnv, resolve_environment
+from stages.model import ModelCheckpoint, ModelSpec, model_dir
+from common.ray_cluster import check_reachable, parse_ray_address
 
 
 class RunPlan(BaseModel):

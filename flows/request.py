@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from profiles.errors import ProfileError, UserError
 from profiles.loader import overrides_to_layer
 from profiles.secrets import secret_literal_problems
-from tasks.nodes import parse_ray_address
+from common.ray_cluster import parse_ray_address
 
 # The stages of the flow in order (DESIGN.md). `--stages` picks a subset of the ones built so far.
 PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")

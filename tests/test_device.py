@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from profiles.errors import DeviceError
-from tasks.device import detect_device, requested_device, run_probe
+from stages.device import detect_device, requested_device, run_probe
 
 
 @pytest.fixture(scope="module")

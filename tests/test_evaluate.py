@@ -14,10 +14,10 @@ import pytest
 
 from datasets_fixtures import geo3k_table, gsm8k_table
 from profiles.errors import UserError
-from tasks.builtin_models import build_tiny
-from tasks.evaluate import EvalSettings, Response, evaluate, pass_at_k
-from tasks.rewards import score
-from tasks.rl_data import arith_splits, convert_geo3k, convert_gsm8k
+from common.builtin_models import build_tiny
+from stages.evaluate import EvalSettings, Response, evaluate, pass_at_k
+from common.rewards import score
+from common.rl_data import arith_splits, convert_geo3k, convert_gsm8k
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +140,8 @@ def test_export_checks_the_policy_and_refuses_a_diverged_one(tiny_dir, tmp_path)
     import torch
     from safetensors.torch import load_file, save_file
 
-    from tasks.export import export_checkpoint
-    from tasks.model import ModelFormatError
+    from stages.export import export_checkpoint
+    from stages.model import ModelFormatError
 
     step_dir = tmp_path / "checkpoints" / "global_step_4"
     shutil.copytree(tiny_dir, step_dir)
@@ -159,7 +159,7 @@ def test_export_checks_the_policy_and_refuses_a_diverged_one(tiny_dir, tmp_path)
 def test_a_verl_step_with_an_hf_export_is_used_as_it_is(tiny_dir, tmp_path):
     import shutil
 
-    from tasks.export import export_checkpoint
+    from stages.export import export_checkpoint
 
     exported = tmp_path / "global_step_50" / "actor" / "model" / "huggingface"
     shutil.copytree(tiny_dir, exported)
@@ -169,7 +169,7 @@ def test_a_verl_step_with_an_hf_export_is_used_as_it_is(tiny_dir, tmp_path):
 def test_sharded_generation_returns_every_prompt_in_order(tiny_dir):
     import ray
 
-    from tasks.evaluate import sharded, transformers_generate
+    from stages.evaluate import sharded, transformers_generate
 
     prompts = [row["prompt"] for row in arith_splits(4, 10, seed=3)["test"].to_pylist()]
     settings = EvalSettings(max_new_tokens=5, batch_size=4)
@@ -186,7 +186,7 @@ def test_the_vllm_engine_translates_settings_and_outputs(tiny_dir, monkeypatch):
     import types
     from dataclasses import dataclass
 
-    from tasks.evaluate import choose_engine, transformers_generate, vllm_generate
+    from stages.evaluate import choose_engine, transformers_generate, vllm_generate
 
     seen = {}
 

@@ -13,10 +13,10 @@ from datasets_fixtures import geo3k_repo_files, gsm8k_repo_files
 from hub_server import HubServer
 from profiles.errors import UserError
 from profiles.schema import DataSection, ModelArchitecture, ModelSection
-from tasks.dataset import DataSpec, dataset_dir, fetch_dataset
-from tasks.hub import SourceError, TransientFetchError
-from tasks.model import ModelSpec, model_dir, prepare_model
-from tasks.store import verify_entry
+from stages.dataset import DataSpec, dataset_dir, fetch_dataset
+from common.hub import SourceError, TransientFetchError
+from stages.model import ModelSpec, model_dir, prepare_model
+from common.store import verify_entry
 
 ARCH = ModelArchitecture(num_layers=2, num_attention_heads=4, num_kv_heads=2, hidden_size=64, vocab_size=512)
 
@@ -161,7 +161,7 @@ def test_offline_mode_serves_the_cache_and_refuses_the_rest(hub, tmp_path, monke
 
 @pytest.fixture(scope="module")
 def tiny_model_files(tmp_path_factory) -> dict[str, bytes]:
-    from tasks.builtin_models import build_tiny
+    from common.builtin_models import build_tiny
 
     out = tmp_path_factory.mktemp("tiny")
     build_tiny(out)

@@ -9,8 +9,8 @@ import pytest
 from backends.local import check_prompt_lengths, grpo_fields, plan_local_training
 from profiles.errors import ProfileError, UserError
 from profiles.loader import resolve_profile
-from tasks.builtin_models import build_tiny
-from tasks.rl_data import arith_splits
+from common.builtin_models import build_tiny
+from common.rl_data import arith_splits
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +92,7 @@ def test_a_one_gpu_host_is_refused_the_gpu_platforms_eight_workers_at_planning(t
 
     from flows.plan import check_plan
     from flows.request import RunRequest
-    from tasks.device import detect_device
+    from stages.device import detect_device
 
     model = tmp_path / "hf-model"
     model.mkdir()

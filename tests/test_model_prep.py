@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from profiles.loader import resolve_profile
 from profiles.schema import ModelSection
-from tasks.model import ModelFormatError, ModelSpec, model_dir, prepare_model, verify_hf_dir
+from stages.model import ModelFormatError, ModelSpec, model_dir, prepare_model, verify_hf_dir
 
 
 def spec_for(tmp_path, path: str) -> ModelSpec:

@@ -8,7 +8,7 @@ import pytest
 
 from profiles.errors import ProfileError
 from profiles.loader import resolve_profile
-from tasks.environment import is_secret, resolve_environment
+from stages.environment import is_secret, resolve_environment
 
 Q122 = "qwen3.5-122b-a10b"
 

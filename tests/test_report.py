@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tasks.report import write_report
+from stages.report import write_report
 
 
 def model(name: str, mean: float, low: float, high: float, tmp_path) -> dict:

@@ -28,7 +28,7 @@ def test_an_unknown_deployment_name_is_refused_with_the_known_ones():
 
 
 def test_verl_training_is_refused_before_anything_is_fetched_and_staging_is_not():
-    from tasks.device import detect_device
+    from stages.device import detect_device
 
     profile, npu = resolve_profile("qwen3.5-122b-a10b", "npu"), detect_device("npu", dry_run=True)
     with pytest.raises(UserError, match="does not submit verl training yet"):

@@ -16,7 +16,7 @@ from hydra.errors import ConfigCompositionException
 from backends.verl import ADD_OR_OVERRIDE, ENTRYPOINT, verl_command, verl_settings
 from flows.plan import training_inputs
 from profiles.loader import PROFILES_DIR, load_yaml_mapping, resolve_profile
-from tasks.environment import resolve_environment
+from stages.environment import resolve_environment
 from upstream_recipe import upstream_overrides
 from verl_config import compose_verl, flatten, select
 

@@ -204,7 +204,7 @@ def test_a_damaged_store_entry_is_never_served_from_the_cache(prefect_api, tmp_p
     """The probe: stage a hub dataset (gsm8k) and the tiny model, flip a byte in the middle of the stored
     train.parquet and model.safetensors, run again: both stages run (not Cached), find the damage and
     build the entries again; a third run with intact entries is served from the cache."""
-    from tasks.store import verify_entry
+    from common.store import verify_entry
 
     with HubServer() as hub:
         hub.add_repo("openai/gsm8k", gsm8k_repo_files())

@@ -17,8 +17,8 @@ import ray
 from backends.local import latest_step, plan_local_training, train_local
 from flows.request import RunRequest
 from profiles.loader import resolve_profile
-from tasks.dataset import DataSpec, fetch_dataset
-from tasks.model import ModelSpec, prepare_model
+from stages.dataset import DataSpec, fetch_dataset
+from stages.model import ModelSpec, prepare_model
 
 LEARNABLE = f"{Path(__file__).resolve().parents[1] / 'learnable_reward.py'}:digit_share"
 

@@ -10,7 +10,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from profiles.loader import resolve_profile
-from tasks.environment import PROXY_VARS, resolve_environment
+from stages.environment import PROXY_VARS, resolve_environment
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from profiles.schema import DataSection
-from tasks.dataset import DataSpec, fetch_dataset
-from tasks.nodes import NotSharedError, check_visible_on_nodes
+from stages.dataset import DataSpec, fetch_dataset
+from common.ray_cluster import NotSharedError, check_visible_on_nodes
 
 RAY_CLI = Path(sys.executable).with_name("ray")
 

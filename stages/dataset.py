@@ -5,7 +5,7 @@
     HF_ENDPOINT=https://hf-mirror.com python -m flows.grpo --set data.dataset=geo3k \\
         --set data.source=tyzhu/geo3k --stages fetch_dataset
 
-The result is a content-store entry (`tasks/store.py`) under `data.root`, keyed by source, revision,
+The result is a content-store entry (`common/store.py`) under `data.root`, keyed by source, revision,
 file patterns and converter version: the second run with the same inputs reads only the manifest
 and hashes the files (no network), and a damaged entry is built again.
 """
@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from profiles.errors import UserError
 from profiles.loader import path_kind
 from profiles.schema import DataSection
-from tasks.store import Built, Store
+from common.store import Built, Store
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 # pyarrow and huggingface_hub are imported where files are made, so planning a run (a dry run
 # renders paths of this stage) stays fast.
 ARITH = "arith"
-# Bumped whenever a converter's output (tasks/rl_data.py) changes, so cached datasets are rebuilt.
+# Bumped whenever a converter's output (common/rl_data.py) changes, so cached datasets are rebuilt.
 CONVERTER_VERSION = 1
 
 SPLITS = ("train", "test")
@@ -132,8 +132,8 @@ def fetch_dataset(spec: DataSpec, log=print) -> DatasetFiles:
 def _build(spec: DataSpec, scratch: Path, out: Path) -> Built:
     import pyarrow.parquet as pq
 
-    from tasks.hub import fetch_snapshot
-    from tasks.rl_data import arith_splits, check_rl_file
+    from common.hub import fetch_snapshot
+    from common.rl_data import arith_splits, check_rl_file
 
     details: dict[str, Any] = {}
     if spec.source_kind == "builtin":
@@ -165,7 +165,7 @@ def _read_splits(directory: Path, patterns: list[str], source: str) -> dict[str,
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from tasks.rl_data import DatasetFormatError
+    from common.rl_data import DatasetFormatError
 
     shards: dict[str, list[Path]] = {}
     for path in _matching_files(directory, patterns):
@@ -187,7 +187,7 @@ def _read_splits(directory: Path, patterns: list[str], source: str) -> dict[str,
 
 
 def _convert(spec: DataSpec, raw: dict[str, pa.Table]) -> dict[str, pa.Table]:
-    from tasks.rl_data import DatasetFormatError, convert_geo3k, convert_gsm8k, is_rl_table, rl_schema_problems
+    from common.rl_data import DatasetFormatError, convert_geo3k, convert_gsm8k, is_rl_table, rl_schema_problems
 
     converters = {"gsm8k": convert_gsm8k, "geo3k": convert_geo3k}
     converted = {}

@@ -4,7 +4,7 @@
     python -m flows.grpo --model Qwen/Qwen3-0.6B --set model.revision=<commit> --stages prepare_checkpoint
 
 Sources, from `model.path`:
-- `builtin:tiny`, `builtin:smollm2-135m`: made here (`tasks/builtin_models.py`), once, into the store;
+- `builtin:tiny`, `builtin:smollm2-135m`: made here (`common/builtin_models.py`), once, into the store;
 - a hub repo id: the config, tokenizer and safetensors files (`model.files`) at the pinned revision,
   fetched once into the store under `model.root` with the same retry / verify / atomic rules as data;
 - a local HF directory: used in place, after checking that it is complete.
@@ -25,8 +25,8 @@ from pydantic import BaseModel, Field
 from profiles.errors import UserError
 from profiles.loader import architecture_from_hf_config, path_kind
 from profiles.schema import ModelArchitecture, ModelSection
-from tasks.builtin_models import BUILDERS
-from tasks.store import Built, Store
+from common.builtin_models import BUILDERS
+from common.store import Built, Store
 
 BUILTIN_PREFIX = "builtin:"
 INDEX_FILE = "model.safetensors.index.json"
@@ -129,7 +129,7 @@ def check_architecture(path: Path, expected: ModelArchitecture | None) -> None:
 
 
 def _build(spec: ModelSpec, scratch: Path, out: Path) -> Built:
-    from tasks.hub import fetch_snapshot
+    from common.hub import fetch_snapshot
 
     built = Built()
     if spec.source_kind == "builtin":

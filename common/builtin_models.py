@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 
 from profiles.errors import UserError
-from tasks.progress import Bar
+from common.progress import Bar
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -62,7 +62,7 @@ def train_tiny_tokenizer(vocab_size: int, seed: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tasks.rl_data import ARITH_INSTRUCTION, GSM8K_INSTRUCTION, arith_problem
+    from common.rl_data import ARITH_INSTRUCTION, GSM8K_INSTRUCTION, arith_problem
 
     rng = random.Random(seed)
     corpus = []

@@ -3,7 +3,7 @@
     python -m flows.grpo --model tiny --device cpu --stages evaluate --set 'eval.models=[/path/a,/path/b]'
 
 For each model directory: responses to every validation prompt (`eval.samples_per_prompt` each),
-scored by `tasks/rewards.py` as in training; per-sample results go to `<out>/<name>.jsonl` and the
+scored by `common/rewards.py` as in training; per-sample results go to `<out>/<name>.jsonl` and the
 metrics (mean reward with a bootstrap 95% interval, accuracy, format rate, pass@k, response length
 mean / p95, truncation rate) are computed from exactly those records.
 
@@ -28,8 +28,8 @@ from pydantic import BaseModel, Field
 
 from profiles.errors import UserError
 from profiles.schema import EvalSection
-from tasks.files import write_text_atomic
-from tasks.progress import Bar
+from common.files import write_text_atomic
+from common.progress import Bar
 
 BOOTSTRAP_RESAMPLES = 1000
 
@@ -184,7 +184,7 @@ def sharded(generate: Generate, shards: int, device: str) -> Generate:
     def generate_sharded(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
         import ray
 
-        from tasks.nodes import connect_ray
+        from common.ray_cluster import connect_ray
 
         connect_ray(None, None)
         resources = {"num_gpus": 1} if device == "gpu" else {"resources": {"NPU": 1}} if device == "npu" else {"num_cpus": 1}
@@ -206,7 +206,7 @@ def evaluate_model(
     name: str, model_dir: Path, rows: list[dict], settings: EvalSettings, out_dir: Path,
     generate: Generate = transformers_generate,
 ) -> ModelMetrics:
-    from tasks.rewards import score
+    from common.rewards import score
 
     responses = generate(model_dir, [row["prompt"] for row in rows], settings)
     if len(responses) != len(rows) or any(len(r) != settings.samples_per_prompt for r in responses):
@@ -267,7 +267,7 @@ def evaluate(
     models: dict[str, Path], val_file: Path, settings: EvalSettings, out_dir: Path,
     generate: Generate = transformers_generate,
 ) -> EvalReport:
-    from tasks.model import verify_hf_dir
+    from stages.model import verify_hf_dir
 
     for name, path in models.items():
         verify_hf_dir(path)  # a directory without weights fails here, before any generation

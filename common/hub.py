@@ -38,8 +38,8 @@ from huggingface_hub.hf_api import RepoFile
 from pydantic import BaseModel, Field
 
 from profiles.errors import UserError
-from tasks.progress import Bar
-from tasks.store import HASH_THREADS, sha256_file, sha256_files
+from common.progress import Bar
+from common.store import HASH_THREADS, sha256_file, sha256_files
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # A 429's Retry-After is honoured up to this long inside the attempt; longer waits are left to the

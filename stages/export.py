@@ -20,7 +20,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from profiles.errors import UserError
-from tasks.model import ModelFormatError, verify_hf_dir
+from stages.model import ModelFormatError, verify_hf_dir
 
 MERGE_TIMEOUT_S = 3600
 

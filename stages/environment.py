@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from profiles.errors import ProfileError
 from profiles.schema import RunProfile
 from profiles.secrets import REDACTED, is_secret, parse_reference, redact
-from tasks.nodes import parse_ray_address
+from common.ray_cluster import parse_ray_address
 
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 NO_PROXY_VARS = ("no_proxy", "NO_PROXY")

@@ -184,7 +184,7 @@ def stop_ray_job() -> bool:
 
 
 def _problems_on_this_node(paths: list[str]) -> dict[str, list[str]]:
-    from tasks.store import verify_entry
+    from common.store import verify_entry
 
     # Sizes only: hashing a 244 GB checkpoint on every node would take minutes; the builder hashed it.
     return {path: verify_entry(Path(path), deep=False) for path in paths}

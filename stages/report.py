@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from tasks.files import write_text_atomic
+from common.files import write_text_atomic
 
 REPORT = "report.md"
 REWARD_CURVE = "reward_curve.png"
