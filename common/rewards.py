@@ -3,7 +3,7 @@
 A row's `data_source` picks the function; each returns a `Score` whose `reward` is what GRPO
 optimises and whose `correct` / `formatted` flags feed evaluation metrics (accuracy, format rate).
 
-- `openai/gsm8k` (reference §4, verl's strict method): 1.0 when the last `#### <number>` in the
+- `openai/gsm8k` (verl's `reward_score/gsm8k.py`, strict method): 1.0 when the last `#### <number>` in the
   final 300 characters equals the ground truth (commas and `$` removed), else 0.
 - `hiyouga/geometry3k`: 0.9 x accuracy + 0.1 x format. Accuracy: the last `\\boxed{...}` grades equal
   to the ground truth (mathruler's grader); format: the whole response matches

@@ -1,10 +1,10 @@
 """Datasets in verl's RL parquet schema: the built-in `arith` generator, the gsm8k and geo3k
 converters, and the schema check every file passes before a run may use it.
 
-One row per prompt (reference §4), read by verl's `RLHFDataset` and by the local backend alike:
-`data_source` (str, selects the reward), `prompt` (chat messages), `images` (geo3k only: list of
-{bytes, path}), `ability`, `reward_model` {style: "rule", ground_truth}, `extra_info` {split, index,
-answer, question}.
+One row per prompt, as verl's `examples/data_preprocess/gsm8k.py` writes them, read by verl's
+`RLHFDataset` and by the local backend alike: `data_source` (str, selects the reward), `prompt`
+(chat messages), `images` (geo3k only: list of {bytes, path}), `ability`, `reward_model`
+{style: "rule", ground_truth}, `extra_info` {split, index, answer, question}.
 """
 
 from __future__ import annotations

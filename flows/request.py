@@ -12,7 +12,7 @@ from profiles.loader import overrides_to_layer
 from profiles.secrets import secret_literal_problems
 from common.ray_cluster import parse_ray_address
 
-# The stages of the flow in order (DESIGN.md). `--stages` picks a subset of the ones built so far.
+# The stages of the flow in order. `--stages` picks a subset.
 PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")
 STAGES = (*PLANNING_STAGES, "fetch_dataset", "prepare_checkpoint", "train", "export_checkpoint", "evaluate", "report")
 # Stages whose outputs a stage reads; they run with it (cached, or a finished run's training, they

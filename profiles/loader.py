@@ -11,7 +11,6 @@ is checked for unknown keys on its own, so an error can say which layer holds th
 from __future__ import annotations
 
 import difflib
-import json
 import re
 from pathlib import Path
 from typing import Any, get_args, get_origin
@@ -20,99 +19,18 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from profiles.errors import ProfileError
+from profiles.hf_config import architecture_from_hf_config
 from profiles.schema import DeviceKind, RunProfile
 from profiles.secrets import secret_literal_problems
 from profiles.validation import validate_profile
+from profiles.yaml_files import load_yaml_mapping, load_yaml_text, path_kind
 
 PROFILES_DIR = Path(__file__).resolve().parent
 DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
-# What one profile file may hold: far more than any real profile, far less than a parser bomb.
-MAX_PROFILE_BYTES = 1 << 20
-MAX_YAML_VALUES = 20_000
 
 
 def builtin_models() -> list[str]:
     return sorted(p.stem for p in (PROFILES_DIR / "models").glob("*.yaml"))
-
-
-def path_kind(path: Path, what: str) -> str | None:
-    """"file", "dir" or None (nothing there), for a path the user gave; a path the system refuses to
-    look at (a name too long, no permission) is a ProfileError naming it, not a traceback."""
-    try:
-        if path.is_dir():
-            return "dir"
-        return "file" if path.exists() else None
-    except OSError as exc:
-        raise ProfileError(f"{what} {_shown(path)}: {exc.strerror or exc}; give a shorter or accessible path") from None
-
-
-def _shown(path: Path | str, limit: int = 120) -> str:
-    text = str(path)
-    return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 2:]} ({len(text)} characters)"
-
-
-def load_yaml_text(text: str, what: str) -> Any:
-    """YAML, refused when its anchors and aliases would expand past MAX_YAML_VALUES values (a
-    "billion laughs" document is a few lines that expand to billions), or refer to themselves."""
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None and _expanded_values(node, {}) > MAX_YAML_VALUES:
-            raise ProfileError(
-                f"{what} expands to more than {MAX_YAML_VALUES:,} values through YAML anchors and aliases (or an "
-                "alias refers to itself); a profile is a few hundred settings: write them out"
-            )
-        return yaml.safe_load(text)
-    except RecursionError:
-        raise ProfileError(f"{what} is nested too deeply to be a profile") from None
-
-
-def _expanded_values(node: yaml.Node, sizes: dict[int, int]) -> int:
-    """How many values the node stands for once every alias is expanded (shared nodes counted
-    once per use), capped just above the limit."""
-    key = id(node)
-    if key in sizes:
-        return sizes[key]
-    sizes[key] = MAX_YAML_VALUES + 1  # met again while being counted: an alias to itself
-    total = 1
-    children = node.value if isinstance(node, yaml.SequenceNode) else (
-        [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else [])
-    for child in children:
-        total += _expanded_values(child, sizes)
-        if total > MAX_YAML_VALUES:
-            break
-    sizes[key] = min(total, MAX_YAML_VALUES + 1)
-    return sizes[key]
-
-
-def load_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
-    kind = path_kind(path, what)
-    if kind != "file":
-        raise ProfileError(f"{what} {_shown(path)} {'is a directory' if kind else 'does not exist'}; give the path of a YAML file")
-    try:
-        raw = path.read_bytes()[: MAX_PROFILE_BYTES + 1]
-    except OSError as exc:
-        raise ProfileError(f"{what} {_shown(path)}: {exc.strerror or exc}") from None
-    if len(raw) > MAX_PROFILE_BYTES:
-        raise ProfileError(f"{what} {_shown(path)} is larger than {MAX_PROFILE_BYTES >> 10} KiB; a profile is a few hundred settings")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ProfileError(f"{what} {_shown(path)} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
-                           f"{exc.start}); save it as UTF-8") from None
-    try:
-        data = load_yaml_text(text, f"{what} {_shown(path)}")
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark else ""
-        raise ProfileError(f"{what} {_shown(path)} is not valid YAML{where}; fix its syntax") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ProfileError(
-            f"{what} {_shown(path)} must be a YAML mapping of settings (e.g. `engine: {{tp: 2}}`), "
-            f"not a {type(data).__name__}"
-        )
-    return data
 
 
 def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -189,49 +107,6 @@ def check_keys(layer: dict[str, Any], origin: str, model: type[BaseModel] = RunP
         sub = section_type(field.annotation)
         if sub is not None and isinstance(value, dict):
             check_keys(value, origin, sub, f"{prefix}{key}.")
-
-
-def read_hf_config(model_dir: Path) -> dict[str, Any]:
-    """config.json of a local HF directory, as a JSON object, or a ProfileError saying what is wrong."""
-    config_path = model_dir / "config.json"
-    try:
-        config = json.loads(config_path.read_bytes().decode("utf-8"))
-    except OSError as exc:
-        raise ProfileError(f"model directory {_shown(model_dir)}: cannot read config.json ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ProfileError(f"model directory {_shown(model_dir)}: config.json is not JSON text; "
-                           "give the directory of a Hugging Face model") from None
-    if not isinstance(config, dict):
-        raise ProfileError(f"model directory {_shown(model_dir)}: config.json holds a JSON {type(config).__name__}, "
-                           "not the object of a Hugging Face config")
-    return config
-
-
-def architecture_from_hf_config(model_dir: Path) -> dict[str, Any]:
-    """Architecture numbers from a local HF directory's config.json (text_config for multimodal)."""
-    config = read_hf_config(model_dir)
-    text = config.get("text_config") or config
-    if not isinstance(text, dict):
-        raise ProfileError(f"model directory {_shown(model_dir)}: config.json's text_config is a "
-                           f"{type(text).__name__}, not an object")
-    try:
-        found = {
-            "num_layers": text["num_hidden_layers"],
-            "num_attention_heads": text["num_attention_heads"],
-            "num_kv_heads": text.get("num_key_value_heads", text["num_attention_heads"]),
-            "num_experts": text.get("num_experts") or text.get("num_local_experts") or 0,
-            "hidden_size": text["hidden_size"],
-            "vocab_size": text["vocab_size"],
-            "linear_num_key_heads": text.get("linear_num_key_heads"),
-            "linear_num_value_heads": text.get("linear_num_value_heads"),
-        }
-    except KeyError as exc:
-        raise ProfileError(f"model directory {_shown(model_dir)}: config.json has no {exc.args[0]}") from None
-    wrong = [name for name, value in found.items()
-             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0)]
-    if wrong:
-        raise ProfileError(f"model directory {_shown(model_dir)}: config.json's {', '.join(wrong)} must be whole numbers")
-    return found
 
 
 def model_layers(model: str, device: str) -> list[tuple[str, dict[str, Any]]]:

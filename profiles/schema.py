@@ -1,63 +1,27 @@
 """The typed description of a GRPO run: `RunProfile` and its sections.
 
 Every field has a type, a default and a description written for the person filling in the Prefect
-form. Unknown keys are rejected everywhere (`extra="forbid"`), so a typo in a profile or a `--set`
-is an error instead of a silently ignored setting. Layout rules that involve several fields live in
-`profiles/validation.py`; how the layers are merged lives in `profiles/loader.py`.
+form; every section is a `Section` (profiles/section.py: unknown keys rejected). The device table is
+`Platform` (profiles/platform.py). Rules that involve several fields live in `profiles/validation.py`
+and with each backend; how the layers are merged lives in `profiles/loader.py`.
 """
 
 from __future__ import annotations
 
 import re
-import types
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import Field, field_validator
 
-DeviceKind = Literal["gpu", "npu", "cpu"]
+from profiles.engine import EngineSection, LogProbSection, RolloutSection
+from profiles.platform import DeviceKind, Platform
+from profiles.section import Section
+
+__all__ = ["DeviceKind", "Platform", "RunProfile", "Section"]
+
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 BackendName = Literal["local", "verl"]
 ProxyPolicy = Literal["clear", "bypass-cluster", "keep"]
-
-
-def _is_number(annotation: Any) -> bool:
-    if get_origin(annotation) in (Union, types.UnionType):
-        return any(_is_number(arg) for arg in get_args(annotation))
-    return annotation in (int, float)
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        """pydantic reads `true` as 1 for a number; `engine.tp=true` is a mistake, not TP 1."""
-        if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
-            raise ValueError("expects a number, not true/false")
-        return value
-
-
-class Platform(Section):
-    """Facts about a device kind. They live in `profiles/devices/<kind>.yaml`, never in code branches."""
-
-    kind: DeviceKind = Field("cpu", description="Device kind this platform describes.")
-    comm_backend: Literal["nccl", "hccl", "gloo"] = Field(
-        "gloo", description="torch.distributed backend the training workers use."
-    )
-    ray_resource: str | None = Field(
-        None,
-        description="Ray resource that counts one device (`GPU`, or the custom resource `NPU`); "
-        "none on CPU.",
-    )
-    visible_devices_var: str | None = Field(
-        None,
-        description="Environment variable that selects the devices a process sees "
-        "(`CUDA_VISIBLE_DEVICES`, `ASCEND_RT_VISIBLE_DEVICES`).",
-    )
-    container_image: str | None = Field(
-        None, description="Container image known to run this platform's stack (verl, vLLM, drivers)."
-    )
 
 
 class ModelArchitecture(Section):
@@ -192,71 +156,6 @@ class ActorSection(Section):
     checkpoint_strict: bool = Field(
         True, description="Fail when a checkpoint does not match the model exactly."
     )
-
-
-class EngineSection(Section):
-    """Training-engine settings, declared once and rendered to every role that runs the model
-    (actor and reference), so the roles can never disagree."""
-
-    strategy: Literal["megatron"] = Field("megatron", description="verl model engine.")
-    tp: int = Field(1, gt=0, description="Tensor parallel size.")
-    pp: int = Field(1, gt=0, description="Pipeline parallel size.")
-    vpp: int | None = Field(None, gt=0, description="Virtual pipeline stages per rank (null: off).")
-    cp: int = Field(1, gt=0, description="Context parallel size.")
-    ep: int = Field(1, gt=0, description="Expert parallel size.")
-    etp: int = Field(1, gt=0, description="Expert tensor parallel size.")
-    param_offload: bool = Field(False, description="Keep parameters (and grad buffers) on the host.")
-    optimizer_offload: bool = Field(False, description="Keep optimizer state on the host.")
-    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Training dtype.")
-    use_mbridge: bool = Field(
-        True, description="Load Hugging Face safetensors directly through a bridge."
-    )
-    vanilla_mbridge: bool = Field(
-        False,
-        description="True: the legacy `mbridge` package; False: NVIDIA Megatron-Bridge "
-        "(MindSpeed on Ascend).",
-    )
-    use_remove_padding: bool = Field(
-        True,
-        description="Pack sequences without padding (THD). Must be off for Qwen3.5's Gated DeltaNet "
-        "layers before megatron-core 0.18.",
-    )
-    transformer_overrides: dict[str, Any] = Field(
-        default_factory=dict, description="Megatron TransformerConfig fields to override."
-    )
-    optimizer_overrides: dict[str, Any] = Field(
-        default_factory=dict, description="Megatron optimizer config fields to override."
-    )
-
-
-class RolloutSection(Section):
-    engine: Literal["vllm"] = Field("vllm", description="Inference engine that generates rollouts.")
-    tp: int = Field(1, gt=0, description="Tensor parallel size of the inference engine.")
-    gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="Fraction of device memory the inference engine may take."
-    )
-    max_model_len: int | None = Field(
-        None, gt=0, description="Context length the inference engine reserves (prompt + response)."
-    )
-    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Inference dtype.")
-    update_weights_bucket_megabytes: int = Field(
-        512, gt=0, description="Size of the buckets that carry new weights to the inference engine."
-    )
-    vllm_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Extra vLLM engine arguments (e.g. `mm_processor_cache_gb`)."
-    )
-
-
-class LogProbSection(Section):
-    """Log-prob recomputation settings, shared by the rollout (old log-probs) and the reference."""
-
-    micro_batch_size_per_gpu: int = Field(
-        1, gt=0, description="Sequences per device per log-prob forward pass."
-    )
-    max_token_len_per_gpu: int = Field(
-        8192, gt=0, description="Token budget per device when dynamic batch size is on."
-    )
-    use_dynamic_bsz: bool = Field(False, description="Pack log-prob batches by token count.")
 
 
 class EvalSection(Section):

@@ -23,7 +23,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from profiles.errors import UserError
-from profiles.loader import architecture_from_hf_config, path_kind
+from profiles.hf_config import architecture_from_hf_config
+from profiles.yaml_files import path_kind
 from profiles.schema import ModelArchitecture, ModelSection
 from common.builtin_models import BUILDERS
 from common.store import Built, Store

@@ -1,4 +1,4 @@
-"""The reward functions on hand-written responses, malformed ones included (reference §4)."""
+"""The reward functions on hand-written responses, malformed ones included."""
 
 from __future__ import annotations
 

@@ -15,7 +15,8 @@ from hydra.errors import ConfigCompositionException
 
 from backends.verl import ADD_OR_OVERRIDE, ENTRYPOINT, verl_command, verl_settings
 from flows.plan import training_inputs
-from profiles.loader import PROFILES_DIR, load_yaml_mapping, resolve_profile
+from profiles.loader import PROFILES_DIR, resolve_profile
+from profiles.yaml_files import load_yaml_mapping
 from stages.environment import resolve_environment
 from upstream_recipe import upstream_overrides
 from verl_config import compose_verl, flatten, select

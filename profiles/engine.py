@@ -1,0 +1,81 @@
+"""The engine sections of a profile: the training engine (Megatron, through verl), the inference
+engine that generates rollouts (vLLM) and log-prob recomputation.
+
+    python -m flows.grpo --model qwen3.5-122b-a10b --device npu --set engine.pp=8 --dry-run
+
+Declared once and rendered to every role that runs the model (backends/verl/command.py), so the actor
+and the reference can never disagree; the local backend reads the dtype and the rollout length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from profiles.section import Section
+
+
+class EngineSection(Section):
+    """Training-engine settings, declared once and rendered to every role that runs the model
+    (actor and reference), so the roles can never disagree."""
+
+    strategy: Literal["megatron"] = Field("megatron", description="verl model engine.")
+    tp: int = Field(1, gt=0, description="Tensor parallel size.")
+    pp: int = Field(1, gt=0, description="Pipeline parallel size.")
+    vpp: int | None = Field(None, gt=0, description="Virtual pipeline stages per rank (null: off).")
+    cp: int = Field(1, gt=0, description="Context parallel size.")
+    ep: int = Field(1, gt=0, description="Expert parallel size.")
+    etp: int = Field(1, gt=0, description="Expert tensor parallel size.")
+    param_offload: bool = Field(False, description="Keep parameters (and grad buffers) on the host.")
+    optimizer_offload: bool = Field(False, description="Keep optimizer state on the host.")
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Training dtype.")
+    use_mbridge: bool = Field(
+        True, description="Load Hugging Face safetensors directly through a bridge."
+    )
+    vanilla_mbridge: bool = Field(
+        False,
+        description="True: the legacy `mbridge` package; False: NVIDIA Megatron-Bridge "
+        "(MindSpeed on Ascend).",
+    )
+    use_remove_padding: bool = Field(
+        True,
+        description="Pack sequences without padding (THD). Must be off for Qwen3.5's Gated DeltaNet "
+        "layers before megatron-core 0.18.",
+    )
+    transformer_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Megatron TransformerConfig fields to override."
+    )
+    optimizer_overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Megatron optimizer config fields to override."
+    )
+
+
+class RolloutSection(Section):
+    engine: Literal["vllm"] = Field("vllm", description="Inference engine that generates rollouts.")
+    tp: int = Field(1, gt=0, description="Tensor parallel size of the inference engine.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="Fraction of device memory the inference engine may take."
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="Context length the inference engine reserves (prompt + response)."
+    )
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Inference dtype.")
+    update_weights_bucket_megabytes: int = Field(
+        512, gt=0, description="Size of the buckets that carry new weights to the inference engine."
+    )
+    vllm_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra vLLM engine arguments (e.g. `mm_processor_cache_gb`)."
+    )
+
+
+class LogProbSection(Section):
+    """Log-prob recomputation settings, shared by the rollout (old log-probs) and the reference."""
+
+    micro_batch_size_per_gpu: int = Field(
+        1, gt=0, description="Sequences per device per log-prob forward pass."
+    )
+    max_token_len_per_gpu: int = Field(
+        8192, gt=0, description="Token budget per device when dynamic batch size is on."
+    )
+    use_dynamic_bsz: bool = Field(False, description="Pack log-prob batches by token count.")

@@ -1,0 +1,60 @@
+"""A Hugging Face model directory's `config.json`, read for the numbers a profile validates with.
+
+    python -m flows.grpo --model /path/to/hf-dir --device gpu --dry-run   # the architecture comes from here
+
+Used when a profile is built from a local directory and again when the base-model stage checks that
+the checkpoint is the model the parallel layout was validated for. Whatever the file holds, the
+answer is the numbers or one line saying what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from profiles.errors import ProfileError
+from profiles.yaml_files import shown
+
+
+def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    """config.json of a local HF directory, as a JSON object, or a ProfileError saying what is wrong."""
+    config_path = model_dir / "config.json"
+    try:
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ProfileError(f"model directory {shown(model_dir)}: cannot read config.json ({exc.strerror or exc})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ProfileError(f"model directory {shown(model_dir)}: config.json is not JSON text; "
+                           "give the directory of a Hugging Face model") from None
+    if not isinstance(config, dict):
+        raise ProfileError(f"model directory {shown(model_dir)}: config.json holds a JSON {type(config).__name__}, "
+                           "not the object of a Hugging Face config")
+    return config
+
+
+def architecture_from_hf_config(model_dir: Path) -> dict[str, Any]:
+    """Architecture numbers from a local HF directory's config.json (text_config for multimodal)."""
+    config = read_hf_config(model_dir)
+    text = config.get("text_config") or config
+    if not isinstance(text, dict):
+        raise ProfileError(f"model directory {shown(model_dir)}: config.json's text_config is a "
+                           f"{type(text).__name__}, not an object")
+    try:
+        found = {
+            "num_layers": text["num_hidden_layers"],
+            "num_attention_heads": text["num_attention_heads"],
+            "num_kv_heads": text.get("num_key_value_heads", text["num_attention_heads"]),
+            "num_experts": text.get("num_experts") or text.get("num_local_experts") or 0,
+            "hidden_size": text["hidden_size"],
+            "vocab_size": text["vocab_size"],
+            "linear_num_key_heads": text.get("linear_num_key_heads"),
+            "linear_num_value_heads": text.get("linear_num_value_heads"),
+        }
+    except KeyError as exc:
+        raise ProfileError(f"model directory {shown(model_dir)}: config.json has no {exc.args[0]}") from None
+    wrong = [name for name, value in found.items()
+             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0)]
+    if wrong:
+        raise ProfileError(f"model directory {shown(model_dir)}: config.json's {', '.join(wrong)} must be whole numbers")
+    return found

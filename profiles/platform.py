@@ -1,0 +1,75 @@
+"""The device table: what a device kind means for torch, Ray and the environment.
+
+    python -m flows.grpo --model tiny --device cpu --dry-run    # the `platform` section of the profile
+
+One `Platform` per kind, filled from `profiles/devices/<kind>.yaml`. Code asks the platform (its
+torch device, dtype, Ray resource, process-group backend, visible-devices variable) instead of
+branching on the kind, so a new kind of device is a new YAML file, not edits across the stages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from profiles.section import Section
+
+DeviceKind = Literal["gpu", "npu", "cpu"]
+# Ray's own accelerator resource; any other device resource is a custom one (`ray start --resources`).
+RAY_BUILTIN_GPU = "GPU"
+
+
+class Platform(Section):
+    """Facts about a device kind. They live in `profiles/devices/<kind>.yaml`, never in code branches."""
+
+    kind: DeviceKind = Field("cpu", description="Device kind this platform describes.")
+    torch_device: Literal["cpu", "cuda", "npu"] = Field(
+        "cpu", description="torch's name for the device (`cuda` for NVIDIA GPUs, `npu` with torch_npu)."
+    )
+    dtype: Literal["float32"] | None = Field(
+        None,
+        description="Dtype every model runs in on this device, whatever engine.dtype says (CPUs: float32, "
+        "as bf16 kernels there are slow or missing); empty: engine.dtype.",
+    )
+    device_noun: str = Field("CPU cores", description="What one unit of this device is called in messages.")
+    comm_backend: Literal["nccl", "hccl", "gloo"] = Field(
+        "gloo", description="torch.distributed backend the training workers use."
+    )
+    ray_resource: str | None = Field(
+        None,
+        description="Ray resource that counts one device (`GPU`, or the custom resource `NPU`); "
+        "none on CPU, where a worker takes CPU cores.",
+    )
+    visible_devices_var: str | None = Field(
+        None,
+        description="Environment variable that selects the devices a process sees "
+        "(`CUDA_VISIBLE_DEVICES`, `ASCEND_RT_VISIBLE_DEVICES`).",
+    )
+    container_image: str | None = Field(
+        None, description="Container image known to run this platform's stack (verl, vLLM, drivers)."
+    )
+
+    @property
+    def accelerated(self) -> bool:
+        """A device other than the CPU does the work (vLLM and verl need one)."""
+        return self.ray_resource is not None
+
+    def run_dtype(self, engine_dtype: str) -> str:
+        return self.dtype or engine_dtype
+
+    def ray_task_options(self, cpus: int = 1) -> dict[str, Any]:
+        """`ray.remote(...)` options that give a task one device (on CPU: `cpus` cores)."""
+        if self.ray_resource is None:
+            return {"num_cpus": cpus}
+        if self.ray_resource == RAY_BUILTIN_GPU:
+            return {"num_gpus": 1}
+        return {"resources": {self.ray_resource: 1}}
+
+    def ray_train_scaling(self, cpus_per_worker: int = 1) -> dict[str, Any]:
+        """Ray Train `ScalingConfig` fields that give each training worker one device."""
+        if self.ray_resource is None:
+            return {"use_gpu": False, "resources_per_worker": {"CPU": cpus_per_worker}}
+        if self.ray_resource == RAY_BUILTIN_GPU:  # Ray Train also sets CUDA_VISIBLE_DEVICES per worker
+            return {"use_gpu": True, "resources_per_worker": None}
+        return {"use_gpu": False, "resources_per_worker": {self.ray_resource: 1}}
