@@ -16,7 +16,7 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 # default is too short on a busy 2-core machine with a fresh database.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: setup test demo demo-tiny clean
+.PHONY: setup test test-unit demo demo-tiny clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The unit tier only (no Prefect API, no Ray, no model conversion): under 2 minutes on 2 cores.
+test-unit: $(STAMP)
+	$(PY) -m pytest -q -m "not e2e"
 
 # The embedded default: CPU, local Ray, Prefect's local API, no network: the arith dataset, the
 # smollm2-135m base model (converted once from the packaged GGUF), a short GRPO run on Ray Train,

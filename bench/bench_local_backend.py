@@ -29,7 +29,10 @@ sys.path.insert(0, str(ROOT))
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from backends.local import LocalTrainSettings, plan_local_training, train_local, training_rows  # noqa: E402
+from backends.local.driver import train_local  # noqa: E402
+from backends.metrics import StepMetrics  # noqa: E402
+from backends.local.settings import LocalTrainSettings, plan_local_training  # noqa: E402
+from backends.local.worker import training_rows  # noqa: E402
 from profiles.loader import resolve_profile  # noqa: E402
 from common.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
 from common.rl_data import arith_splits  # noqa: E402
@@ -64,8 +67,7 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
     set_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
     model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=getattr(torch, settings.dtype))
-    if settings.device == "gpu":
-        model = model.to("cuda")
+    model = model.to(settings.platform.torch_device)
     rows = training_rows(settings, tokenizer, datasets)
 
     def reward(prompts, completions, ground_truth, **_):
@@ -82,13 +84,13 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
                 times.append(time.perf_counter() - self.started)
 
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=settings.max_steps, save_strategy="no", logging_steps=1,
-                      report_to=[], seed=settings.seed, use_cpu=settings.device == "cpu",
+                      report_to=[], seed=settings.seed, use_cpu=not settings.platform.accelerated,
                       bf16=settings.dtype == "bfloat16", disable_tqdm=True, **settings.grpo)
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=rows, processing_class=tokenizer,
                           callbacks=[StepTimer()])
     trainer.train()
     del trainer, model
-    if settings.device == "gpu":
+    if settings.platform.torch_device == "cuda":
         torch.cuda.empty_cache()
     return times
 
@@ -96,12 +98,12 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
 def local_backend(settings: LocalTrainSettings) -> list[float]:
     import ray
 
-    records: list[dict] = []
+    records: list[StepMetrics] = []
     try:
         train_local(settings, None, None, on_step=records.append, run_name="bench")
     finally:
         ray.shutdown()  # no Ray processes left to compete with the next bare run
-    return [r["step_time_s"] for r in sorted(records, key=lambda r: r["step"])]
+    return [r.step_time_s for r in sorted(records, key=lambda r: r.step)]
 
 
 def main() -> None:

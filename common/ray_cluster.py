@@ -190,6 +190,15 @@ def _problems_on_this_node(paths: list[str]) -> dict[str, list[str]]:
     return {path: verify_entry(Path(path), deep=False) for path in paths}
 
 
+def check_shared(path: str, setting: str, ray_address: str | None, runtime_env: dict | None) -> int | None:
+    """On a cluster (`ray_address`), a stage's output must be visible from every node before
+    training starts; returns how many nodes see it (None: no cluster, nothing to check)."""
+    if not ray_address:
+        return None
+    connect_ray(ray_address, runtime_env)
+    return check_visible_on_nodes([Path(path)], setting)
+
+
 def check_visible_on_nodes(paths: list[Path], setting: str) -> int:
     """Raise NotSharedError naming each node that cannot see an intact `paths` entry; return how many
     nodes were checked. Ray must already be initialised (the caller owns the connection)."""

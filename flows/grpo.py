@@ -143,11 +143,11 @@ def print_run_summary(result: dict) -> None:
             resumed = f", resumed from step {train['resumed_from']}" if train["resumed_from"] is not None else ""
             print(f"training: {train['steps_done']}/{train['max_steps']} steps{resumed}; policy in {train['checkpoint_dir']}")
         print(f"metrics: {train['metrics_file']}")
-    for metrics in (result.get("eval") or {}).get("models", []):
-        low, high = metrics["reward_ci95"]
-        print(f"eval {metrics['name']}: mean reward {metrics['mean_reward']:.3f} [{low:.3f}, {high:.3f}], accuracy "
-              f"{metrics['accuracy']:.3f}, format {metrics['format_rate']:.3f} on {metrics['prompts']} prompts "
-              f"({metrics['samples_file']})")
+    if evaluation := result.get("eval"):
+        from stages.evaluate import EvalReport
+
+        for metrics in EvalReport.model_validate(evaluation).models:
+            print(f"eval {metrics.summary_line()}")
     if report := result.get("report"):
         print(f"report: {report}")
 
@@ -189,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         # Validate everything (device usable, profile valid, run folder writable, cluster answering)
         # before a Prefect API or Ray starts; the flow uses the folder named here.
         plan = plan_run(request, dry_run=False)
-        request = request.model_copy(update={"run_name": Path(plan.run_dir).name})
-        return run_flow(request)
+        return run_flow(request.model_copy(update={"run_name": Path(plan.run_dir).name}), plan)
     except UserError as exc:
         print(f"error: {scrub(str(exc))}", file=sys.stderr)
         return EXIT_USER_ERROR
@@ -199,8 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def run_flow(request: RunRequest) -> int:
-    """The flow run, under this process's lease (flows/lease.py), with Prefect's local API unless one
+def run_flow(request: RunRequest, plan) -> int:
+    """The flow run of `plan` (the flow runs it as planned here), under this process's lease (flows/lease.py), with Prefect's local API unless one
     is configured. A stop (SIGTERM, Ctrl-C) ends it in order (Prefect marks it crashed, its hooks
     stop the Ray job and write the report) and exits with the signal's conventional code."""
     from flows import lease
@@ -215,7 +214,7 @@ def run_flow(request: RunRequest) -> int:
             if api is not None:
                 import_ahead(request.stages)
                 api.wait_ready()
-            print_run_summary(grpo_pipeline(request))
+            print_run_summary(grpo_pipeline(request, plan))
         return 0
     except BaseException as exc:
         signum = _stop_signal(exc)

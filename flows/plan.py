@@ -14,16 +14,16 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from backends.verl import TrainingInputs, verl_command
+from backends import backend_for
 from flows.request import RunRequest
 from profiles.errors import UserError
 from profiles.loader import resolve_profile
 from profiles.schema import RunProfile
-from profiles.validation import check_workers_fit
-from stages.dataset import DatasetFiles, DataSpec, dataset_dir
+from stages.dataset import DatasetFiles, DataSpec
 from stages.device import DeviceInfo, detect_device, requested_device
 from stages.environment import RuntimeEnv, resolve_environment
-from stages.model import ModelCheckpoint, ModelSpec, model_dir
+from stages.model import ModelCheckpoint, ModelSpec
+from stages.train import training_inputs
 from common.ray_cluster import check_reachable, parse_ray_address
 
 
@@ -49,25 +49,6 @@ def run_dir_for(request: RunRequest, device_kind: str) -> Path:
     return Path(request.run_root).expanduser().resolve() / name
 
 
-def training_inputs(
-    profile: RunProfile,
-    run_dir: Path,
-    worker_env: dict[str, str],
-    data: DatasetFiles | None = None,
-    model: ModelCheckpoint | None = None,
-) -> TrainingInputs:
-    """What training reads: the dataset and model stages' outputs, or (in a plan made before they
-    ran) the store paths they will produce, which are known without fetching anything."""
-    data_path = Path(data.path) if data else dataset_dir(DataSpec.from_profile(profile.data))
-    return TrainingInputs(
-        model_path=model.path if model else str(model_dir(ModelSpec.from_profile(profile.model))),
-        train_files=data.train_files if data else [str(data_path / "train.parquet")],
-        val_files=data.val_files if data else [str(data_path / "test.parquet")],
-        checkpoint_dir=str((run_dir / "checkpoints").resolve()),
-        worker_env=worker_env,
-    )
-
-
 def training_command(
     request: RunRequest,
     profile: RunProfile,
@@ -76,12 +57,13 @@ def training_command(
     data: DatasetFiles | None = None,
     model: ModelCheckpoint | None = None,
 ) -> list[str]:
-    """verl: the `main_ppo` command submitted to the cluster. local: training runs inside the flow
-    on Ray Train, so the command is the pipeline invocation that reproduces this run."""
-    if profile.backend == "verl":
-        return verl_command(profile, training_inputs(profile, run_dir, env.worker_env, data, model))
+    """The command the backend runs for training (verl: `main_ppo` on the cluster); for a backend
+    that trains inside the flow, the pipeline invocation that reproduces this run."""
+    inputs = training_inputs(profile, run_dir, env.worker_env, data, model)
+    if engine_command := backend_for(profile.backend).command(profile, inputs):
+        return engine_command
     command = ["python", "-m", "flows.grpo", "--model", request.model, "--device", profile.platform.kind,
-               "--backend", "local", "--run-name", run_dir.name]
+               "--backend", profile.backend, "--run-name", run_dir.name]
     if request.profile_file:
         command += ["--profile-file", request.profile_file]
     for item in request.overrides:
@@ -94,22 +76,16 @@ def profile_for(request: RunRequest, device_kind: str) -> RunProfile:
 
 
 def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> None:
-    """Refuse, before anything is fetched or started, what a later stage would fail on: a stage this
-    backend cannot run from the flow, a data or model source that is not there, more training
-    workers than the host has devices, and (for a real run) a Ray cluster that does not answer."""
+    """Refuse, before anything is fetched or started, what a later stage would fail on: what the
+    backend cannot run here (a stage it cannot run from the flow, more training workers than the
+    host has devices), a data or model source that is not there, and (for a real run) a Ray
+    cluster that does not answer."""
     stages = request.stages
-    if profile.backend == "verl" and "train" in stages and not dry_run:
-        raise UserError(
-            "backend verl: the flow does not submit verl training yet; stage the data and model with "
-            "--stages fetch_dataset,prepare_checkpoint and launch the rendered command on the cluster "
-            "(--dry-run prints it), or train with --backend local"
-        )
+    backend_for(profile.backend).check_run(profile, device.count, stages, dry_run)
     if {"fetch_dataset", "train", "evaluate"} & set(stages):
         DataSpec.from_profile(profile.data)
     if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
         ModelSpec.from_profile(profile.model)
-    if "train" in stages:
-        check_workers_fit(profile, device.count)
     if not dry_run and (address := request.ray_address or os.environ.get("RAY_ADDRESS")):
         origin = "--ray-address" if request.ray_address else "RAY_ADDRESS"
         if parsed := parse_ray_address(address, origin):

@@ -2,8 +2,9 @@
 
 They mirror what Megatron, vLLM and verl 0.9.1 would reject half an hour into a cluster start:
 the parallel layout against the world size and the model's shape, the rollout layout against a
-node, and the batch sizes against the data-parallel ranks. Each message names the field, its value
-and a fix; all problems of a profile are reported together, on one line.
+node, and the batch sizes against the data-parallel ranks. Each backend picks the rules that apply
+to it (`Backend.profile_problems`); each message names the field, its value and a fix; all problems
+of a profile are reported together, on one line.
 """
 
 from __future__ import annotations
@@ -116,11 +117,6 @@ def batch_problems(p: RunProfile, data_parallel: int) -> list[str]:
                     f"split over {data_parallel} data-parallel ranks x actor.ppo_micro_batch_size_per_gpu "
                     f"{a.ppo_micro_batch_size_per_gpu}; make {field} x rollout_n a multiple of {per_micro_round}"
                 )
-    if a.use_dynamic_bsz and not p.engine.use_remove_padding and p.backend == "verl":
-        problems.append(
-            "actor.use_dynamic_bsz=true: dynamic batch size needs packed sequences, but "
-            "engine.use_remove_padding=false; set actor.use_dynamic_bsz=false"
-        )
     return problems
 
 
@@ -137,33 +133,10 @@ def length_problems(p: RunProfile) -> list[str]:
 
 
 def validate_profile(p: RunProfile) -> None:
-    problems = []
-    if p.backend == "verl":
-        if p.platform.kind == "cpu":
-            raise ProfileError(
-                "backend=verl on device cpu: verl needs GPUs or NPUs and vLLM; use --backend local, "
-                "or --device gpu|npu with --dry-run to render the cluster command here"
-            )
-        problems += layout_problems(p)
-        problems += rollout_problems(p)
-        data_parallel = p.data_parallel_size if p.world_size % (p.engine.tp * p.engine.pp * p.engine.cp) == 0 else 0
-    else:
-        data_parallel = p.world_size  # the local backend is plain data parallel (DDP)
-    problems += batch_problems(p, data_parallel)
-    problems += length_problems(p)
+    """Every rule at once: the backend's own (its layout, how batches split over its ranks, what it
+    cannot run) and the ones that hold for any backend; all problems on one line."""
+    from backends import backend_for
+
+    problems = backend_for(p.backend).profile_problems(p) + length_problems(p)
     if problems:
         raise ProfileError("invalid profile: " + "; ".join(problems))
-
-
-def check_workers_fit(p: RunProfile, devices_here: int) -> None:
-    """The local backend on one host starts one training worker per device (on cpu: per process
-    slot); more than the host has would wait for devices that never come."""
-    workers = p.world_size
-    if p.backend != "local" or p.cluster.nnodes != 1 or devices_here <= 0 or workers <= devices_here:
-        return
-    kind = p.platform.kind
-    unit = "CPU cores" if kind == "cpu" else f"{kind.upper()}s"
-    raise ProfileError(
-        f"cluster.devices_per_node={p.cluster.devices_per_node}: {workers} training workers but this host has "
-        f"{devices_here} {unit}; set --set cluster.devices_per_node={devices_here} (or fewer)"
-    )

@@ -27,7 +27,8 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from profiles.errors import UserError
-from profiles.schema import EvalSection
+from profiles.platform import Platform
+from profiles.schema import RunProfile
 from common.files import write_text_atomic
 from common.progress import Bar
 
@@ -42,10 +43,12 @@ class EvalSettings(BaseModel):
     max_prompts: int | None = None
     seed: int = 0
     reward_function: str | None = None
-    device: str = "cpu"
+    torch_device: str = Field("cpu", description="Where generation runs (the platform's torch device).")
+    dtype: str = Field("float32", description="Dtype of the model while generating.")
 
     @classmethod
-    def from_profile(cls, section: EvalSection, max_response_length: int, reward_function: str | None, device: str) -> EvalSettings:
+    def from_profile(cls, profile: RunProfile) -> EvalSettings:
+        section = profile.eval
         if section.samples_per_prompt > 1 and section.temperature == 0:
             raise UserError(
                 f"eval.samples_per_prompt={section.samples_per_prompt} with eval.temperature=0: greedy decoding "
@@ -53,8 +56,9 @@ class EvalSettings(BaseModel):
             )
         return cls(
             samples_per_prompt=section.samples_per_prompt, temperature=section.temperature,
-            max_new_tokens=section.max_new_tokens or max_response_length, batch_size=section.batch_size,
-            max_prompts=section.max_prompts, seed=section.seed, reward_function=reward_function, device=device,
+            max_new_tokens=section.max_new_tokens or profile.data.max_response_length, batch_size=section.batch_size,
+            max_prompts=section.max_prompts, seed=section.seed, reward_function=profile.algorithm.reward_function,
+            torch_device=profile.platform.torch_device, dtype=profile.platform.run_dtype(profile.engine.dtype),
         )
 
 
@@ -83,6 +87,13 @@ class ModelMetrics(BaseModel):
     response_length_p95: float
     truncation_rate: float
     samples_file: str
+
+    def summary_line(self) -> str:
+        """The model's results in one line, as the flow logs them and the command line prints them."""
+        return (f"{self.name}: mean reward {self.mean_reward:.3f} [{self.reward_ci95[0]:.3f}, {self.reward_ci95[1]:.3f}], "
+                f"accuracy {self.accuracy:.3f}, format {self.format_rate:.3f}, pass@{self.k} {self.pass_at_k:.3f}, "
+                f"length {self.response_length_mean:.1f} (p95 {self.response_length_p95:.0f}), truncated "
+                f"{self.truncation_rate:.3f} on {self.prompts} prompts ({self.samples_file})")
 
 
 class EvalReport(BaseModel):
@@ -122,9 +133,8 @@ def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    device = "cuda" if settings.device == "gpu" else "npu" if settings.device == "npu" else "cpu"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    device = settings.torch_device
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype)).to(device).eval()
     stop_ids = set(_as_list(model.generation_config.eos_token_id) + [tokenizer.eos_token_id]) - {None}
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
     torch.manual_seed(settings.seed)
@@ -170,15 +180,17 @@ def vllm_generate(model_dir: Path, prompts: list[list[dict]], settings: EvalSett
     ]
 
 
-def choose_engine(device: str, devices: int) -> Generate:
+def choose_engine(platform: Platform, devices: int) -> Generate:
     """vLLM on an accelerator when it is installed, else transformers; sharded over the devices."""
     import importlib.util
 
-    engine = vllm_generate if device in ("gpu", "npu") and importlib.util.find_spec("vllm") else transformers_generate
-    return sharded(engine, devices, device) if device in ("gpu", "npu") and devices > 1 else engine
+    if not platform.accelerated:
+        return transformers_generate
+    engine = vllm_generate if importlib.util.find_spec("vllm") else transformers_generate
+    return sharded(engine, devices, platform) if devices > 1 else engine
 
 
-def sharded(generate: Generate, shards: int, device: str) -> Generate:
+def sharded(generate: Generate, shards: int, platform: Platform) -> Generate:
     """`generate` over `shards` Ray tasks (one device each), contiguous prompt ranges, merged in order."""
 
     def generate_sharded(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
@@ -187,8 +199,7 @@ def sharded(generate: Generate, shards: int, device: str) -> Generate:
         from common.ray_cluster import connect_ray
 
         connect_ray(None, None)
-        resources = {"num_gpus": 1} if device == "gpu" else {"resources": {"NPU": 1}} if device == "npu" else {"num_cpus": 1}
-        run = ray.remote(**resources)(generate)
+        run = ray.remote(**platform.ray_task_options())(generate)
         size = math.ceil(len(prompts) / shards)
         pieces = [prompts[start : start + size] for start in range(0, len(prompts), size)]
         results = ray.get([run.remote(model_dir, piece, settings) for piece in pieces])

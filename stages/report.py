@@ -10,12 +10,12 @@ A failed run gets a report too, saying which stage failed and why.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from backends.metrics import read_metrics
 from common.files import write_text_atomic
 
 REPORT = "report.md"
@@ -32,7 +32,7 @@ TABLE_METRICS = (
 
 
 def plot_reward_curve(metrics_file: Path, out: Path) -> bool:
-    records = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()] if metrics_file.is_file() else []
+    records = read_metrics(metrics_file)
     if not records:
         return False
     import matplotlib
@@ -40,9 +40,9 @@ def plot_reward_curve(metrics_file: Path, out: Path) -> bool:
     matplotlib.use("Agg")  # files only: no display on a cluster node or in CI
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records]
-    mean = [r["reward_mean"] for r in records]
-    std = [r["reward_std"] or 0.0 for r in records]
+    steps = [r.step for r in records]
+    mean = [r.reward_mean for r in records]
+    std = [r.reward_std or 0.0 for r in records]
     figure, axis = plt.subplots(figsize=(7, 3.5), dpi=100)
     axis.plot(steps, mean, marker="o", markersize=3, label="mean reward")
     axis.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, label="± std")
@@ -85,7 +85,9 @@ def plot_eval(models: list[dict], out: Path) -> bool:
     return True
 
 
-def _metrics_table(models: list[dict]) -> str:
+def metrics_table(models: list[dict]) -> str:
+    """Models side by side, with the last minus the first: the report's table and the Prefect
+    artifact `evaluation`."""
     header = "| metric | " + " | ".join(m["name"] for m in models) + (" | Δ (last - first) |" if len(models) > 1 else " |")
     lines = [header, "|---" * (len(models) + 1 + (len(models) > 1)) + "|"]
     for key, label in TABLE_METRICS:
@@ -136,7 +138,7 @@ def write_report(
     models = (evaluation or {}).get("models") or []
     if models:
         parts += ["## Evaluation", "", f"{models[0]['prompts']} validation prompts, {models[0]['k']} response(s) each, "
-                  "scored with the training reward.", "", _metrics_table(models), "", _verdict(models), ""]
+                  "scored with the training reward.", "", metrics_table(models), "", _verdict(models), ""]
         if plot_eval(models, run_dir / EVAL_PLOT):
             parts += [f"![evaluation]({EVAL_PLOT})", ""]
         parts += ["Per-sample results: " + ", ".join(f"[{m['name']}]({Path(m['samples_file']).relative_to(run_dir)})"

@@ -1,25 +1,54 @@
-"""The command line as a user runs it: a real subprocess, exit codes, stdout/stderr."""
+"""The command line as a user runs it: exit codes, stdout and stderr, in this process (`main`),
+with the device probe answering as on a host without GPU or NPU; and once as `python -m flows.grpo`.
+Nothing here starts a flow: every case stops at planning or is a dry run."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
+
+from flows.grpo import main
 
 SECRET = "hf_sEcReT_vAlUe_123"
 
 
-def cli(*args: str, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if k != "DEVICE"}
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-m", "flows.grpo", *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd, timeout=300)
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
 
 
-def test_dry_run_json_plans_for_a_named_device_without_requiring_it(tmp_path):
+@pytest.fixture
+def cli(monkeypatch, capsys, no_accelerator):
+    """`python -m flows.grpo ARGS` in this process, with `env` exported for it."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> Done:
+        monkeypatch.delenv("DEVICE", raising=False)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse: --help, an unknown option
+            code = exit_.code
+        out = capsys.readouterr()
+        return Done(code, out.out, out.err)
+
+    return run
+
+
+def test_the_module_entry_point_exits_2_with_one_line_and_no_traceback():
+    done = subprocess.run([sys.executable, "-m", "flows.grpo", "--model", "tiny", "--set", "engine.tpp=2", "--dry-run"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == "error: unknown setting 'engine.tpp' in --set; did you mean 'engine.tp'?\n"
+
+
+def test_dry_run_json_plans_for_a_named_device_without_requiring_it(cli, tmp_path):
     done = cli("--model", "qwen3.5-122b-a10b", "--device", "npu", "--dry-run", "--json", "--run-dir", str(tmp_path),
                "--run-name", "plan", env={"HF_TOKEN": SECRET})
     assert done.returncode == 0, done.stderr
@@ -35,14 +64,14 @@ def test_dry_run_json_plans_for_a_named_device_without_requiring_it(tmp_path):
     assert not (tmp_path / "plan").exists(), "a dry run writes nothing"
 
 
-def test_dry_run_yaml_shows_profile_and_command():
+def test_dry_run_yaml_shows_profile_and_command(cli):
     done = cli("--model", "qwen3.5-35b-a3b", "--device", "gpu", "--dry-run", "--set", "algorithm.use_kl_loss=false")
     assert done.returncode == 0, done.stderr
     assert "# resolved profile" in done.stdout and "python3 -m verl.trainer.main_ppo \\\n    model_engine=megatron \\\n" in done.stdout
     assert "actor_rollout_ref.actor.use_kl_loss=false" in done.stdout
 
 
-def test_local_backend_dry_run_on_cpu():
+def test_local_backend_dry_run_on_cpu(cli):
     done = cli("--model", "tiny", "--device", "auto", "--dry-run", "--json", "--set", "trainer.total_training_steps=3")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
@@ -69,7 +98,7 @@ def test_local_backend_dry_run_on_cpu():
         (["--set", "env.HF_TOKEN=hf_typed_in"], {}, "--set: env.HF_TOKEN holds a literal value; a secret is read from the environment"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(tmp_path, args, env, fragment):
+def test_bad_input_is_one_line_exit_2(cli, tmp_path, args, env, fragment):
     bad = tmp_path / "bad.yaml"
     bad.write_text("engine: {tp: [1\n")
     args = [a.replace("{profile}", str(bad)) for a in args]
@@ -81,7 +110,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, args, env, fragment):
     assert fragment in lines[0] and "hf_typed_in" not in done.stderr
 
 
-def test_real_run_on_a_missing_gpu_fails_clearly_before_the_flow(tmp_path):
+def test_real_run_on_a_missing_gpu_fails_clearly_before_the_flow(cli, tmp_path):
     done = cli("--model", "tiny", "--device", "gpu", "--run-dir", str(tmp_path))
     assert done.returncode == 2
     assert done.stderr.startswith("error: --device gpu requested but not usable here")
@@ -89,7 +118,7 @@ def test_real_run_on_a_missing_gpu_fails_clearly_before_the_flow(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_help_explains_every_option():
+def test_help_explains_every_option(cli):
     done = cli("--help")
     assert done.returncode == 0
     for option in ("--model", "--device", "--backend", "--set", "--profile-file", "--stages", "--run-dir",
@@ -98,7 +127,7 @@ def test_help_explains_every_option():
 
 
 @pytest.mark.parametrize("policy", ["bypass-cluster", "clear"])
-def test_dry_run_json_applies_proxy_policy_to_all_case_forms_and_hides_token(policy):
+def test_dry_run_json_applies_proxy_policy_to_all_case_forms_and_hides_token(cli, policy):
     proxies = {"http_proxy": "http://proxy:3128", "HTTPS_PROXY": "http://proxy:3128", "ALL_PROXY": "socks5://proxy:1080"}
     done = cli("--model", "qwen3.5-122b-a10b", "--device", "npu", "--dry-run", "--json", "--set",
                f"proxy_policy={policy}", env={**proxies, "HF_TOKEN": SECRET})
@@ -162,7 +191,7 @@ def _files(tmp_path):
          "unknown-builtin-model", "missing-data-source", "ray-port-out-of-range", "ray-address-without-port",
          "run-name-too-long"],
 )
-def test_a_dry_run_refuses_hostile_input_with_one_line(tmp_path, args, fragment):
+def test_a_dry_run_refuses_hostile_input_with_one_line(cli, tmp_path, args, fragment):
     _files(tmp_path)
     # A later --model replaces the first (argparse keeps the last value).
     done = cli("--model", "tiny", "--device", "cpu", *[a.replace("{tmp}", str(tmp_path)) for a in args], "--dry-run",
@@ -191,7 +220,7 @@ def test_a_dry_run_refuses_hostile_input_with_one_line(tmp_path, args, fragment)
          "list-value-for-secret", "no-equals-sign", "list-value-not-echoed", "ray-address-credentials",
          "ray-address-credentials-bad-host"],
 )
-def test_a_secret_literal_is_refused_and_never_echoed(tmp_path, args, fragment):
+def test_a_secret_literal_is_refused_and_never_echoed(cli, tmp_path, args, fragment):
     _files(tmp_path)
     done = cli("--model", "tiny", "--device", "cpu", *[a.replace("{tmp}", str(tmp_path)) for a in args], "--dry-run", "--json")
     assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])
@@ -200,7 +229,7 @@ def test_a_secret_literal_is_refused_and_never_echoed(tmp_path, args, fragment):
     assert SECRET_LIKE not in done.stdout + done.stderr
 
 
-def test_an_exported_secret_is_named_by_reference_and_never_shown(tmp_path):
+def test_an_exported_secret_is_named_by_reference_and_never_shown(cli, tmp_path):
     done = cli("--model", "tiny", "--device", "cpu", "--set", "env.HF_TOKEN=${HF_TOKEN}", "--set",
                "env.WANDB_API_KEY=${MY_WANDB_KEY}", "--dry-run", "--json",
                env={"HF_TOKEN": SECRET_LIKE, "MY_WANDB_KEY": SECRET_LIKE + "2"})
@@ -212,11 +241,9 @@ def test_an_exported_secret_is_named_by_reference_and_never_shown(tmp_path):
     assert SECRET_LIKE not in done.stdout + done.stderr
 
 
-def test_a_run_refuses_a_reference_to_a_secret_that_is_not_exported(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
-    done = subprocess.run([sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--set",
-                           "env.HF_TOKEN=${HF_TOKEN}", "--run-dir", str(tmp_path)], capture_output=True, text=True,
-                          env=env, timeout=120)
+def test_a_run_refuses_a_reference_to_a_secret_that_is_not_exported(cli, tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    done = cli("--model", "tiny", "--device", "cpu", "--set", "env.HF_TOKEN=${HF_TOKEN}", "--run-dir", str(tmp_path))
     assert done.returncode == 2
     assert done.stderr.startswith("error: env: HF_TOKEN (${HF_TOKEN}) refer(s) to a variable that is not set"), done.stderr
     assert not any(tmp_path.iterdir())
@@ -231,7 +258,7 @@ def test_a_run_refuses_a_reference_to_a_secret_that_is_not_exported(tmp_path):
     ],
     ids=["proc", "under-a-file", "name-too-long"],
 )
-def test_a_run_whose_folder_cannot_be_written_starts_nothing(tmp_path, run_dir, run_name, fragment):
+def test_a_run_whose_folder_cannot_be_written_starts_nothing(cli, tmp_path, run_dir, run_name, fragment):
     done = cli("--model", "tiny", "--device", "cpu", "--run-dir", run_dir.replace("{tmp}", str(tmp_path)),
                "--run-name", run_name, env={"PREFECT_HOME": str(tmp_path / "prefect")})
     assert done.returncode == 2, done.stderr[-2000:]
@@ -240,7 +267,7 @@ def test_a_run_whose_folder_cannot_be_written_starts_nothing(tmp_path, run_dir, 
     assert not (tmp_path / "prefect").exists()  # no Prefect API, no lease: nothing started
 
 
-def test_an_unreachable_ray_address_fails_in_seconds_before_anything_starts(tmp_path):
+def test_an_unreachable_ray_address_fails_in_seconds_before_anything_starts(cli, tmp_path):
     import socket
 
     with socket.socket() as closed:  # a port nothing listens on

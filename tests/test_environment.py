@@ -71,3 +71,24 @@ def test_npu_env_is_complete_for_ray_workers():
     assert workers["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] == "1"
     assert workers["HCCL_CONNECT_TIMEOUT"] == "5400" and workers["HCCL_BUFFSIZE"] == "300"
     assert all(isinstance(v, str) for v in workers.values())
+
+
+def test_user_exported_env_wins_and_is_recorded():
+    profile = resolve_profile("qwen3.5-122b-a10b", "npu")
+    env = resolve_environment(profile, environ={"HCCL_BUFFSIZE": "600"})
+    assert env.values["HCCL_BUFFSIZE"].value == "600" and env.values["HCCL_BUFFSIZE"].source == "user"
+    assert env.values["HCCL_CONNECT_TIMEOUT"].source == "profile"
+
+
+def test_env_references_are_read_from_the_environment_or_reported():
+    profile = resolve_profile("tiny", "cpu", overrides=["env.MIRROR=${MY_MIRROR:-https://hf-mirror.com}",
+                                                       "env.NODE=${NODE_NAME}", "env.HF_TOKEN=${HF_TOKEN}"])
+    env = resolve_environment(profile, environ={})
+    assert env.values["MIRROR"].value == "https://hf-mirror.com" and env.values["MIRROR"].source == "profile"
+    assert env.unset_references == ["NODE (${NODE_NAME})", "HF_TOKEN (${HF_TOKEN})"]
+    with pytest.raises(ProfileError, match=r"NODE \(\$\{NODE_NAME\}\), HF_TOKEN \(\$\{HF_TOKEN\}\) refer\(s\) to a "
+                       "variable that is not set"):
+        env.check_references()
+    env = resolve_environment(profile, environ={"MY_MIRROR": "http://m", "NODE_NAME": "n1", "HF_TOKEN": "hf_abcdef"})
+    assert env.values["MIRROR"].value == "http://m" and env.values["NODE"].value == "n1" and not env.unset_references
+    assert env.values["HF_TOKEN"].secret_from == "HF_TOKEN" and env.values["HF_TOKEN"].value is None

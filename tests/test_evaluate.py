@@ -14,17 +14,9 @@ import pytest
 
 from datasets_fixtures import geo3k_table, gsm8k_table
 from profiles.errors import UserError
-from common.builtin_models import build_tiny
 from stages.evaluate import EvalSettings, Response, evaluate, pass_at_k
 from common.rewards import score
 from common.rl_data import arith_splits, convert_geo3k, convert_gsm8k
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    build_tiny(out)
-    return out
 
 
 def write(table: pa.Table, path: Path) -> Path:
@@ -32,10 +24,10 @@ def write(table: pa.Table, path: Path) -> Path:
     return path
 
 
-def test_tiny_on_arith_metrics_match_the_per_sample_file(tiny_dir, tmp_path):
+def test_tiny_on_arith_metrics_match_the_per_sample_file(tiny_model_dir, tmp_path):
     val = write(arith_splits(8, 24, seed=1)["test"], tmp_path / "test.parquet")
     settings = EvalSettings(samples_per_prompt=3, temperature=1.0, max_new_tokens=6, batch_size=5, seed=2)
-    report = evaluate({"base": tiny_dir}, val, settings, tmp_path / "eval")
+    report = evaluate({"base": tiny_model_dir}, val, settings, tmp_path / "eval")
     (metrics,) = report.models
     samples = [json.loads(line) for line in Path(metrics.samples_file).read_text().splitlines()]
     assert len(samples) == 24 * 3 and metrics.prompts == 24 and metrics.samples == 72
@@ -75,7 +67,7 @@ def echo_engine(answers: dict[str, str]):
     return generate
 
 
-def test_gsm8k_and_geo3k_are_scored_exactly(tiny_dir, tmp_path):
+def test_gsm8k_and_geo3k_are_scored_exactly(tiny_model_dir, tmp_path):
     gsm8k = convert_gsm8k(gsm8k_table(4), "test").to_pylist()
     responses = {
         gsm8k[0]["prompt"][0]["content"]: f"so\n#### {gsm8k[0]['reward_model']['ground_truth']}",  # right
@@ -84,7 +76,7 @@ def test_gsm8k_and_geo3k_are_scored_exactly(tiny_dir, tmp_path):
         gsm8k[3]["prompt"][0]["content"]: f"#### {gsm8k[3]['reward_model']['ground_truth']}",  # right
     }
     val = write(convert_gsm8k(gsm8k_table(4), "test"), tmp_path / "gsm8k.parquet")
-    (m,) = evaluate({"echo": tiny_dir}, val, EvalSettings(), tmp_path / "eval", echo_engine(responses)).models
+    (m,) = evaluate({"echo": tiny_model_dir}, val, EvalSettings(), tmp_path / "eval", echo_engine(responses)).models
     assert (m.mean_reward, m.accuracy, m.format_rate) == (0.5, 0.5, 0.75)
 
     geo = convert_geo3k(geo3k_table(4), "test").to_pylist()
@@ -96,7 +88,7 @@ def test_gsm8k_and_geo3k_are_scored_exactly(tiny_dir, tmp_path):
         geo[3]["prompt"][0]["content"]: "no idea",  # 0
     }
     val = write(convert_geo3k(geo3k_table(4), "test"), tmp_path / "geo3k.parquet")
-    (m,) = evaluate({"echo": tiny_dir}, val, EvalSettings(), tmp_path / "eval", echo_engine(answers)).models
+    (m,) = evaluate({"echo": tiny_model_dir}, val, EvalSettings(), tmp_path / "eval", echo_engine(answers)).models
     assert m.mean_reward == pytest.approx(0.5) and m.accuracy == 0.5 and m.format_rate == 0.5
 
 
@@ -109,12 +101,12 @@ def test_gsm8k_and_geo3k_are_scored_exactly(tiny_dir, tmp_path):
         ("empty", "the validation split is empty"),
     ],
 )
-def test_bad_input_is_one_clear_error_and_nothing_is_written(tiny_dir, tmp_path, breakage, message):
-    model, table = tiny_dir, arith_splits(4, 4, seed=0)["test"]
+def test_bad_input_is_one_clear_error_and_nothing_is_written(tiny_model_dir, tmp_path, breakage, message):
+    model, table = tiny_model_dir, arith_splits(4, 4, seed=0)["test"]
     if breakage == "no-weights":
         model = tmp_path / "no-weights"
         model.mkdir()
-        (model / "config.json").write_text((tiny_dir / "config.json").read_text())
+        (model / "config.json").write_text((tiny_model_dir / "config.json").read_text())
     elif breakage == "no-ground-truth":
         table = table.set_column(3, "reward_model", pa.array([{"style": "rule", "ground_truth": ""}] * 4))
     elif breakage == "no-reward-column":
@@ -128,59 +120,37 @@ def test_bad_input_is_one_clear_error_and_nothing_is_written(tiny_dir, tmp_path,
 
 
 def test_several_samples_need_sampling():
-    from profiles.schema import EvalSection
+    from profiles.loader import resolve_profile
 
     with pytest.raises(UserError, match="eval.samples_per_prompt=4 with eval.temperature=0"):
-        EvalSettings.from_profile(EvalSection(samples_per_prompt=4), 16, None, "cpu")
+        EvalSettings.from_profile(resolve_profile("tiny", "cpu", overrides=["eval.samples_per_prompt=4"]))
 
 
-def test_export_checks_the_policy_and_refuses_a_diverged_one(tiny_dir, tmp_path):
-    import shutil
+def test_generation_runs_where_the_platform_says():
+    from profiles.loader import resolve_profile
 
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    from stages.export import export_checkpoint
-    from stages.model import ModelFormatError
-
-    step_dir = tmp_path / "checkpoints" / "global_step_4"
-    shutil.copytree(tiny_dir, step_dir)
-    exported = export_checkpoint("local", str(step_dir), 4)
-    assert exported.path == str(step_dir) and exported.num_parameters == 106_880
-    tensors = load_file(step_dir / "model.safetensors")
-    tensors["model.norm.weight"][3] = torch.nan
-    save_file(tensors, step_dir / "model.safetensors")
-    with pytest.raises(ModelFormatError, match="model.norm.weight has NaN or Inf values"):
-        export_checkpoint("local", str(step_dir), 4)
-    with pytest.raises(UserError, match="run the train stage first"):
-        export_checkpoint("local", "", 0)
+    cpu, npu = (EvalSettings.from_profile(resolve_profile(model, kind)) for model, kind in (("tiny", "cpu"),
+                                                                                          ("qwen3.5-122b-a10b", "npu")))
+    assert (cpu.torch_device, cpu.dtype) == ("cpu", "float32") and (npu.torch_device, npu.dtype) == ("npu", "bfloat16")
 
 
-def test_a_verl_step_with_an_hf_export_is_used_as_it_is(tiny_dir, tmp_path):
-    import shutil
-
-    from stages.export import export_checkpoint
-
-    exported = tmp_path / "global_step_50" / "actor" / "model" / "huggingface"
-    shutil.copytree(tiny_dir, exported)
-    assert export_checkpoint("verl", str(tmp_path / "global_step_50"), 50).path == str(exported)
-
-
-def test_sharded_generation_returns_every_prompt_in_order(tiny_dir):
+@pytest.mark.e2e  # starts a local Ray
+def test_sharded_generation_returns_every_prompt_in_order(tiny_model_dir):
     import ray
 
+    from profiles.platform import Platform
     from stages.evaluate import sharded, transformers_generate
 
     prompts = [row["prompt"] for row in arith_splits(4, 10, seed=3)["test"].to_pylist()]
     settings = EvalSettings(max_new_tokens=5, batch_size=4)
     try:
-        merged = sharded(transformers_generate, 2, "cpu")(tiny_dir, prompts, settings)
+        merged = sharded(transformers_generate, 2, Platform())(tiny_model_dir, prompts, settings)
     finally:
         ray.shutdown()
-    assert merged == transformers_generate(tiny_dir, prompts, settings)  # greedy: the same, in order
+    assert merged == transformers_generate(tiny_model_dir, prompts, settings)  # greedy: the same, in order
 
 
-def test_the_vllm_engine_translates_settings_and_outputs(tiny_dir, monkeypatch):
+def test_the_vllm_engine_translates_settings_and_outputs(tiny_model_dir, monkeypatch):
     """vLLM cannot be installed here: its two classes are stood in to check the adapter's side."""
     import sys
     import types
@@ -207,8 +177,10 @@ def test_the_vllm_engine_translates_settings_and_outputs(tiny_dir, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw))
     settings = EvalSettings(samples_per_prompt=2, temperature=0.7, max_new_tokens=9, seed=5)
-    out = vllm_generate(tiny_dir, [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], settings)
-    assert seen["params"] == {"n": 2, "temperature": 0.7, "max_tokens": 9, "seed": 5} and seen["model"] == str(tiny_dir)
+    out = vllm_generate(tiny_model_dir, [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], settings)
+    assert seen["params"] == {"n": 2, "temperature": 0.7, "max_tokens": 9, "seed": 5} and seen["model"] == str(tiny_model_dir)
     assert [[r.text for r in group] for group in out] == [["0-0", "0-1"], ["1-0", "1-1"]]
     assert [r.truncated for r in out[0]] == [False, True] and out[0][1].tokens == 2
-    assert choose_engine("cpu", 1) is transformers_generate
+    from profiles.platform import Platform
+
+    assert choose_engine(Platform(), 4) is transformers_generate  # the CPU: transformers, not sharded

@@ -159,13 +159,11 @@ def test_offline_mode_serves_the_cache_and_refuses_the_rest(hub, tmp_path, monke
     assert hub.requests == []
 
 
-@pytest.fixture(scope="module")
-def tiny_model_files(tmp_path_factory) -> dict[str, bytes]:
-    from common.builtin_models import build_tiny
-
-    out = tmp_path_factory.mktemp("tiny")
-    build_tiny(out)
-    return {p.name: p.read_bytes() for p in out.iterdir()} | {"weights.gguf": b"not wanted", "README.md": b"# tiny"}
+@pytest.fixture
+def tiny_model_files(tiny_model_dir) -> dict[str, bytes]:
+    """The tiny model's files as a hub repo holds them (no store manifest), and two not to fetch."""
+    files = {p.name: p.read_bytes() for p in tiny_model_dir.iterdir() if p.name != "manifest.json"}
+    return files | {"weights.gguf": b"not wanted", "README.md": b"# tiny"}
 
 
 def model_spec(tmp_path, path: str, **fields) -> ModelSpec:

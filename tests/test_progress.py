@@ -17,6 +17,11 @@ def test_the_sink_sees_the_fraction_and_what_whether_or_not_the_bar_is_shown(dis
     assert seen == [(0.25, "hashing"), (1.0, "hashing")]
 
 
-def test_without_a_sink_a_bar_is_a_plain_bar():
-    with Bar(total=2, disable=True) as bar:
-        bar.update(2)
+def test_a_bar_reports_to_the_sink_in_place_where_it_was_made_not_where_it_is_updated():
+    """Downloads update bars from worker threads, which do not share the stage's context: the sink
+    is taken when the bar is made."""
+    seen = []
+    with Bar(total=2, disable=True) as made_outside:
+        with reporting_to(lambda fraction, what: seen.append(fraction)):
+            made_outside.update(2)
+    assert made_outside.n == 2 and seen == []

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 
+from backends.metrics import StepMetrics
 from stages.report import write_report
 
 
@@ -28,7 +28,8 @@ def test_the_table_shows_deltas_and_the_verdict_reads_the_intervals(tmp_path):
 
 def test_a_failed_run_still_gets_a_report_with_the_reason_and_the_curve(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text("".join(json.dumps({"step": i, "reward_mean": i / 10, "reward_std": 0.1}) + "\n" for i in range(1, 6)))
+    metrics.write_text("".join(StepMetrics(step=i, reward_mean=i / 10, reward_std=0.1, step_time_s=1.0, time=0.0)
+                               .model_dump_json() + "\n" for i in range(1, 6)))
     train = {"steps_done": 4, "max_steps": 8, "resumed_from": None, "already_complete": False,
              "checkpoint_dir": str(tmp_path / "checkpoints" / "global_step_4"), "metrics_file": str(metrics)}
     report = write_report(tmp_path, train=train, timings={"train": 30.0, "evaluate": 10.0},

@@ -8,7 +8,10 @@ import pytest
 from pydantic import ValidationError
 
 from flows.request import RunRequest
+from profiles.errors import ProfileError
+from profiles.loader import resolve_profile
 from profiles.secrets import is_secret, parse_reference, redact, scrub, secret_literal_problems
+from stages.environment import resolve_environment
 
 TOKEN = "hf_aB3dE5gH7jK9mN"
 
@@ -37,7 +40,7 @@ def test_scrub_hides_this_processes_secret_values_and_url_credentials(monkeypatc
 
 
 def test_a_log_line_or_traceback_of_the_run_never_carries_a_secret_value(monkeypatch):
-    from flows.pipeline import RunLogFilter
+    from flows.task_policy import RunLogFilter
 
     monkeypatch.setenv("WANDB_API_KEY", TOKEN)
     try:
@@ -77,3 +80,39 @@ def test_a_ray_address_is_checked_for_its_form_without_echoing_credentials(addre
         RunRequest(ray_address=address)
     assert TOKEN not in str(refused.value)
     assert RunRequest(ray_address="[fd00::1]:6379").ray_address == "[fd00::1]:6379"
+
+
+@pytest.mark.parametrize(
+    ("name", "secret"),
+    [("HF_TOKEN", True), ("WANDB_API_KEY", True), ("AWS_SECRET_ACCESS_KEY", True), ("DB_PASSWORD", True),
+     ("GITHUB_PAT_TOKEN", True), ("OPENAI_APIKEY", True), ("TOKENIZERS_PARALLELISM", False),
+     ("HCCL_BUFFSIZE", False), ("KEYBOARD_LAYOUT", False)],
+)
+def test_secret_names(name, secret):
+    assert is_secret(name) is secret
+
+
+def test_secrets_are_redacted_and_not_forwarded():
+    profile = resolve_profile("tiny", "cpu", overrides=["env.WANDB_API_KEY=${WANDB_API_KEY}", "env.MY_PASSWORD=${PW_FILE_VAR}"])
+    env = resolve_environment(profile, environ={"WANDB_API_KEY": "abc123456", "PW_FILE_VAR": "pw-value-123"})
+    assert env.redacted()["WANDB_API_KEY"] == {"value": "***", "source": "user"}
+    assert "abc123456" not in env.model_dump_json() and "pw-value-123" not in env.model_dump_json()
+    assert "WANDB_API_KEY" not in env.worker_env and "MY_PASSWORD" not in env.worker_env
+    driver = {"PW_FILE_VAR": "pw-value-123"}
+    env.apply(driver)  # the driver gets it from its own environment, under the profile's name
+    assert driver["MY_PASSWORD"] == "pw-value-123"
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [["env.WANDB_API_KEY=abc123456"], ["env={API_KEY: abc123456}"], ["env.DB_PASSWORD=${DB_PASSWORD:-abc123456}"]],
+    ids=["literal", "mapping", "reference-default"],
+)
+def test_a_profile_never_holds_a_secret_value(layer, tmp_path):
+    with pytest.raises(ProfileError, match="holds a") as raised:
+        resolve_profile("tiny", "cpu", overrides=layer)
+    assert "abc123456" not in str(raised.value)
+    profile_file = tmp_path / "p.yaml"
+    profile_file.write_text("env:\n  HF_TOKEN: abc123456\n")
+    with pytest.raises(ProfileError, match="profile file .*p.yaml: env.HF_TOKEN holds a literal value"):
+        resolve_profile("tiny", "cpu", profile_file=profile_file)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from backends.verl import ADD_OR_OVERRIDE, ENTRYPOINT, verl_command, verl_settings
+from backends.verl.command import ADD_OR_OVERRIDE, ENTRYPOINT, verl_command, verl_settings
 from flows.plan import training_inputs
 from profiles.loader import PROFILES_DIR, resolve_profile
 from profiles.yaml_files import load_yaml_mapping

@@ -14,7 +14,9 @@ from pathlib import Path
 import psutil
 import ray
 
-from backends.local import latest_step, plan_local_training, train_local
+from backends.local.checkpoints import latest_step
+from backends.local.driver import train_local
+from backends.local.settings import plan_local_training
 from flows.request import RunRequest
 from profiles.loader import resolve_profile
 from stages.dataset import DataSpec, fetch_dataset
@@ -43,8 +45,8 @@ def test_two_workers_learn_the_reward(tmp_path):
     finally:
         ray.shutdown()
     assert result.steps_done == 30 and not result.already_complete and result.resumed_from is None
-    rewards = [record["reward_mean"] for record in seen]
-    assert [record["step"] for record in seen] == list(range(1, 31))
+    rewards = [record.reward_mean for record in seen]
+    assert [record.step for record in seen] == list(range(1, 31))
     # Windows of 5 steps x 32 completions: the last beats the first by a margin no noise explains.
     first, last = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
     assert first < 0.15 and last > first + 0.3, rewards

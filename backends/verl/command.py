@@ -20,8 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from backends.base import TrainingInputs
 from profiles.schema import RunProfile
 
 VERL_VERSION = "0.9.1"
@@ -35,20 +34,6 @@ ADD_OR_OVERRIDE = "++"
 # Strings Hydra reads back unchanged without quotes (identifiers and paths, no digits first).
 _PLAIN_STRING = re.compile(r"[A-Za-z_/~][A-Za-z0-9_./~-]*")
 _HYDRA_KEYWORDS = {"true", "false", "null", "nan", "inf"}
-
-
-class TrainingInputs(BaseModel):
-    """What the training command reads and writes, as later stages (or a dry-run plan) give them."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model_path: str = Field(..., description="HF directory or repo id of the base model.")
-    train_files: list[str] = Field(..., description="Training parquet files (verl RL schema).")
-    val_files: list[str] = Field(..., description="Validation parquet files.")
-    checkpoint_dir: str = Field(..., description="Where verl writes global_step_N/ checkpoints.")
-    worker_env: dict[str, str] = Field(
-        default_factory=dict, description="Environment for every Ray worker (secrets excluded)."
-    )
 
 
 # verl 0.9.1's own `override_transformer_config` defaults (trainer/config/engine/megatron.yaml). The

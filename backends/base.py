@@ -1,0 +1,100 @@
+"""What the flow needs from any training engine, and the values it passes in and gets back.
+
+    python -m flows.grpo --model tiny --device cpu --set algorithm.use_kl_in_reward=true --dry-run   # a backend refuses
+
+A backend checks a resolved profile (every engine-specific refusal happens while the run is planned,
+so a dry run and the UI form reject it before anything is fetched), renders the command it runs,
+trains to a `TrainResult` (resuming from the run's latest checkpoint), stops what a run started (the
+failure hooks), and says where the trained policy is. The flow, the planner, validation and export
+call these through `backends.backend_for` and never branch on a backend's name.
+
+Training reports through `TrainingProgress`; its step records are `StepMetrics` (backends/metrics.py),
+the same for every engine. What a backend needs to find its work again after a retry or a crash (its
+checkpoints, a remote job's id) it keeps in the run's folder, which is why `stop` takes the folder.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    from backends.metrics import StepMetrics
+    from profiles.schema import RunProfile
+
+
+class TrainingInputs(BaseModel):
+    """What training reads and writes, as the data and model stages (or a plan made before they
+    ran) give them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_path: str = Field(..., description="HF directory or repo id of the base model.")
+    train_files: list[str] = Field(..., description="Training parquet files (verl RL schema).")
+    val_files: list[str] = Field(..., description="Validation parquet files.")
+    checkpoint_dir: str = Field(..., description="Where the engine writes global_step_N/ checkpoints.")
+    worker_env: dict[str, str] = Field(
+        default_factory=dict, description="Environment for every Ray worker (secrets excluded)."
+    )
+
+
+class TrainingRun(BaseModel):
+    """One training stage's work: the inputs plus where and how it runs."""
+
+    inputs: TrainingInputs
+    run_dir: str = Field(..., description="The run's folder: metrics.jsonl, checkpoints/, the engine's own records.")
+    run_name: str
+    devices_here: int = Field(..., description="Devices (on cpu: cores) of this host, as detected.")
+    ray_address: str | None = Field(None, description="An existing Ray cluster; empty: a local Ray.")
+    runtime_env: dict = Field(default_factory=dict, description="Ray runtime_env of every worker.")
+
+
+class TrainResult(BaseModel):
+    backend: str
+    checkpoint_dir: str = Field(..., description="The latest checkpoint: global_step_N.")
+    steps_done: int
+    max_steps: int
+    metrics_file: str
+    resumed_from: int | None = Field(None, description="Step this attempt resumed from, if any.")
+    already_complete: bool = Field(False, description="The run had finished before this attempt; nothing was trained.")
+
+
+class TrainingProgress(Protocol):
+    """How a backend tells the flow what training does (a log, a progress bar, a Prefect artifact)."""
+
+    def started(self, max_steps: int, resumed_from: int | None) -> None: ...
+
+    def step(self, metrics: StepMetrics) -> None: ...
+
+    def note(self, message: str) -> None: ...
+
+
+class Backend(ABC):
+    name: str
+
+    @abstractmethod
+    def profile_problems(self, profile: RunProfile) -> list[str]:
+        """What this engine cannot run in a resolved profile (layout, batch split, unsupported
+        settings), each naming the field, its value and a fix; `resolve_profile` reports them."""
+
+    def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool) -> None:
+        """Refuse at planning what depends on the host or the stages asked for (UserError)."""
+
+    @abstractmethod
+    def command(self, profile: RunProfile, inputs: TrainingInputs) -> list[str] | None:
+        """The command this engine runs for training, or None when it trains inside the flow."""
+
+    @abstractmethod
+    def train(self, profile: RunProfile, run: TrainingRun, progress: TrainingProgress) -> TrainResult:
+        """Train to the profile's last step, resuming from the latest checkpoint in the run's folder."""
+
+    @abstractmethod
+    def stop(self, run_dir: Path) -> bool:
+        """End what this engine started for the run (workers, a job); True when something was stopped."""
+
+    @abstractmethod
+    def policy_dir(self, result: TrainResult) -> Path:
+        """The Hugging Face directory of the trained policy (converted from the engine's checkpoint if need be)."""

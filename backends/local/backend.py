@@ -1,0 +1,46 @@
+"""The local backend as the flow sees it (backends/base.py): TRL on Ray Train, in the flow's process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backends.base import Backend, TrainingInputs, TrainingProgress, TrainingRun, TrainResult
+from backends.local.checkpoints import latest_step
+from backends.local.mapping import mapping_problems
+from backends.local.settings import check_prompt_lengths, check_workers_fit, plan_local_training
+from profiles.schema import RunProfile
+
+
+class LocalBackend(Backend):
+    name = "local"
+
+    def profile_problems(self, profile: RunProfile) -> list[str]:
+        return mapping_problems(profile)
+
+    def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool) -> None:
+        if "train" in stages:
+            check_workers_fit(profile, devices_here)
+
+    def command(self, profile: RunProfile, inputs: TrainingInputs) -> list[str] | None:
+        return None  # training runs inside the flow, on Ray Train
+
+    def train(self, profile: RunProfile, run: TrainingRun, progress: TrainingProgress) -> TrainResult:
+        from backends.local.driver import train_local
+
+        settings = plan_local_training(profile, run.inputs.train_files, run.inputs.model_path, Path(run.run_dir),
+                                       run.devices_here)
+        if overlong := check_prompt_lengths(settings):
+            progress.note(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
+        progress.started(settings.max_steps, latest_step(settings.checkpoints))
+        result = train_local(settings, run.runtime_env, run.ray_address, progress.step, run_name=run.run_name)
+        if result.already_complete:
+            progress.note(f"the run was already complete at step {result.steps_done}: nothing trained")
+        return result
+
+    def stop(self, run_dir: Path) -> bool:
+        from common.ray_cluster import stop_ray_job
+
+        return stop_ray_job()  # the workers are this process's Ray job
+
+    def policy_dir(self, result: TrainResult) -> Path:
+        return Path(result.checkpoint_dir)  # global_step_N holds the HF policy itself

@@ -1,0 +1,140 @@
+"""How Prefect runs each stage: retries, time limits, the cross-run cache of the data and model
+stages, progress artifacts, and what the run's log lines may carry.
+
+    python -m flows.grpo --model tiny --device cpu    # a second run: both stages "skipped"
+
+The table `STAGE_SETTINGS` is the one place a stage's retries and limits are set (README: "stage
+settings"). A config error (`UserError`) is never retried, whatever the row says.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
+from prefect.tasks import exponential_backoff
+
+from backends.verl.checkpoint import MERGE_TIMEOUT_S
+from common.progress import reporting_to
+from common.store import fingerprint, verify_entry, what_is_checked
+from profiles.errors import UserError
+from profiles.secrets import scrub, secret_values
+
+# Task settings, per stage. Every stage fails at once on a config error (`retry_unless_user_error`).
+# Prefect's `timeout_seconds` interrupts a stage that runs in the flow's main thread (it uses
+# SIGALRM); work that blocks elsewhere carries its own limit: the device probe and the checkpoint
+# merge are subprocesses with timeouts, hub transfers time out per read (huggingface_hub), and a
+# training step that never ends is caught by `trainer.step_timeout_s`.
+HOUR = 3600
+# Downloads: 4 retries after 2, 4, 8, 16 s (each +-50% jitter), so a mirror's bad minute passes.
+FETCH_RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5)
+STAGE_SETTINGS: dict[str, dict] = {
+    "detect_device": dict(retries=1, retry_delay_seconds=2, timeout_seconds=300),
+    "resolve_profile": dict(timeout_seconds=120),
+    "prepare_environment": dict(timeout_seconds=120),
+    "fetch_dataset": dict(**FETCH_RETRIES, timeout_seconds=2 * HOUR),
+    # 244 GB of weights at 100 MB/s is 40 min; a slow mirror may take hours.
+    "prepare_checkpoint": dict(**FETCH_RETRIES, timeout_seconds=12 * HOUR),
+    # A lost worker, node or collective is retried twice, resuming from the latest checkpoint. No
+    # wall-clock limit: a run may take days; a hang is a step that never ends.
+    "train": dict(retries=2, retry_delay_seconds=10),
+    # verl's checkpoint merge (a subprocess) may take its own hour.
+    "export_checkpoint": dict(retries=1, retry_delay_seconds=10, timeout_seconds=MERGE_TIMEOUT_S + 600),
+    "evaluate": dict(retries=1, retry_delay_seconds=10, timeout_seconds=6 * HOUR),
+    "report": dict(timeout_seconds=300),
+}
+PROGRESS_UPDATE_S = 1.0
+
+
+class RunLogFilter(logging.Filter):
+    """On every handler of the run's logs (the terminal, and Prefect's API, which stores them): a
+    user error is reported by its one-line message (Prefect would log its traceback, which only
+    buries the line that says what to fix), and no secret value of this process reaches a line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        values = secret_values()
+        if values:
+            record.msg, record.args = scrub(record.getMessage(), values), ()
+            if record.exc_info and not record.exc_text:
+                record.exc_text = scrub(logging.Formatter().formatException(record.exc_info), values)
+        return True
+
+
+def filter_run_logs() -> None:
+    for handler in {*logging.getLogger("prefect").handlers, *logging.getLogger().handlers}:
+        if not any(isinstance(f, RunLogFilter) for f in handler.filters):
+            handler.addFilter(RunLogFilter())
+
+
+def retry_unless_user_error(task, task_run, state) -> bool:
+    """Prefect `retry_condition_fn`: a bad profile or device fails at once, faults may retry."""
+    try:
+        state.result()
+    except UserError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@contextmanager
+def progress_artifact(key: str, description: str) -> Iterator[None]:
+    """The stage's progress bars, also as a Prefect progress artifact (updated at most once a second)."""
+    artifact_id = create_progress_artifact(0.0, key=key, description=description)
+    last_update = 0.0
+
+    def update(fraction: float, what: str) -> None:
+        nonlocal last_update
+        now = time.monotonic()
+        if fraction < 1.0 and now - last_update < PROGRESS_UPDATE_S:
+            return
+        last_update = now
+        try:
+            update_progress_artifact(artifact_id, progress=round(100 * fraction, 1), description=f"{description}: {what}")
+        except Exception:  # the UI's progress is not worth failing a download for
+            pass
+
+    with reporting_to(update):
+        yield
+    update_progress_artifact(artifact_id, progress=100.0, description=f"{description}: done")
+
+
+def stage_task(name: str, **options):
+    """A stage's Prefect task, with the settings of its row in STAGE_SETTINGS."""
+    return task(name=name, retry_condition_fn=retry_unless_user_error, **STAGE_SETTINGS[name], **options)
+
+
+@dataclass
+class LocalSourceUnchanged(CachePolicy):
+    """Part of the data and model stages' cross-run cache key: for a local source directory, what
+    it looks like now (file names, sizes, mtimes), so an edited directory is read again."""
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str | None:
+        spec = inputs["spec"]
+        return fingerprint(Path(spec.source)) if spec.source_kind == "local" else None
+
+
+# Keyed by the stage's inputs and code, not by the run (Prefect's default adds the run id), with
+# the result persisted, so a later run with the same data and model settings skips the stage.
+CACHED_ACROSS_RUNS = dict(cache_policy=INPUTS + TASK_SOURCE + LocalSourceUnchanged(), persist_result=True)
+
+
+def reuse_only_if_intact(task_fn, output_dir: Path, in_store: bool):
+    """The task, which an earlier run's cached result may stand in for while the directory that
+    result names passes the store's own check (`verify_entry`: see `what_is_checked`), and what
+    that check was; a damaged entry makes the task run, which repairs it and replaces the result.
+    A local model directory is used in place: its fingerprint is part of the cache key."""
+    if in_store:
+        intact, checked = not verify_entry(output_dir), what_is_checked(output_dir)
+    else:
+        intact, checked = output_dir.is_dir(), "file names, sizes and mtimes, in the cache key"
+    return (task_fn if intact else task_fn.with_options(refresh_cache=True)), checked

@@ -1,0 +1,54 @@
+"""The `train` stage: GRPO with the profile's backend, resuming from the run's latest checkpoint.
+
+    python -m flows.grpo --model tiny --device cpu --run-name try1    # again: "already complete"
+
+The stage hands the backend (backends/: `local` trains in this process on Ray Train; `verl` runs
+verl on a Ray cluster) what the data and model stages produced and follows it through
+`TrainingProgress`; `runs/<run>/train.json` records the result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backends import backend_for
+from backends.base import TrainingInputs, TrainingProgress, TrainingRun, TrainResult
+from common.files import write_json_atomic
+from profiles.schema import RunProfile
+from stages.dataset import DatasetFiles, DataSpec, dataset_dir
+from stages.device import DeviceInfo
+from stages.environment import RuntimeEnv
+from stages.model import ModelCheckpoint, ModelSpec, model_dir
+
+
+def training_inputs(
+    profile: RunProfile,
+    run_dir: Path,
+    worker_env: dict[str, str],
+    data: DatasetFiles | None = None,
+    model: ModelCheckpoint | None = None,
+) -> TrainingInputs:
+    """What training reads: the dataset and model stages' outputs, or (in a plan made before they
+    ran) the store paths they will produce, which are known without fetching anything."""
+    data_path = Path(data.path) if data else dataset_dir(DataSpec.from_profile(profile.data))
+    return TrainingInputs(
+        model_path=model.path if model else str(model_dir(ModelSpec.from_profile(profile.model))),
+        train_files=data.train_files if data else [str(data_path / "train.parquet")],
+        val_files=data.val_files if data else [str(data_path / "test.parquet")],
+        checkpoint_dir=str((run_dir / "checkpoints").resolve()),
+        worker_env=worker_env,
+    )
+
+
+def train(
+    profile: RunProfile, device: DeviceInfo, env: RuntimeEnv, data: DatasetFiles, model: ModelCheckpoint,
+    run_dir: Path, ray_address: str | None, progress: TrainingProgress,
+) -> TrainResult:
+    run = TrainingRun(
+        inputs=training_inputs(profile, run_dir, env.worker_env, data, model),
+        run_dir=str(run_dir), run_name=run_dir.name, devices_here=device.count, ray_address=ray_address,
+        runtime_env=env.ray_runtime_env(),
+    )
+    result = backend_for(profile.backend).train(profile, run, progress)
+    write_json_atomic(run_dir / "train.json", result.model_dump(mode="json"))
+    return result

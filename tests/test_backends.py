@@ -1,0 +1,71 @@
+"""The backend interface as the flow, the planner and validation use it: found by name, each
+refusing at planning what it cannot run, and saying where its trained policy is."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backends import BACKENDS, backend_for
+from backends.base import Backend
+from flows.grpo import main
+from flows.plan import check_plan
+from flows.request import RunRequest
+from profiles.errors import ProfileError, UserError
+from profiles.loader import resolve_profile
+from stages.device import detect_device
+
+
+def test_every_backend_is_found_by_its_name_and_implements_the_interface():
+    for name in BACKENDS:
+        backend = backend_for(name)
+        assert isinstance(backend, Backend) and backend.name == name and backend_for(name) is backend
+
+
+@pytest.mark.parametrize(
+    ("override", "fragment"),
+    [("algorithm.use_kl_in_reward=true", "algorithm.use_kl_in_reward=true: the local backend (TRL) has no in-reward KL"),
+     ("algorithm.loss_agg_mode=token-sum", "algorithm.loss_agg_mode=token-sum: the local backend supports token-mean")],
+)
+def test_a_local_backend_refusal_happens_when_the_run_is_planned(capsys, override, fragment):
+    """A dry run (and the UI form's first stage) refuses it, before anything is fetched."""
+    assert main(["--model", "tiny", "--device", "cpu", "--set", override, "--dry-run"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and fragment in lines[0]
+
+
+def test_verl_training_is_refused_before_anything_is_fetched_and_staging_is_not():
+    profile, npu = resolve_profile("qwen3.5-122b-a10b", "npu"), detect_device("npu", dry_run=True)
+    with pytest.raises(UserError, match="does not submit verl training yet"):
+        check_plan(RunRequest(model="qwen3.5-122b-a10b"), profile, npu, dry_run=False)
+    staging = RunRequest(model="qwen3.5-122b-a10b", stages=["fetch_dataset", "prepare_checkpoint"])
+    check_plan(staging, profile, npu, dry_run=False)
+
+
+def test_only_verl_renders_a_command_of_its_own():
+    from stages.train import training_inputs
+
+    for model, device in (("qwen3.5-122b-a10b", "npu"), ("tiny", "cpu")):
+        profile = resolve_profile(model, device)
+        inputs = training_inputs(profile, __import__("pathlib").Path("/runs/r"), {})
+        command = backend_for(profile.backend).command(profile, inputs)
+        assert (command is not None) == (profile.backend == "verl")
+
+
+def test_a_one_gpu_host_is_refused_the_gpu_platforms_eight_workers_at_planning(tmp_path):
+    """--device gpu with a local HF directory on a 1-GPU host: refused when the run is planned (the
+    CLI before anything starts, a deployment in resolve_profile), naming the setting to change."""
+    model = tmp_path / "hf-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
+                                                   "num_key_value_heads": 2, "hidden_size": 64, "vocab_size": 512}))
+    one_gpu = detect_device("gpu", probe={"gpu": {"status": "available", "count": 1, "names": ["NVIDIA H200"],
+                                                  "memory_gib": [139.8], "detail": "CUDA sees 1 GPU(s)"}})
+    request = RunRequest(model=str(model), device="gpu")
+    profile = resolve_profile(str(model), "gpu")
+    with pytest.raises(ProfileError, match=r"cluster.devices_per_node=8: 8 training workers but this host has 1 GPUs; "
+                                           r"set --set cluster.devices_per_node=1"):
+        check_plan(request, profile, one_gpu, dry_run=False)
+    fitted = resolve_profile(str(model), "gpu", overrides=["cluster.devices_per_node=1"])
+    check_plan(request, fitted, one_gpu, dry_run=False)
