@@ -1,6 +1,6 @@
 """The planning stages as plain functions: device, profile, environment, and the training command.
 
-The Prefect flow (`flows/pipeline.py`) wraps each of them in a task; `--dry-run` calls them
+The Prefect flow wraps each of them in a task (flows/stage_tasks.py); `--dry-run` calls them
 directly, so rendering a cluster's command on a laptop needs no Prefect server and no accelerator.
 """
 

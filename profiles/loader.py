@@ -20,13 +20,19 @@ from pydantic import BaseModel, ValidationError
 
 from profiles.errors import ProfileError
 from profiles.hf_config import architecture_from_hf_config
-from profiles.schema import DeviceKind, RunProfile
+from profiles.schema import DeviceKind, Platform, RunProfile
 from profiles.secrets import secret_literal_problems
 from profiles.validation import validate_profile
 from profiles.yaml_files import load_yaml_mapping, load_yaml_text, path_kind
 
 PROFILES_DIR = Path(__file__).resolve().parent
 DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
+
+
+def platform_for(kind: str) -> Platform:
+    """The device table's row for a kind (`profiles/devices/<kind>.yaml`)."""
+    layer = load_yaml_mapping(PROFILES_DIR / "devices" / f"{kind}.yaml", "device profile")
+    return Platform.model_validate(layer.get("platform") or {})
 
 
 def builtin_models() -> list[str]:

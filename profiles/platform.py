@@ -49,6 +49,12 @@ class Platform(Section):
     container_image: str | None = Field(
         None, description="Container image known to run this platform's stack (verl, vLLM, drivers)."
     )
+    driver_version_command: list[str] | None = Field(
+        None, description="Command whose first output line is the device driver's version (detection reports it)."
+    )
+    toolkit_version_var: str | None = Field(
+        None, description="Environment variable that holds the device toolkit's version (detection reports it)."
+    )
 
     @property
     def accelerated(self) -> bool:

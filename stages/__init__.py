@@ -1,1 +1,2 @@
-"""One module per stage of the flow; plain functions do the work, `flows/pipeline.py` wraps them."""
+"""One module per stage of the flow: plain functions that never import Prefect; flows/stage_tasks.py
+wraps each in a Prefect task."""

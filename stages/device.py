@@ -20,9 +20,13 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from profiles.errors import DeviceError
-from profiles.loader import DEVICE_KINDS
+from profiles.loader import DEVICE_KINDS, platform_for
 
 REQUESTABLE = ("auto", *DEVICE_KINDS)
+# `auto` takes the first of these the probe finds usable, else the CPU. The probe itself is where
+# libraries (torch_npu, torch.cuda) become device kinds; everything else about a kind is in its
+# platform table (profiles/devices/<kind>.yaml).
+AUTO_ORDER = ("npu", "gpu")
 PROBE_TIMEOUT_S = 120
 
 # Runs in a child interpreter and prints one JSON object. Each probe reports a status:
@@ -120,8 +124,8 @@ def run_probe(python: str = sys.executable, extra_path: str | None = None) -> di
         return {"torch": f"device probe crashed (exit {done.returncode}): {done.stderr.strip()[-300:]}"}
 
 
-def _tool_version(command: list[str]) -> str | None:
-    if shutil.which(command[0]) is None:
+def _tool_version(command: list[str] | None) -> str | None:
+    if not command or shutil.which(command[0]) is None:
         return None
     try:
         out = subprocess.run(command, capture_output=True, text=True, timeout=20).stdout.strip()
@@ -151,19 +155,18 @@ def detect_device(requested: str, dry_run: bool = False, probe: dict | None = No
         probes["torch"] = report["torch"]
     if requested == "cpu":
         return DeviceInfo(kind="cpu", count=os.cpu_count() or 1, decided_by="requested", reason="requested cpu", probes=probes)
-    for kind in ("npu", "gpu") if requested == "auto" else (requested,):
+    for kind in AUTO_ORDER if requested == "auto" else (requested,):
         info = report.get(kind) or {}
         if info.get("status") == "available":
+            platform = platform_for(kind)
             return DeviceInfo(
                 kind=kind,
                 count=info["count"],
                 names=info["names"],
                 memory_gib=info["memory_gib"],
                 cuda_version=info.get("cuda_version"),
-                driver_version=_tool_version(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-                if kind == "gpu"
-                else None,
-                cann_version=os.environ.get("ASCEND_TOOLKIT_VERSION") if kind == "npu" else None,
+                driver_version=_tool_version(platform.driver_version_command),
+                cann_version=os.environ.get(platform.toolkit_version_var) if platform.toolkit_version_var else None,
                 decided_by="requested" if requested != "auto" else "detected",
                 reason=info["detail"],
                 probes=probes,
