@@ -17,6 +17,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 from pydantic import ValidationError
@@ -26,6 +27,9 @@ from flows.request import STAGES, RunRequest
 from profiles.errors import UserError
 from profiles.loader import builtin_models
 from profiles.secrets import scrub
+
+if TYPE_CHECKING:
+    from flows.plan import RunPlan
 
 EXIT_USER_ERROR = 2
 
@@ -198,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def run_flow(request: RunRequest, plan) -> int:
-    """The flow run of `plan` (the flow runs it as planned here), under this process's lease (flows/lease.py), with Prefect's local API unless one
-    is configured. A stop (SIGTERM, Ctrl-C) ends it in order (Prefect marks it crashed, its hooks
-    stop the Ray job and write the report) and exits with the signal's conventional code."""
+def run_flow(request: RunRequest, plan: RunPlan) -> int:
+    """The flow run of `plan` (the flow runs what was planned and checked here), under this
+    process's lease (flows/lease.py), with Prefect's local API unless one is configured. A stop
+    (SIGTERM, Ctrl-C) ends it in order (Prefect marks it crashed, its hooks stop the Ray job and
+    write the report) and exits with the signal's conventional code."""
     from flows import lease
 
     configured = os.environ.get("PREFECT_API_URL")
@@ -254,4 +259,8 @@ def _stop_signal(exc: BaseException) -> int | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:  # `--dry-run --json | head`: the reader left; Python's docs' way to leave quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)

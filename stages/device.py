@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from profiles.errors import DeviceError
 from profiles.loader import DEVICE_KINDS, platform_for
+from profiles.platform import DeviceKind
 
 REQUESTABLE = ("auto", *DEVICE_KINDS)
 # `auto` takes the first of these the probe finds usable, else the CPU. The probe itself is where
@@ -84,7 +85,7 @@ print(json.dumps(report))
 
 
 class DeviceInfo(BaseModel):
-    kind: Literal["gpu", "npu", "cpu"] = Field(..., description="Device kind the run uses.")
+    kind: DeviceKind = Field(..., description="Device kind the run uses.")
     count: int = Field(0, description="Devices on this host (0 when not inspected).")
     names: list[str] = Field(default_factory=list, description="Device names.")
     memory_gib: list[float] = Field(default_factory=list, description="Memory per device, GiB.")
