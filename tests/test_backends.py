@@ -4,6 +4,7 @@ refusing at planning what it cannot run, and saying where its trained policy is.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +49,7 @@ def test_only_verl_renders_a_command_of_its_own():
 
     for model, device in (("qwen3.5-122b-a10b", "npu"), ("tiny", "cpu")):
         profile = resolve_profile(model, device)
-        inputs = training_inputs(profile, __import__("pathlib").Path("/runs/r"), {})
+        inputs = training_inputs(profile, Path("/runs/r"), {})
         command = backend_for(profile.backend).command(profile, inputs)
         assert (command is not None) == (profile.backend == "verl")
 
