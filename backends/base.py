@@ -35,10 +35,7 @@ class TrainingInputs(BaseModel):
     model_path: str = Field(..., description="HF directory or repo id of the base model.")
     train_files: list[str] = Field(..., description="Training parquet files (verl RL schema).")
     val_files: list[str] = Field(..., description="Validation parquet files.")
-    checkpoint_dir: str = Field(..., description="Where the engine writes global_step_N/ checkpoints.")
-    worker_env: dict[str, str] = Field(
-        default_factory=dict, description="Environment for every Ray worker (secrets excluded)."
-    )
+    checkpoint_dir: str = Field(..., description="Where the engine writes global_step_N/ checkpoints (absolute).")
 
 
 class TrainingRun(BaseModel):
@@ -62,6 +59,11 @@ class TrainResult(BaseModel):
     already_complete: bool = Field(False, description="The run had finished before this attempt; nothing was trained.")
 
 
+class TrainingInterrupted(Exception):
+    """Training stopped before the last step (a worker died, a collective timed out, a node was
+    lost, a step hung): transient, the train stage retries and resumes from the latest checkpoint."""
+
+
 class TrainingProgress(Protocol):
     """How a backend tells the flow what training does (a log, a progress bar, a Prefect artifact)."""
 
@@ -70,6 +72,9 @@ class TrainingProgress(Protocol):
     def step(self, metrics: StepMetrics) -> None: ...
 
     def note(self, message: str) -> None: ...
+
+    def output(self, line: str) -> None:
+        """A line the training program printed (a remote job's log)."""
 
 
 class Backend(ABC):
@@ -80,8 +85,13 @@ class Backend(ABC):
         """What this engine cannot run in a resolved profile (layout, batch split, unsupported
         settings), each naming the field, its value and a fix; `resolve_profile` reports them."""
 
-    def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool) -> None:
-        """Refuse at planning what depends on the host or the stages asked for (UserError)."""
+    def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool,
+                  ray_address: str | None) -> None:
+        """Refuse at planning what depends on the host, the cluster address or the stages asked for (UserError)."""
+
+    def submission(self, profile: RunProfile, run: TrainingRun) -> dict | None:
+        """What training submits to a cluster, for the dry run; None when it trains in the flow."""
+        return None
 
     @abstractmethod
     def command(self, profile: RunProfile, inputs: TrainingInputs) -> list[str] | None:

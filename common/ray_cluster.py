@@ -17,7 +17,9 @@ import os
 import re
 import signal
 import socket
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -183,11 +185,24 @@ def stop_ray_job() -> bool:
     return True
 
 
-def _problems_on_this_node(paths: list[str]) -> dict[str, list[str]]:
+def _problems_on_this_node(entries: list[str], readable: list[str], writable: list[str]) -> dict[str, list[str]]:
+    """What this node cannot do with each path: see an intact store entry (sizes only: hashing a
+    244 GB checkpoint on every node would take minutes; its builder hashed it), read a file or
+    folder, write into a folder."""
     from common.store import verify_entry
 
-    # Sizes only: hashing a 244 GB checkpoint on every node would take minutes; the builder hashed it.
-    return {path: verify_entry(Path(path), deep=False) for path in paths}
+    problems = {path: verify_entry(Path(path), deep=False) for path in entries}
+    for path in readable:
+        if not os.access(path, os.R_OK):
+            problems[path] = ["it is not there or not readable"]
+    for path in writable:
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path, prefix=".node-write-check-"):
+                pass
+        except OSError as exc:
+            problems[path] = [f"cannot write there ({exc.strerror or exc})"]
+    return {path: found for path, found in problems.items() if found}
 
 
 def check_shared(path: str, setting: str, ray_address: str | None, runtime_env: dict | None) -> int | None:
@@ -202,28 +217,89 @@ def check_shared(path: str, setting: str, ray_address: str | None, runtime_env: 
 def check_visible_on_nodes(paths: list[Path], setting: str) -> int:
     """Raise NotSharedError naming each node that cannot see an intact `paths` entry; return how many
     nodes were checked. Ray must already be initialised (the caller owns the connection)."""
+    return check_paths_on_nodes({setting: [str(p) for p in paths]}, {}, {})
+
+
+def check_paths_on_nodes(
+    entries: dict[str, list[str]], readable: dict[str, list[str]], writable: dict[str, list[str]]
+) -> int:
+    """One small task pinned to each alive node checks the paths, each under the setting that names
+    it: store entries it must see intact, paths it must read, folders it must write into. Raise
+    NotSharedError naming each node and what it lacks; return how many nodes were checked."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    setting_of = {path: setting for group in (entries, readable, writable) for setting, paths in group.items() for path in paths}
+    flat = [[path for paths in group.values() for path in paths] for group in (entries, readable, writable)]
     look = ray.remote(num_cpus=0, max_retries=0)(_problems_on_this_node)
     nodes = [node for node in ray.nodes() if node["Alive"]]
     pending = {
-        node["NodeManagerAddress"] + f" ({node['NodeID'][:8]})": look.options(
+        node_label(node): look.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        ).remote([str(p) for p in paths])
+        ).remote(*flat)
         for node in nodes
     }
-    failures = []
+    failures: dict[str, list[str]] = {}
     for node, ref in pending.items():
         try:
             problems = ray.get(ref, timeout=NODE_CHECK_TIMEOUT_S)
         except Exception as exc:  # a node that cannot run the task cannot run training either
-            failures.append(f"node {node}: the check did not run ({type(exc).__name__}: {exc})")
+            failures.setdefault("", []).append(f"node {node}: the check did not run ({type(exc).__name__}: {exc})")
             continue
-        failures += [f"node {node} cannot see {path}: {found[0]}" for path, found in problems.items() if found]
+        for path, found in problems.items():
+            verb = "write to" if path in flat[2] else "see"
+            failures.setdefault(setting_of[path], []).append(f"node {node} cannot {verb} {path}: {found[0]}")
     if failures:
+        named = [setting for setting in failures if setting]
+        settings = " and ".join(named) or "a path"
         raise NotSharedError(
-            f"{setting} is not on storage every Ray node shares: {'; '.join(failures)}; "
-            f"set {setting} to a path all nodes mount (e.g. NFS)"
+            f"{settings} {'is' if len(named) < 2 else 'are'} not on storage every Ray node shares: "
+            f"{'; '.join(line for lines in failures.values() for line in lines)}; "
+            f"set {settings} to a path all nodes mount (e.g. NFS)"
         )
     return len(nodes)
+
+
+def node_label(node: dict) -> str:
+    return f"{node['NodeManagerAddress']} ({node['NodeID'][:8]})"
+
+
+def _offering(resource: str, count: int) -> str:
+    """The `ray start` option that makes a node offer `count` of `resource`."""
+    return f"--num-gpus={count}" if resource == "GPU" else f"--resources='{{\"{resource}\": {count}}}'"
+
+
+class ClusterNotReady(UserError):
+    """The cluster did not offer the nodes and devices a run needs in time."""
+
+
+def wait_for_nodes(
+    resource: str, nnodes: int, per_node: int, timeout_s: float, note, poll_s: float = 1.0, note_every_s: float = 15.0,
+) -> list[dict]:
+    """Wait (at most `timeout_s`) until `nnodes` alive nodes each offer `per_node` of `resource`
+    (`GPU`, or the custom `NPU`), saying every `note_every_s` what is still missing; return those
+    nodes. Ray must already be initialised. A node that joins late is waited for; when time runs
+    out, the error names each node and what it lacks."""
+    import ray
+
+    started = last_note = time.monotonic()
+    while True:
+        alive = [node for node in ray.nodes() if node["Alive"]]
+        ready = [node for node in alive if node["Resources"].get(resource, 0) >= per_node]
+        if len(ready) >= nnodes:
+            return ready[:nnodes]
+        waited = time.monotonic() - started
+        short = [f"node {node_label(node)} offers {node['Resources'].get(resource, 0):g} {resource}" for node in alive
+                 if node not in ready]
+        status = (f"{len(ready)} of the {nnodes} nodes with {per_node} {resource} each are there"
+                  + (f" ({'; '.join(short)})" if short else ""))
+        if waited >= timeout_s:
+            raise ClusterNotReady(
+                f"the Ray cluster is not ready after {waited:.0f} s (cluster.ready_timeout_s={timeout_s:g}): {status}; "
+                f"start the missing nodes (ray start --address=<head>:6379 {_offering(resource, per_node)}), or lower "
+                "cluster.nnodes / cluster.devices_per_node"
+            )
+        if time.monotonic() - last_note >= note_every_s:
+            note(f"waiting for the Ray cluster: {status} (waited {waited:.0f} s of {timeout_s:g})")
+            last_note = time.monotonic()
+        time.sleep(poll_s)

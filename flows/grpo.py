@@ -117,6 +117,7 @@ def print_dry_run(plan, as_json: bool) -> None:
         return
     summary = plan.summary()
     print(f"# device: {plan.device.kind} ({plan.device.decided_by}: {plan.device.reason})")
+    print(f"# backend: {plan.profile.backend} ({plan.backend_reason})")
     print("# resolved profile")
     print(yaml.safe_dump(summary["profile"], sort_keys=False).rstrip())
     print("# environment of every process (secrets redacted; source: profile default or user export)")
@@ -126,6 +127,11 @@ def print_dry_run(plan, as_json: bool) -> None:
         print(f"#   {reference}: not set here; a run refuses to start without it")
     print("# training command")
     print(format_command(plan.command))
+    if job := plan.submission:
+        print(f"# submitted by the train stage as Ray job {job['submission_id']} (<token>: fixed per run folder; "
+              "the last part: the attempt)")
+        print(f"#   metadata: {json.dumps(job['metadata'])}")
+        print(f"#   runtime_env (every process of the job, on every node): {json.dumps(job['runtime_env'])}")
 
 
 def print_run_summary(result: dict) -> None:

@@ -70,7 +70,7 @@ def _run_planning_and_stages(request: RunRequest, plan: RunPlan | None, flow_run
     record.result.update(run_dir=str(run_dir), device=device.kind)
     if "resolve_profile" in request.stages:
         record.profile = record.run("resolve_profile", resolve_profile_task, request, device, run_dir,
-                                    plan.profile if plan else None)
+                                    plan.profile if plan else None, plan.backend_reason if plan else None)
     if "prepare_environment" in request.stages:
         record.env = record.run("prepare_environment", prepare_environment_task, record.profile, run_dir,
                                 request.ray_address, plan.env if plan else None)
@@ -100,7 +100,7 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
             _log_shared(check_shared(model.path, "model.root", request.ray_address, env.ray_runtime_env()), model.path)
         write_json_atomic(run_dir / "model.json", model.model_dump(mode="json"))
         result["model"] = model.model_dump(mode="json")
-    command = training_command(request, profile, env, run_dir, data, model)
+    command = training_command(request, profile, run_dir, data, model)
     write_json_atomic(run_dir / "plan.json", {"backend": profile.backend, "command": command})
     result["command"] = command
     if "train" in request.stages:

@@ -15,9 +15,10 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from backends import backend_for
+from backends.base import TrainingRun
 from flows.request import RunRequest
 from profiles.errors import UserError
-from profiles.loader import resolve_profile
+from profiles.loader import resolve_run_profile
 from profiles.schema import RunProfile
 from stages.dataset import DatasetFiles, DataSpec
 from stages.device import DeviceInfo, detect_device, requested_device
@@ -31,17 +32,21 @@ class RunPlan(BaseModel):
     run_dir: str = Field(..., description="Directory of this run's outputs.")
     device: DeviceInfo
     profile: RunProfile
+    backend_reason: str = Field(..., description="Why the profile has its backend.")
     env: RuntimeEnv
     command: list[str] = Field(..., description="The training command (argv) the run will execute.")
+    submission: dict | None = Field(None, description="What training submits to the cluster (a verl Ray job).")
 
     def summary(self) -> dict[str, Any]:
         """The dry-run JSON: what the run would do, with secrets redacted."""
-        return {
+        summary = {
             "device": self.device.model_dump(),
             "profile": self.profile.model_dump(mode="json"),
+            "backend": {"name": self.profile.backend, "reason": self.backend_reason},
             "command": self.command,
             "env": self.env.redacted(),
         }
+        return summary | ({"job": self.submission} if self.submission else {})
 
 
 def run_dir_for(request: RunRequest, device_kind: str) -> Path:
@@ -52,14 +57,13 @@ def run_dir_for(request: RunRequest, device_kind: str) -> Path:
 def training_command(
     request: RunRequest,
     profile: RunProfile,
-    env: RuntimeEnv,
     run_dir: Path,
     data: DatasetFiles | None = None,
     model: ModelCheckpoint | None = None,
 ) -> list[str]:
     """The command the backend runs for training (verl: `main_ppo` on the cluster); for a backend
     that trains inside the flow, the pipeline invocation that reproduces this run."""
-    inputs = training_inputs(profile, run_dir, env.worker_env, data, model)
+    inputs = training_inputs(profile, run_dir, data, model)
     if engine_command := backend_for(profile.backend).command(profile, inputs):
         return engine_command
     command = ["python", "-m", "flows.grpo", "--model", request.model, "--device", profile.platform.kind,
@@ -71,8 +75,9 @@ def training_command(
     return command
 
 
-def profile_for(request: RunRequest, device_kind: str) -> RunProfile:
-    return resolve_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
+def profile_for(request: RunRequest, device_kind: str) -> tuple[RunProfile, str]:
+    """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide)."""
+    return resolve_run_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
 
 
 def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> None:
@@ -81,7 +86,7 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
     host has devices), a data or model source that is not there, and (for a real run) a Ray
     cluster that does not answer."""
     stages = request.stages
-    backend_for(profile.backend).check_run(profile, device.count, stages, dry_run)
+    backend_for(profile.backend).check_run(profile, device.count, stages, dry_run, request.ray_address)
     if {"fetch_dataset", "train", "evaluate"} & set(stages):
         DataSpec.from_profile(profile.data)
     if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
@@ -124,13 +129,16 @@ def _exists(path: Path) -> bool:
 
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run)
-    profile = profile_for(request, device.kind)
+    profile, backend_reason = profile_for(request, device.kind)
     check_plan(request, profile, device, dry_run)
     env = resolve_environment(profile, ray_address=request.ray_address)
     if not dry_run:
         env.check_references()
     run_dir = run_dir_for(request, device.kind)
     check_run_dir(run_dir, dry_run)
+    run = TrainingRun(inputs=training_inputs(profile, run_dir), run_dir=str(run_dir), run_name=run_dir.name,
+                      devices_here=device.count, ray_address=request.ray_address, runtime_env=env.ray_runtime_env())
     return RunPlan(
-        run_dir=str(run_dir), device=device, profile=profile, env=env, command=training_command(request, profile, env, run_dir)
+        run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
+        command=training_command(request, profile, run_dir), submission=backend_for(profile.backend).submission(profile, run),
     )

@@ -43,11 +43,12 @@ def detect_device_task(request: RunRequest, planned: DeviceInfo | None = None) -
 
 @stage_task("resolve_profile")
 def resolve_profile_task(request: RunRequest, device: DeviceInfo, run_dir: Path,
-                         planned: RunProfile | None = None) -> RunProfile:
+                         planned: RunProfile | None = None, backend_reason: str | None = None) -> RunProfile:
     if planned is None:  # a run planned on the command line was checked there, before anything started
-        planned = profile_for(request, device.kind)
+        planned, backend_reason = profile_for(request, device.kind)
         check_plan(request, planned, device, dry_run=False)
         check_run_dir(run_dir, dry_run=False)
+    get_run_logger().info("backend: %s (%s)", planned.backend, backend_reason)
     write_text_atomic(run_dir / "profile.yaml", yaml.safe_dump(planned.model_dump(mode="json"), sort_keys=False))
     return planned
 
@@ -117,6 +118,9 @@ class StepLog:
 
     def note(self, message: str) -> None:
         self.logger.warning(message)
+
+    def output(self, line: str) -> None:
+        self.logger.info("| %s", line)
 
     def close(self) -> None:
         if self.bar is not None:

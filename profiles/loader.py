@@ -157,6 +157,38 @@ def resolve_profile(
     overrides: list[str] | dict[str, Any] | None = None,
 ) -> RunProfile:
     """Merge the layers for (model, device), validate, and return the run's profile."""
+    return resolve_run_profile(model, device, backend, profile_file, overrides)[0]
+
+
+def choose_backend(layers: list[tuple[str, dict[str, Any]]], requested: str, device: str) -> tuple[str, str]:
+    """The training backend and why, in words for the run's log. `--backend local|verl` is taken as
+    asked, and so is a `backend` set in a profile file or --set. Otherwise (`auto`) a recipe that
+    trains with Megatron + vLLM (`backend: verl`) gets verl on a device with accelerators and the
+    local backend (TRL on Ray Train) on CPUs, where verl cannot run; every other recipe is local."""
+    if requested != "auto":
+        return requested, f"--backend {requested}"
+    chosen, origin = "local", "the default"
+    for layer_origin, layer in layers:
+        if "backend" in layer:
+            chosen, origin = layer["backend"], layer_origin
+    if not origin.startswith("model recipe"):
+        return chosen, f"backend: {chosen} in {origin}"
+    recipe = origin.split(" (")[0]
+    if chosen != "verl":
+        return chosen, f"{recipe} trains with the {chosen} backend"
+    if platform_for(device).accelerated:
+        return "verl", f"{recipe} trains with Megatron + vLLM through verl, and device {device} has accelerators"
+    return "local", f"{recipe} trains with verl, which needs GPUs or NPUs: on device {device} the local backend trains it"
+
+
+def resolve_run_profile(
+    model: str,
+    device: str,
+    backend: str = "auto",
+    profile_file: str | Path | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> tuple[RunProfile, str]:
+    """`resolve_profile`, and why the profile has its backend (`choose_backend`)."""
     if device not in DEVICE_KINDS:
         raise ProfileError(f"unknown device '{device}'; use one of {', '.join(DEVICE_KINDS)}")
     layers = [(f"device profile {device}", load_yaml_mapping(PROFILES_DIR / "devices" / f"{device}.yaml", "device profile"))]
@@ -165,8 +197,8 @@ def resolve_profile(
         layers.append((f"profile file {profile_file}", load_yaml_mapping(Path(profile_file), "profile file")))
     if overrides:
         layers.append(("--set", overrides_to_layer(overrides)))
-    if backend != "auto":
-        layers.append(("--backend", {"backend": backend}))
+    chosen, reason = choose_backend(layers, backend, device)
+    layers.append(("--backend", {"backend": chosen}))
 
     merged: dict[str, Any] = {}
     for origin, layer in layers:
@@ -179,7 +211,7 @@ def resolve_profile(
     except ValidationError as exc:
         raise ProfileError(describe_validation_error(exc)) from None
     validate_profile(profile)
-    return profile
+    return profile, reason
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -71,6 +71,11 @@ class ClusterSection(Section):
     devices_per_node: int = Field(
         1, gt=0, description="Accelerators per machine (on CPU: training worker processes)."
     )
+    ready_timeout_s: int = Field(
+        900, gt=0,
+        description="verl backend: how long the train stage waits for `nnodes` alive Ray nodes offering "
+        "`devices_per_node` devices each (nodes still joining) before it gives up, naming what is missing.",
+    )
 
 
 class DataSection(Section):
@@ -196,8 +201,15 @@ class TrainerSection(Section):
     )
     step_timeout_s: int = Field(
         3600, gt=0,
-        description="Local backend: a step (the first includes loading the model) that takes longer is taken "
-        "for a hang; the workers are stopped and the train stage's retry resumes from the latest checkpoint.",
+        description="A step (the first includes loading the model) that takes longer is taken for a hang: the "
+        "workers (local) or the Ray job (verl) are stopped and the train stage's retry resumes from the latest "
+        "checkpoint.",
+    )
+    entrypoint: str = Field(
+        "python3 -m verl.trainer.main_ppo",
+        description="verl backend: the command the Ray job runs before the Hydra overrides (shell words). "
+        "verl's own trainer by default; a patched trainer module, or the tests' stand-in "
+        "(`python tests/verl_stand_in.py`), goes here.",
     )
 
 

@@ -24,7 +24,6 @@ from stages.model import ModelCheckpoint, ModelSpec, model_dir
 def training_inputs(
     profile: RunProfile,
     run_dir: Path,
-    worker_env: dict[str, str],
     data: DatasetFiles | None = None,
     model: ModelCheckpoint | None = None,
 ) -> TrainingInputs:
@@ -36,7 +35,6 @@ def training_inputs(
         train_files=data.train_files if data else [str(data_path / "train.parquet")],
         val_files=data.val_files if data else [str(data_path / "test.parquet")],
         checkpoint_dir=str((run_dir / "checkpoints").resolve()),
-        worker_env=worker_env,
     )
 
 
@@ -45,7 +43,7 @@ def train(
     run_dir: Path, ray_address: str | None, progress: TrainingProgress,
 ) -> TrainResult:
     run = TrainingRun(
-        inputs=training_inputs(profile, run_dir, env.worker_env, data, model),
+        inputs=training_inputs(profile, run_dir, data, model),
         run_dir=str(run_dir), run_name=run_dir.name, devices_here=device.count, ray_address=ray_address,
         runtime_env=env.ray_runtime_env(),
     )

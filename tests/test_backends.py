@@ -36,12 +36,43 @@ def test_a_local_backend_refusal_happens_when_the_run_is_planned(capsys, overrid
     assert len(lines) == 1 and fragment in lines[0]
 
 
-def test_verl_training_is_refused_before_anything_is_fetched_and_staging_is_not():
+def test_verl_training_without_a_cluster_is_refused_at_planning_and_staging_is_not(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     profile, npu = resolve_profile("qwen3.5-122b-a10b", "npu"), detect_device("npu", dry_run=True)
-    with pytest.raises(UserError, match="does not submit verl training yet"):
+    with pytest.raises(UserError, match=r"backend verl trains as a Ray job on a running cluster: .* pass --ray-address"):
         check_plan(RunRequest(model="qwen3.5-122b-a10b"), profile, npu, dry_run=False)
+    with pytest.raises(UserError, match=r"--ray-address=http://head:8265: backend verl checks the cluster's nodes "
+                                        r"through Ray itself; give the head's GCS address"):
+        check_plan(RunRequest(model="qwen3.5-122b-a10b", ray_address="http://head:8265"), profile, npu, dry_run=False)
     staging = RunRequest(model="qwen3.5-122b-a10b", stages=["fetch_dataset", "prepare_checkpoint"])
     check_plan(staging, profile, npu, dry_run=False)
+    check_plan(RunRequest(model="qwen3.5-122b-a10b"), profile, npu, dry_run=True)
+
+
+@pytest.mark.parametrize(
+    ("model", "device", "flag", "overrides", "chosen", "reason"),
+    [("qwen3.5-122b-a10b", "npu", "auto", [], "verl",
+      "model recipe qwen3.5-122b-a10b trains with Megatron + vLLM through verl, and device npu has accelerators"),
+     ("qwen3.5-35b-a3b", "gpu", "auto", [], "verl",
+      "model recipe qwen3.5-35b-a3b trains with Megatron + vLLM through verl, and device gpu has accelerators"),
+     ("tiny", "gpu", "auto", [], "local", "model recipe tiny trains with the local backend"),
+     ("tiny", "npu", "auto", ["backend=verl"], "verl", "backend: verl in --set"),
+     ("tiny", "npu", "verl", [], "verl", "--backend verl")],
+)
+def test_backend_auto_picks_verl_for_megatron_recipes_on_accelerators(model, device, flag, overrides, chosen, reason):
+    from profiles.loader import resolve_run_profile
+
+    profile, why = resolve_run_profile(model, device, flag, overrides=overrides)
+    assert (profile.backend, why) == (chosen, reason)
+
+
+def test_backend_auto_gives_a_megatron_recipe_the_local_backend_on_cpus():
+    from profiles.loader import choose_backend
+
+    recipe = [("device profile cpu", {}), ("model recipe big (common)", {"backend": "verl"}), ("model recipe big (devices.cpu)", {})]
+    assert choose_backend(recipe, "auto", "cpu") == (
+        "local", "model recipe big trains with verl, which needs GPUs or NPUs: on device cpu the local backend trains it")
+    assert choose_backend(recipe, "auto", "gpu")[0] == "verl"
 
 
 def test_only_verl_renders_a_command_of_its_own():
@@ -49,7 +80,7 @@ def test_only_verl_renders_a_command_of_its_own():
 
     for model, device in (("qwen3.5-122b-a10b", "npu"), ("tiny", "cpu")):
         profile = resolve_profile(model, device)
-        inputs = training_inputs(profile, Path("/runs/r"), {})
+        inputs = training_inputs(profile, Path("/runs/r"))
         command = backend_for(profile.backend).command(profile, inputs)
         assert (command is not None) == (profile.backend == "verl")
 

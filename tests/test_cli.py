@@ -5,6 +5,7 @@ Nothing here starts a flow: every case stops at planning or is a dry run."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -53,9 +54,18 @@ def test_dry_run_json_plans_for_a_named_device_without_requiring_it(cli, tmp_pat
                "--run-name", "plan", env={"HF_TOKEN": SECRET})
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert set(plan) == {"device", "profile", "command", "env"}
+    assert set(plan) == {"device", "profile", "backend", "command", "env", "job"}
     assert plan["device"]["kind"] == "npu" and plan["device"]["decided_by"] == "requested"
+    assert plan["backend"] == {"name": "verl", "reason": "model recipe qwen3.5-122b-a10b trains with Megatron + vLLM "
+                                                         "through verl, and device npu has accelerators"}
     assert plan["command"][:3] == ["python3", "-m", "verl.trainer.main_ppo"]
+    # What the train stage submits: this very command, the run's environment as the job's runtime_env.
+    job = plan["job"]
+    assert shlex.split(job["entrypoint"]) == plan["command"]
+    assert job["submission_id"] == "grpo-plan-<token>-1"
+    assert job["runtime_env"]["env_vars"]["HCCL_CONNECT_TIMEOUT"] == "5400"
+    assert job["runtime_env"]["env_vars"]["VERL_FILE_LOGGER_PATH"].startswith(str(tmp_path / "plan" / "verl") + "/")
+    assert job["metadata"]["run_name"] == "plan" and len(job["metadata"]["profile_hash"]) == 16
     assert "model_engine=megatron" in plan["command"]
     assert f"trainer.default_local_dir={tmp_path / 'plan' / 'checkpoints'}" in plan["command"]
     assert plan["env"]["HCCL_CONNECT_TIMEOUT"] == {"value": "5400", "source": "profile"}
@@ -137,7 +147,7 @@ def test_dry_run_json_applies_proxy_policy_to_all_case_forms_and_hides_token(cli
     if policy == "clear":
         for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
             assert env[name] == {"value": None, "source": "proxy-policy"}
-            assert f'++ray_kwargs.ray_init.runtime_env.env_vars.{name}=""' in plan["command"]
+            assert plan["job"]["runtime_env"]["env_vars"][name] == ""
     else:
         for name in ("no_proxy", "NO_PROXY"):
             assert env[name]["value"].split(",")[:2] == ["localhost", "127.0.0.1"]

@@ -1,20 +1,24 @@
-"""The rendered verl command composes against verl 0.9.1's own Hydra config, with the profile's values.
+"""The verl command a Ray job submits composes against verl 0.9.1's own Hydra config, with the profile's values.
 
-Composition happens exactly as `main_ppo` does it (config `ppo_trainer`, the rendered overrides,
-`model_engine=megatron` among them), through the real verl YAML files, without importing verl.
+The argv composed is the submitted job's entrypoint itself (backends/verl/job.py `job_spec`, which the
+dry run shows too), split as the job's shell splits it. Composition happens exactly as `main_ppo`
+does it (config `ppo_trainer`, the rendered overrides, `model_engine=megatron` among them), through
+the real verl YAML files, without importing verl.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from backends.verl.command import ADD_OR_OVERRIDE, ENTRYPOINT, verl_command, verl_settings
-from flows.plan import training_inputs
+from backends.verl.command import ADD_OR_OVERRIDE, entrypoint, verl_settings
+from backends.verl.job import FILE_LOGGER_PATH_VAR, job_spec
+from stages.train import training_inputs
 from profiles.loader import PROFILES_DIR, resolve_profile
 from profiles.yaml_files import load_yaml_mapping
 from stages.environment import resolve_environment
@@ -40,11 +44,15 @@ def verl_cases() -> list[tuple[str, str]]:
 
 
 def render(model: str, device: str, overrides: list[str] | None = None):
+    """The profile, its environment, the verl settings, and the argv the job submits, split at the
+    overrides (what follows `trainer.entrypoint`)."""
     profile = resolve_profile(model, device, overrides=overrides)
     env = resolve_environment(profile, environ={})
-    settings = verl_settings(profile, training_inputs(profile, RUN_DIR, env.worker_env))
-    command = verl_command(profile, training_inputs(profile, RUN_DIR, env.worker_env))
-    return profile, env, settings, command
+    inputs = training_inputs(profile, RUN_DIR)
+    spec = job_spec(profile, inputs, RUN_DIR, "parity", env.ray_runtime_env(), "abc123", 1)
+    argv = shlex.split(spec.entrypoint)
+    assert argv[:len(entrypoint(profile))] == ["python3", "-m", "verl.trainer.main_ppo"]
+    return profile, env, verl_settings(profile, inputs), argv[len(entrypoint(profile)):], spec
 
 
 def test_every_verl_recipe_is_covered():
@@ -55,13 +63,12 @@ def test_every_verl_recipe_is_covered():
 @pytest.mark.parametrize("use_kl_loss", [False, True], ids=["kl-off", "kl-on"])
 @pytest.mark.parametrize(("model", "device"), verl_cases())
 def test_rendered_command_composes_with_profile_values(model, device, use_kl_loss):
-    profile, env, settings, command = render(model, device, [f"algorithm.use_kl_loss={str(use_kl_loss).lower()}"])
-    assert command[:3] == list(ENTRYPOINT)
-    keys = [arg.split("=", 1)[0].removeprefix(ADD_OR_OVERRIDE) for arg in command[3:]]
+    profile, env, settings, overrides, spec = render(model, device, [f"algorithm.use_kl_loss={str(use_kl_loss).lower()}"])
+    keys = [arg.split("=", 1)[0].removeprefix(ADD_OR_OVERRIDE) for arg in overrides]
     assert len(keys) == len(set(keys)), "a key is rendered twice"
     assert not any(key.endswith("nccl_timeout") for key in keys), "dead setting rendered"
 
-    composed = compose_verl(command[3:])
+    composed = compose_verl(overrides)
     for key, value in settings.items():
         assert select(composed, key.removeprefix(ADD_OR_OVERRIDE)) == value, key
 
@@ -73,15 +80,20 @@ def test_rendered_command_composes_with_profile_values(model, device, use_kl_los
     assert select(composed, "actor_rollout_ref.actor.use_kl_loss") is use_kl_loss
     assert select(composed, "actor_rollout_ref.model.use_remove_padding") is profile.engine.use_remove_padding
 
-    # The run's env reaches every worker, as strings (Ray rejects other types).
-    env_vars = select(composed, "ray_kwargs.ray_init.runtime_env.env_vars")
-    assert env_vars == env.worker_env
-    assert all(isinstance(v, str) for v in env_vars.values())
+    # The run's env reaches every worker through the job's runtime_env, as strings (Ray rejects other
+    # types), and only there: the same keys in main_ppo's ray.init would make Ray refuse to merge them.
+    assert spec.runtime_env["env_vars"] == {**env.worker_env, FILE_LOGGER_PATH_VAR: spec.metrics_file}
+    assert all(isinstance(v, str) for v in spec.runtime_env["env_vars"].values())
+    assert "env_vars" not in select(composed, "ray_kwargs.ray_init.runtime_env")
+    # Metrics are followed through verl's file logger, written to the run's folder (shared storage).
+    assert select(composed, "trainer.logger")[-1] == "file" and "console" in select(composed, "trainer.logger")
+    assert spec.metrics_file.startswith(str(RUN_DIR) + "/verl/")
+    assert select(composed, "trainer.default_local_dir") == str(RUN_DIR / "checkpoints")
 
 
 def test_kl_on_npu_builds_reference_with_npu_engine_values():
-    profile, _, _, command = render("qwen3.5-122b-a10b", "npu", ["algorithm.use_kl_loss=true"])
-    ref = select(compose_verl(command[3:]), "actor_rollout_ref.ref.megatron")
+    overrides = render("qwen3.5-122b-a10b", "npu", ["algorithm.use_kl_loss=true"])[3]
+    ref = select(compose_verl(overrides), "actor_rollout_ref.ref.megatron")
     assert ref["vanilla_mbridge"] is False
     assert ref["use_remove_padding"] is False
     assert (ref["tensor_model_parallel_size"], ref["pipeline_model_parallel_size"], ref["expert_model_parallel_size"]) == (2, 4, 16)
@@ -90,13 +102,12 @@ def test_kl_on_npu_builds_reference_with_npu_engine_values():
 
 
 def test_npu_env_reaches_workers_and_visible_devices_stays_on_driver():
-    _, env, settings, _ = render("qwen3.5-122b-a10b", "npu")
-    prefix = f"{ADD_OR_OVERRIDE}ray_kwargs.ray_init.runtime_env.env_vars."
-    assert settings[prefix + "HCCL_CONNECT_TIMEOUT"] == "5400"
-    assert settings[prefix + "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] == "1"
-    _, gpu_env, gpu_settings, _ = render("qwen3.5-122b-a10b", "gpu")
+    job_env = render("qwen3.5-122b-a10b", "npu")[4].runtime_env["env_vars"]
+    assert job_env["HCCL_CONNECT_TIMEOUT"] == "5400"
+    assert job_env["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] == "1"
+    _, gpu_env, _, _, gpu_spec = render("qwen3.5-122b-a10b", "gpu")
     assert "CUDA_VISIBLE_DEVICES" in gpu_env.values
-    assert prefix + "CUDA_VISIBLE_DEVICES" not in gpu_settings
+    assert "CUDA_VISIBLE_DEVICES" not in gpu_spec.runtime_env["env_vars"]
 
 
 def test_upstream_recipe_as_written_no_longer_composes():
@@ -118,8 +129,7 @@ def documented_deviations(device: str) -> list[str]:
 
 @pytest.mark.parametrize("device", ["gpu", "npu"])
 def test_parity_with_upstream(device):
-    _, _, _, command = render("qwen3.5-122b-a10b", device)
-    ours = flatten(compose_verl(command[3:]))
+    ours = flatten(compose_verl(render("qwen3.5-122b-a10b", device)[3]))
     upstream = flatten(compose_verl(upstream_overrides(device, with_grad_offload=False)))
     differing = sorted(k for k in ours.keys() | upstream.keys() if ours.get(k, "<unset>") != upstream.get(k, "<unset>"))
     patterns = documented_deviations(device)

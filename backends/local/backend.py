@@ -17,7 +17,8 @@ class LocalBackend(Backend):
     def profile_problems(self, profile: RunProfile) -> list[str]:
         return mapping_problems(profile)
 
-    def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool) -> None:
+    def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool,
+                  ray_address: str | None) -> None:
         if "train" in stages:
             check_workers_fit(profile, devices_here)
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from backends.base import TrainResult
+from backends.base import TrainingInterrupted, TrainResult
 from backends.local.checkpoints import latest_step
 from backends.local.settings import LocalTrainSettings
 from backends.metrics import MetricsFollower, StepMetrics
@@ -25,11 +25,6 @@ from common.ray_cluster import connect_ray, stop_ray_job
 from profiles.errors import UserError
 
 POLL_S = 1.0
-
-
-class TrainingInterrupted(Exception):
-    """The workers stopped before the last step (a worker died, a collective timed out, a node was
-    lost): transient, the task retries and resumes from the latest checkpoint."""
 
 
 def train_local(

@@ -1,28 +1,55 @@
-"""The verl backend as the flow sees it (backends/base.py).
+"""The verl backend as the flow sees it (backends/base.py): verl trains on the user's Ray cluster as a
+Ray job, which the train stage submits, follows, stops and resumes.
+
+    python -m flows.grpo --model qwen3.5-122b-a10b --device npu --ray-address head:6379
 
 Its layout rules (Megatron's TP x PP x CP against the world and the model, EP/ETP against the
 experts, vLLM's TP against a node and the heads, batch sizes against Megatron's data-parallel ranks)
-are checked whenever a profile is resolved. The flow stages the data and the model and renders the
-command; it does not submit verl training as a Ray job yet, and refuses a run that asks it to
-before anything is fetched.
+are checked whenever a profile is resolved. An attempt of the train stage:
+1. returns at once when the run is already complete (verl's tracker file at the last step, or a job
+   of this run that ended it): a finished run is never submitted again;
+2. follows the run's job if it is still pending or running (the flow restarted), else waits until
+   the cluster has the nodes and devices the layout needs and every node can read the data and the
+   model and write the checkpoints, then submits the next attempt (backends/verl/job.py);
+3. streams the job's log into the task's log and verl's per-step metrics into the run's records
+   (backends/verl/follow.py), and stops the job when no step ends within trainer.step_timeout_s;
+4. ends on the job's status: SUCCEEDED at the tracker's step; FAILED with a config error (not
+   retried, the job's own line) or another cause (`TrainingInterrupted`: the stage's retry resumes
+   from the latest checkpoint with trainer.resume_mode=auto). Checkpoints are never deleted.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from collections import deque
 from pathlib import Path
 
-from backends.base import Backend, TrainingInputs, TrainingProgress, TrainingRun, TrainResult
+import pyarrow.parquet as pq
+
+from backends.base import Backend, TrainingInputs, TrainingInterrupted, TrainingProgress, TrainingRun, TrainResult
+from backends.metrics import METRICS, append_metrics, keep_metrics_up_to
 from backends.verl.checkpoint import verl_hf_dir
 from backends.verl.command import verl_command
+from backends.verl.failures import diagnose
+from backends.verl.follow import JobLog, VerlMetrics, tracker_step
+from backends.verl.job import (
+    JOB_DIR, TERMINAL, JobRecord, JobSpec, job_spec, new_token, read_record, write_record,
+)
+from common.ray_cluster import ClusterNotReady, check_paths_on_nodes, connect_ray, parse_ray_address, wait_for_nodes
 from profiles.errors import UserError
 from profiles.schema import RunProfile
 from profiles.validation import batch_problems, layout_problems, rollout_problems
 
-NOT_SUBMITTED_YET = (
-    "backend verl: the flow does not submit verl training yet; stage the data and model with "
-    "--stages fetch_dataset,prepare_checkpoint and launch the rendered command on the cluster "
-    "(--dry-run prints it), or train with --backend local"
-)
+POLL_S = 1.0
+STOP_WAIT_S = 60.0
+LOG_LINES_KEPT = 400  # the end of the job's log, where its failure is
+log = logging.getLogger(__name__)
+
+
+class JobStopped(UserError):
+    """The run's job was stopped from outside the run (ray job stop, the dashboard)."""
 
 
 class VerlBackend(Backend):
@@ -41,20 +68,226 @@ class VerlBackend(Backend):
                 "actor.use_dynamic_bsz=true: dynamic batch size needs packed sequences, but "
                 "engine.use_remove_padding=false; set actor.use_dynamic_bsz=false"
             )
+        if p.trainer.save_freq <= 0:
+            problems.append(f"trainer.save_freq={p.trainer.save_freq}: the verl backend resumes and exports from "
+                            "verl's checkpoints; set it to a number of steps (verl also saves the last step)")
         return problems
 
-    def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool) -> None:
-        if "train" in stages and not dry_run:
-            raise UserError(NOT_SUBMITTED_YET)
+    def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool,
+                  ray_address: str | None) -> None:
+        if "train" not in stages or dry_run:
+            return
+        address = ray_address or os.environ.get("RAY_ADDRESS")
+        origin = "--ray-address" if ray_address else "RAY_ADDRESS"
+        if not address or address.strip() == "local":
+            raise UserError(
+                "backend verl trains as a Ray job on a running cluster: start it (`ray start --head` on the head "
+                "node, `ray start --address=<head>:6379` on the others) and pass --ray-address <head>:6379 "
+                "(or set RAY_ADDRESS)"
+            )
+        parsed = parse_ray_address(address, origin)
+        if parsed is not None and parsed.scheme in ("http", "https"):
+            raise UserError(
+                f"{origin}={address}: backend verl checks the cluster's nodes through Ray itself; give the head's "
+                "GCS address (<head>:6379) or ray://<head>:10001 (the job API's address is read from the cluster)"
+            )
 
     def command(self, profile: RunProfile, inputs: TrainingInputs) -> list[str] | None:
         return verl_command(profile, inputs)
 
+    def submission(self, profile: RunProfile, run: TrainingRun) -> dict | None:
+        spec = job_spec(profile, run.inputs, Path(run.run_dir), run.run_name, run.runtime_env, "<token>", 1)
+        return spec.model_dump(exclude={"metrics_file"})
+
     def train(self, profile: RunProfile, run: TrainingRun, progress: TrainingProgress) -> TrainResult:
-        raise UserError(NOT_SUBMITTED_YET)
+        run_dir, checkpoints = Path(run.run_dir), Path(run.inputs.checkpoint_dir)
+        max_steps = planned_steps(profile, run.inputs.train_files)
+        record, done = read_record(run_dir), tracker_step(checkpoints)
+        if (record and record.finished) or (done is not None and done >= max_steps):
+            final = record.final_step if record and record.finished else done
+            progress.note(f"the run was already complete at step {final}: nothing submitted")
+            return _result(run_dir, checkpoints, final, final if final < max_steps else max_steps, None, True)
+        if record is None and done is not None and profile.trainer.resume_mode == "disable":
+            raise UserError(f"trainer.resume_mode=disable: {checkpoints} already holds this run's checkpoints (step "
+                            f"{done}), which verl would write over; choose a new --run-name, or resume_mode=auto")
+        client = job_client(run.ray_address)
+        if record is not None and _status(client, record.submission_id) in ("PENDING", "RUNNING"):
+            progress.note(f"following the run's Ray job {record.submission_id} (attempt {record.attempt}), still running")
+        else:
+            record = self._submit_next(profile, run, client, record, progress)
+        keep_metrics_up_to(run_dir / METRICS, done or 0)
+        progress.started(max_steps, done)
+        return self._follow(profile, run, client, record, done, max_steps, progress)
+
+    def _submit_next(self, profile: RunProfile, run: TrainingRun, client, record: JobRecord | None,
+                     progress: TrainingProgress) -> JobRecord:
+        """Check the cluster is ready for the run, then submit the next attempt (recorded first)."""
+        connect_ray(run.ray_address, run.runtime_env)
+        resource = profile.platform.ray_resource
+        wait_for_nodes(resource, profile.cluster.nnodes, profile.cluster.devices_per_node,
+                       profile.cluster.ready_timeout_s, progress.note)
+        inputs, run_dir = run.inputs, Path(run.run_dir)
+        check_paths_on_nodes(
+            entries={},
+            readable={"data.root": [*inputs.train_files, *inputs.val_files], "model.root": [inputs.model_path]},
+            writable={"--run-root": [inputs.checkpoint_dir, str(run_dir / JOB_DIR)]},
+        )
+        attempt, token = (record.attempt + 1, record.token) if record else (1, new_token())
+        spec = job_spec(profile, inputs, run_dir, run.run_name, run.runtime_env, token, attempt)
+        record = JobRecord(token=token, attempt=attempt, submission_id=spec.submission_id, address=client.get_address(),
+                           metrics_file=spec.metrics_file, status="SUBMITTED")
+        write_record(run_dir, record)  # before the submit: a crash in between leaves a job `stop` can find
+        submit(client, spec)
+        progress.note(f"submitted Ray job {spec.submission_id} (attempt {attempt}) to {record.address}")
+        return record
+
+    def _follow(self, profile: RunProfile, run: TrainingRun, client, record: JobRecord, done: int | None,
+                max_steps: int, progress: TrainingProgress) -> TrainResult:
+        run_dir, checkpoints = Path(run.run_dir), Path(run.inputs.checkpoint_dir)
+        sid = record.submission_id
+        responses = profile.data.train_batch_size * profile.algorithm.rollout_n
+        metrics, job_log = VerlMetrics(Path(record.metrics_file), done, responses), JobLog(client, sid)
+        tail: deque[str] = deque(maxlen=LOG_LINES_KEPT)
+        timeout_s, running_since, last_step_at = profile.trainer.step_timeout_s, None, time.monotonic()
+
+        def pass_on(lines: list[str]) -> None:
+            nonlocal last_step_at
+            for line in lines:
+                tail.append(line)
+                progress.output(line)
+            for step in metrics.new():
+                append_metrics(run_dir / METRICS, step)
+                progress.step(step)
+                last_step_at = time.monotonic()
+
+        try:
+            while (status := _status(client, sid)) not in TERMINAL:
+                if status is None:
+                    raise TrainingInterrupted(f"the Ray cluster no longer knows job {sid} (its head restarted?); the "
+                                              f"retry resumes from step {tracker_step(checkpoints) or 0}")
+                pass_on(job_log.lines())
+                if status == "RUNNING" and running_since is None:
+                    running_since = last_step_at = time.monotonic()
+                if running_since is not None and time.monotonic() - last_step_at > timeout_s:
+                    stop_job(client, sid)
+                    _save_status(run_dir, record, "STOPPED")
+                    raise TrainingInterrupted(
+                        f"no training step finished in {timeout_s} s (trainer.step_timeout_s): taken for a hang; Ray job "
+                        f"{sid} stopped; the latest checkpoint is step {tracker_step(checkpoints) or 0}")
+                time.sleep(POLL_S)
+            pass_on(job_log.finish(client.get_job_logs(sid)))
+        finally:
+            job_log.close()
+        final = tracker_step(checkpoints)
+        if status == "SUCCEEDED":
+            return self._succeeded(run_dir, checkpoints, record, done, final, max_steps, progress)
+        _save_status(run_dir, record, status)
+        if status == "STOPPED":
+            raise JobStopped(f"Ray job {sid} was stopped outside this run (ray job stop, the dashboard); run the flow "
+                             f"again with --run-name {run.run_name} to resume from step {final or 0}")
+        cause = diagnose("\n".join(tail), client.get_job_info(sid).message or "")
+        if cause.kind == "config":
+            raise UserError(f"verl job {sid} failed on its configuration: {cause.line}")
+        raise TrainingInterrupted(
+            f"verl job {sid} failed ({'transient: ' if cause.kind == 'transient' else ''}{cause.line}); the retry "
+            f"resumes from step {final or 0}")
+
+    def _succeeded(self, run_dir: Path, checkpoints: Path, record: JobRecord, done: int | None, final: int | None,
+                   max_steps: int, progress: TrainingProgress) -> TrainResult:
+        if final is None:
+            _save_status(run_dir, record, "SUCCEEDED")
+            raise UserError(f"verl job {record.submission_id} succeeded but left no checkpoint in {checkpoints} "
+                            "(its tracker file latest_checkpointed_iteration.txt is missing); set trainer.save_freq > 0")
+        record = record.model_copy(update={"status": "SUCCEEDED", "final_step": final})
+        write_record(run_dir, record)
+        if done is not None and final <= done:
+            # verl resumed at its last step: it validates and exits without training (and says success).
+            progress.note(f"the run was already complete at step {final} (verl's tracker file): nothing trained")
+            return _result(run_dir, checkpoints, final, final, None, True)
+        if final < max_steps:
+            progress.note(f"verl ended the run at step {final} of the {max_steps} planned (its own count of the data, "
+                          "after filtering overlong prompts)")
+        return _result(run_dir, checkpoints, final, min(max_steps, final), done, False)
 
     def stop(self, run_dir: Path) -> bool:
-        return False  # nothing is submitted yet
+        """Stop the run's job if it is still pending or running (the failure hooks: a cancel from the
+        UI, SIGTERM, a crash), and wait until Ray says it ended, so no orphaned job keeps the devices."""
+        record = read_record(run_dir)
+        if record is None or record.status in TERMINAL:
+            return False
+        try:
+            stopped = stop_job(job_client(record.address), record.submission_id)
+        except Exception as exc:  # the hooks must go on: say why the job could not be stopped
+            log.error("could not stop Ray job %s at %s: %s", record.submission_id, record.address, exc)
+            return False
+        _save_status(Path(run_dir), record, "STOPPED")
+        return stopped
 
     def policy_dir(self, result: TrainResult) -> Path:
         return verl_hf_dir(Path(result.checkpoint_dir))
+
+
+def planned_steps(profile: RunProfile, train_files: list[str]) -> int:
+    """verl's step count: trainer.total_training_steps, else whole batches per epoch x epochs (its
+    dataloader drops the last partial batch). verl may count fewer after filtering overlong prompts."""
+    if profile.trainer.total_training_steps:
+        return profile.trainer.total_training_steps
+    rows = sum(pq.ParquetFile(path).metadata.num_rows for path in train_files)
+    return max(1, rows // profile.data.train_batch_size) * profile.trainer.total_epochs
+
+
+def job_client(address: str | None):
+    """Ray's job API for the cluster at `address` (GCS, ray:// or the dashboard's http address)."""
+    from ray.job_submission import JobSubmissionClient
+
+    try:
+        return JobSubmissionClient(address)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ClusterNotReady(
+            f"the Ray cluster at {address or os.environ.get('RAY_ADDRESS')} has no job API answering "
+            f"({str(exc).splitlines()[0]}); start the head with its dashboard (ray start --head --include-dashboard=true)"
+        ) from None
+
+
+def submit(client, spec: JobSpec) -> bool:
+    """Submit `spec`; False when a job of that submission id was already there (it is followed)."""
+    try:
+        client.submit_job(entrypoint=spec.entrypoint, submission_id=spec.submission_id,
+                          runtime_env=spec.runtime_env, metadata=spec.metadata)
+        return True
+    except RuntimeError as exc:
+        if "already exists" in str(exc):
+            return False
+        raise
+
+
+def stop_job(client, submission_id: str) -> bool:
+    """Ask Ray to stop the job (SIGTERM, then a kill), and wait until it has ended."""
+    stopped = client.stop_job(submission_id)
+    deadline = time.monotonic() + STOP_WAIT_S
+    while _status(client, submission_id) not in TERMINAL and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return stopped
+
+
+def _status(client, submission_id: str) -> str | None:
+    """The job's status, None when the cluster does not know it (a restarted head)."""
+    try:
+        return str(client.get_job_status(submission_id).value)
+    except RuntimeError as exc:
+        if "does not exist" in str(exc) or "404" in str(exc):
+            return None
+        raise
+
+
+def _save_status(run_dir: Path, record: JobRecord, status: str) -> None:
+    write_record(run_dir, record.model_copy(update={"status": status}))
+
+
+def _result(run_dir: Path, checkpoints: Path, step: int | None, max_steps: int, resumed_from: int | None,
+            already_complete: bool) -> TrainResult:
+    return TrainResult(
+        backend="verl", checkpoint_dir=str(checkpoints / f"global_step_{step}") if step is not None else "",
+        steps_done=step or 0, max_steps=max_steps, metrics_file=str(run_dir / METRICS), resumed_from=resumed_from,
+        already_complete=already_complete,
+    )

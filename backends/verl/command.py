@@ -11,20 +11,24 @@ Rules the rendering keeps:
   (actor and reference), so turning KL on can never build a reference with other settings;
 - each key appears once (settings are collected in a dict before they become arguments);
 - no dead settings (`actor_rollout_ref.nccl_timeout` is read by no code in verl);
-- the run's environment reaches every Ray worker on every node through
-  `ray_kwargs.ray_init.runtime_env.env_vars`, not through the launching shell.
+- verl's `file` logger is always on: the flow follows a run's metrics through it (backends/verl/follow.py);
+- no environment variables: the run's environment reaches every Ray worker on every node through the
+  Ray job's `runtime_env` (backends/verl/job.py). Rendering them also as
+  `ray_kwargs.ray_init.runtime_env.env_vars` would make Ray refuse main_ppo's `ray.init` ("Failed to
+  merge the Job's runtime env ... because of a conflict").
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 from typing import Any
 
 from backends.base import TrainingInputs
 from profiles.schema import RunProfile
 
 VERL_VERSION = "0.9.1"
-ENTRYPOINT = ("python3", "-m", "verl.trainer.main_ppo")
+FILE_LOGGER = "file"
 
 # Hydra's `++key=value` adds a key or overrides it. Free-form maps (transformer / optimizer
 # overrides, vLLM kwargs, env vars) get it because whether verl's defaults already hold a key
@@ -75,7 +79,8 @@ def _files(paths: list[str]) -> str | list[str]:
 
 
 def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]:
-    """Every verl key this run sets, in a stable order, each once."""
+    """Every verl key this run sets, in a stable order, each once. `trainer.default_local_dir` is
+    absolute (a relative one would land in Ray's per-job working directory)."""
     p, a, alg, r, lp, t = profile, profile.actor, profile.algorithm, profile.rollout, profile.log_prob, profile.trainer
     settings: dict[str, Any] = {
         "model_engine": p.engine.strategy,
@@ -137,7 +142,7 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
         settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.rollout.engine_kwargs.vllm.{name}"] = value
     settings.update(
         {
-            "trainer.logger": t.logger,
+            "trainer.logger": t.logger if FILE_LOGGER in t.logger else [*t.logger, FILE_LOGGER],
             "trainer.project_name": t.project_name,
             "trainer.experiment_name": t.experiment_name,
             "trainer.nnodes": p.cluster.nnodes,
@@ -151,10 +156,6 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
             "trainer.default_local_dir": inputs.checkpoint_dir,
         }
     )
-    for name, value in sorted(inputs.worker_env.items()):
-        # Strings on purpose: Ray rejects runtime_env env_vars that are not str (Hydra would read
-        # HCCL_BUFFSIZE=300 as an int).
-        settings[f"{ADD_OR_OVERRIDE}ray_kwargs.ray_init.runtime_env.env_vars.{name}"] = str(value)
     return settings
 
 
@@ -184,5 +185,10 @@ def render_overrides(settings: dict[str, Any]) -> list[str]:
     return [f"{key}={format_value(value)}" for key, value in settings.items()]
 
 
+def entrypoint(profile: RunProfile) -> list[str]:
+    """`trainer.entrypoint` as argv: verl's `main_ppo` unless the profile names another trainer."""
+    return shlex.split(profile.trainer.entrypoint)
+
+
 def verl_command(profile: RunProfile, inputs: TrainingInputs) -> list[str]:
-    return [*ENTRYPOINT, *render_overrides(verl_settings(profile, inputs))]
+    return [*entrypoint(profile), *render_overrides(verl_settings(profile, inputs))]

@@ -1,0 +1,166 @@
+"""Following a verl job from the flow: its log, its per-step metrics and its checkpoints.
+
+    python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --ray-address head:6379   # the train stage's log
+
+- The job's log comes from Ray's log tail (a websocket). Ray replays the log from its start on every
+  (re)connection, so `JobLog` counts what it has passed on and skips that much of a replay.
+- Metrics come from verl's `file` logger (JSONL `{"step": N, "data": {...}}`, one file per attempt on
+  shared storage), not from console lines, whose format changes between verl releases and prints
+  numpy reprs. Each step becomes the run's typed `StepMetrics` record (backends/metrics.py), so the
+  report and the progress bar work as for the local backend.
+- The last completed step is verl's tracker file, `latest_checkpointed_iteration.txt`, written after
+  a `global_step_N/` is complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections import deque
+from pathlib import Path
+
+from backends.metrics import StepMetrics
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RECONNECT_S = 2.0
+
+
+def tracker_step(checkpoint_dir: Path) -> int | None:
+    """verl's last completed checkpoint step (its tracker names a `global_step_N/` that exists)."""
+    try:
+        step = int((Path(checkpoint_dir) / TRACKER).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return step if (Path(checkpoint_dir) / f"global_step_{step}").is_dir() else None
+
+
+class JobLog:
+    """New lines of a Ray job's log, read in a background thread; `lines()` returns what has come.
+    `finish(full_log)` passes on whatever the tail missed (the job's whole log, fetched after it ended)."""
+
+    def __init__(self, client, submission_id: str):
+        self.client, self.submission_id = client, submission_id
+        self.passed = 0  # characters of the log already turned into lines (or a partial line)
+        self._partial = ""
+        self._lines: deque[str] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._pump, name=f"tail-{submission_id}", daemon=True)
+        self._thread.start()
+
+    def lines(self) -> list[str]:
+        with self._lock:
+            taken = list(self._lines)
+            self._lines.clear()
+        return taken
+
+    def finish(self, full_log: str) -> list[str]:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with self._lock:
+            self._take(full_log, 0)
+            if self._partial:
+                self._lines.append(self._partial)
+                self._partial = ""
+        return self.lines()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _take(self, chunk: str, received_before: int) -> None:
+        """`chunk` starts at offset `received_before` of the log; keep what lies past `passed`."""
+        new = chunk[max(0, self.passed - received_before):]
+        if not new:
+            return
+        self.passed += len(new)
+        *complete, self._partial = (self._partial + new).split("\n")
+        self._lines.extend(complete)
+
+    def _pump(self) -> None:
+        while not self._stop.is_set():
+            try:
+                asyncio.run(self._tail())
+            except Exception:  # a dropped connection: reconnect, the replay is skipped
+                pass
+            if self._stop.wait(RECONNECT_S):
+                return
+
+    async def _tail(self) -> None:
+        received = 0
+        async for chunk in self.client.tail_job_logs(self.submission_id):
+            with self._lock:
+                self._take(chunk, received)
+            received += len(chunk)
+            if self._stop.is_set():
+                return
+
+
+class VerlMetrics:
+    """verl's file-logger JSONL of one attempt, read as it grows, as the run's step records."""
+
+    def __init__(self, path: Path, after_step: int | None, responses_per_step: int):
+        self.path, self.offset = Path(path), 0
+        self.last_step = after_step or 0
+        self.resumed_from = after_step
+        self.responses_per_step = responses_per_step
+
+    def new(self) -> list[StepMetrics]:
+        try:
+            with open(self.path, "rb") as handle:
+                handle.seek(self.offset)
+                data = handle.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+        self.offset += end
+        records = []
+        for line in data[:end].splitlines():
+            record = self._step_metrics(line)
+            if record is not None and record.step > self.last_step:
+                self.last_step = record.step
+                records.append(record)
+        return records
+
+    def _step_metrics(self, line: bytes) -> StepMetrics | None:
+        try:
+            entry = json.loads(line)
+            step, data = int(entry["step"]), entry["data"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        return from_verl(step, data, self.responses_per_step, self.resumed_from)
+
+
+def _number(data: dict, *keys: str) -> float | None:
+    for key in keys:
+        value = data.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def from_verl(step: int, data: dict, responses_per_step: int, resumed_from: int | None) -> StepMetrics | None:
+    """One verl step's metrics as a `StepMetrics`; None for a record without a training reward (the
+    validation verl logs before the first step of an attempt)."""
+    reward = _number(data, "critic/score/mean")
+    if reward is None:
+        return None
+    step_time = _number(data, "timing_s/step", "perf/time_per_step") or 0.0
+    length = _number(data, "response_length/mean") or 0.0
+    return StepMetrics(
+        step=step,
+        reward_mean=reward,
+        # KL to the reference: the KL loss, or the in-reward penalty (verl logs neither without KL).
+        kl=_number(data, "actor/kl_loss", "actor/reward_kl_penalty"),
+        loss=_number(data, "actor/pg_loss"),
+        entropy=_number(data, "actor/entropy"),
+        response_length=length,
+        # Generated tokens per second, as the local backend counts them (verl's perf/throughput
+        # counts prompt tokens too, per device).
+        tokens_per_s=length * responses_per_step / step_time if step_time else None,
+        step_time_s=step_time,
+        learning_rate=_number(data, "actor/lr"),
+        resumed_from=resumed_from,
+        time=time.time(),
+    )

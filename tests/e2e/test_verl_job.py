@@ -1,0 +1,243 @@
+"""The verl backend's Ray-job path on a real 2-node Ray cluster: readiness, submit, follow, cancel, resume.
+
+The cluster is `ray.cluster_utils.Cluster` with its dashboard (the job server) on and one custom `NPU`
+on each node; every call goes through Ray's real `JobSubmissionClient`. verl itself needs GPUs/NPUs
+and vLLM, so the job runs `tests/verl_stand_in.py` (`trainer.entrypoint`), which composes the
+submitted overrides through verl 0.9.1's own Hydra config, joins Ray as main_ppo does, and writes
+verl's file-logger JSONL, checkpoints and tracker file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+from ray.cluster_utils import Cluster
+from ray.job_submission import JobSubmissionClient
+
+from backends import backend_for
+from backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
+from backends.metrics import read_metrics
+from backends.verl.backend import JobStopped, submit
+from backends.verl.job import JobRecord, job_spec, read_record, write_record
+from flows.pipeline import grpo_pipeline
+from flows.plan import plan_run
+from flows.request import RunRequest
+from profiles.errors import UserError
+from profiles.loader import resolve_profile
+from profiles.schema import DataSection
+from stages.dataset import DataSpec, fetch_dataset
+from stages.environment import resolve_environment
+
+STAND_IN = Path(__file__).resolve().parents[1] / "verl_stand_in.py"
+ENTRYPOINT = f"trainer.entrypoint={sys.executable} {STAND_IN}"
+# 2 nodes x 1 NPU; 6 steps, a checkpoint every 2.
+CLUSTER = ["backend=verl", "cluster.nnodes=2", "cluster.devices_per_node=1", "trainer.total_training_steps=6",
+           "trainer.save_freq=2", ENTRYPOINT]
+NCCL_TIMEOUT = ("RuntimeError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, "
+                "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.shutdown()  # whatever an earlier test joined: this module's runs join this cluster
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"NPU": 1},
+                                                         "include_dashboard": True, "dashboard_port": 0})
+    made.add_node(num_cpus=2, resources={"NPU": 1})
+    made.wait_for_nodes()
+    yield made
+    ray.shutdown()
+    made.shutdown()
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster) -> JobSubmissionClient:
+    return JobSubmissionClient(cluster.address)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return fetch_dataset(DataSpec.from_profile(DataSection(root=str(tmp_path_factory.mktemp("data")))))
+
+
+def _submissions(jobs: JobSubmissionClient, run_name: str) -> list:
+    return [job for job in jobs.list_jobs() if (job.metadata or {}).get("run_name") == run_name]
+
+
+class Recorder:
+    """A `TrainingProgress` that keeps what it was told."""
+
+    def __init__(self):
+        self.steps, self.notes, self.lines, self.started_with = [], [], [], None
+
+    def started(self, max_steps, resumed_from):
+        self.started_with = (max_steps, resumed_from)
+
+    def step(self, metrics):
+        self.steps.append(metrics.step)
+
+    def note(self, message):
+        self.notes.append(message)
+
+    def output(self, line):
+        self.lines.append(line)
+
+
+def _backend_run(cluster, dataset, tiny_model_dir, tmp_path, name: str, *overrides: str):
+    profile = resolve_profile("tiny", "npu", overrides=[*CLUSTER, *overrides])
+    run_dir = tmp_path / name
+    inputs = TrainingInputs(model_path=str(tiny_model_dir), train_files=dataset.train_files,
+                            val_files=dataset.val_files, checkpoint_dir=str(run_dir / "checkpoints"))
+    env = resolve_environment(profile, ray_address=cluster.address)
+    run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name=name, devices_here=0, ray_address=cluster.address,
+                      runtime_env=env.ray_runtime_env())
+    return profile, run
+
+
+def _flow(cluster, tmp_path, name: str, *overrides: str):
+    """The whole flow for the tiny model on the cluster, with the plan the command line would make (a
+    dry-run plan: this host has no NPU to detect; the plan names the device)."""
+    request = RunRequest(model="tiny", device="npu", backend="verl", run_root=str(tmp_path), run_name=name,
+                         ray_address=cluster.address, stages=["fetch_dataset", "prepare_checkpoint", "train", "report"],
+                         overrides=[*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
+                                    *overrides])
+    return grpo_pipeline(request, plan_run(request, dry_run=True), return_state=True)
+
+
+async def _train_runs_and_logs(flow_run_id):
+    async with get_client() as client:
+        task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [run for run in task_runs if run.name.startswith("train")], [log.message for log in logs]
+
+
+def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluster, jobs, tmp_path):
+    state = _flow(cluster, tmp_path, "full", "env.GRPO_TEST_MARK=on-every-node", "env.STAND_IN_ENV_PROBE=GRPO_TEST_MARK")
+    assert state.is_completed(), state.message
+    run_dir = tmp_path / "full"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r.step for r in records] == [1, 2, 3, 4, 5, 6]
+    assert records[-1].reward_mean > records[0].reward_mean and records[0].step_time_s > 0
+    assert records[0].response_length == 13.0 and records[0].entropy == pytest.approx(1.9)
+    report = (run_dir / "report.md").read_text()
+    assert "](reward_curve.png)" in report and (run_dir / "reward_curve.png").read_bytes().startswith(b"\x89PNG")
+    train = state.result()["train"]
+    assert (train["backend"], train["steps_done"], train["max_steps"]) == ("verl", 6, 6)
+    assert train["checkpoint_dir"] == str(run_dir / "checkpoints" / "global_step_6")
+    # The profile's env reached a process on each node, the second one included, through the job.
+    seen = json.loads((run_dir / "stand-in-env.json").read_text())
+    assert len(seen) == 2 and all(v == {"GRPO_TEST_MARK": "on-every-node"} for v in seen.values())
+    (job,) = _submissions(jobs, "full")
+    assert job.status == "SUCCEEDED" and job.metadata["attempt"] == "1" and len(job.metadata["profile_hash"]) == 16
+    _, logs = asyncio.run(_train_runs_and_logs(state.state_details.flow_run_id))
+    assert any(line.startswith("| step:6 - ") for line in logs), "the job's log is streamed into the task's log"
+    assert sum(line.startswith("| Total training steps: 6") for line in logs) == 1, "each job line once"
+    assert any("backend: verl (--backend verl)" in line for line in logs)
+
+    # The run is finished: running it again submits nothing.
+    again = _flow(cluster, tmp_path, "full")
+    assert again.is_completed() and again.result()["train"]["already_complete"] is True
+    assert len(_submissions(jobs, "full")) == 1
+
+
+def test_a_transient_failure_is_retried_and_resumes_from_the_checkpoint(prefect_api, cluster, jobs, tmp_path):
+    state = _flow(cluster, tmp_path, "flaky", "env.STAND_IN_FAIL_AT_STEP=3", f"env.STAND_IN_FAIL_TEXT={NCCL_TIMEOUT}")
+    assert state.is_completed(), state.message
+    run_dir = tmp_path / "flaky"
+    train = state.result()["train"]
+    assert (train["steps_done"], train["resumed_from"]) == (6, 2)
+    (train_run,), logs = asyncio.run(_train_runs_and_logs(state.state_details.flow_run_id))
+    assert train_run.run_count == 2
+    assert any("(transient: RuntimeError: [Rank 1] Watchdog caught collective operation timeout" in line for line in logs)
+    assert any("resuming from checkpoint global_step_2 of 6" in line for line in logs)
+    submitted = sorted(_submissions(jobs, "flaky"), key=lambda job: job.metadata["attempt"])
+    assert [(job.metadata["attempt"], job.status) for job in submitted] == [("1", "FAILED"), ("2", "SUCCEEDED")]
+    assert "trainer.resume_mode=auto" in submitted[1].entrypoint
+    # Every step once in the run's records, the ones before the failure from the first attempt.
+    assert [r.step for r in read_metrics(run_dir / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert [r.resumed_from for r in read_metrics(run_dir / "metrics.jsonl")][2:] == [2, 2, 2, 2]
+    # No checkpoint was deleted: both attempts' steps are there.
+    assert {p.name for p in (run_dir / "checkpoints").glob("global_step_*")} == {f"global_step_{n}" for n in (2, 4, 6)}
+
+
+def test_a_config_error_fails_once_with_the_jobs_own_message(prefect_api, cluster, jobs, tmp_path):
+    # A key verl does not have, composed by verl's own Hydra config inside the job.
+    state = _flow(cluster, tmp_path, "bad-key", f"{ENTRYPOINT} trainer.no_such_key=1")
+    assert state.is_failed()
+    message = str(state.message)
+    assert "failed on its configuration: " in message and "Could not override 'trainer.no_such_key'." in message, message
+    assert "Key 'no_such_key' is not in struct" in message
+    (train_run,), _ = asyncio.run(_train_runs_and_logs(state.state_details.flow_run_id))
+    assert train_run.run_count == 1
+    assert [job.status for job in _submissions(jobs, "bad-key")] == ["FAILED"]
+
+
+def test_a_stop_ends_the_job_and_its_entrypoint(cluster, jobs, dataset, tiny_model_dir, tmp_path):
+    """What the flow's failure hooks call on a cancel from the UI, SIGTERM or a crash."""
+    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "cancelled", "env.STAND_IN_STEP_S=2")
+    progress, outcome = Recorder(), {}
+
+    def train():
+        try:
+            backend_for("verl").train(profile, run, progress)
+        except Exception as exc:
+            outcome["error"] = exc
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    deadline = time.monotonic() + 120
+    while not progress.steps:
+        assert time.monotonic() < deadline and trainer.is_alive(), (outcome, progress.lines[-5:])
+        time.sleep(0.2)
+    assert backend_for("verl").stop(Path(run.run_dir)) is True
+    trainer.join(timeout=60)
+    record = read_record(Path(run.run_dir))
+    assert jobs.get_job_status(record.submission_id) == "STOPPED" and record.status == "STOPPED"
+    assert isinstance(outcome["error"], JobStopped)
+    for pid in map(int, (Path(run.run_dir) / "stand-in.pids").read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert backend_for("verl").stop(Path(run.run_dir)) is False  # nothing left to stop
+
+
+def test_a_step_that_never_ends_stops_the_job_and_is_retried(cluster, jobs, dataset, tiny_model_dir, tmp_path):
+    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "hung", "env.STAND_IN_STEP_S=60",
+                                "trainer.step_timeout_s=3")
+    with pytest.raises(TrainingInterrupted, match=r"no training step finished in 3 s \(trainer.step_timeout_s\)"):
+        backend_for("verl").train(profile, run, Recorder())
+    (job,) = _submissions(jobs, "hung")
+    assert job.status == "STOPPED"
+
+
+def test_a_repeated_submit_follows_the_job_already_there(cluster, jobs, dataset, tiny_model_dir, tmp_path):
+    """The flow died right after submitting: the next train call follows that job, starts no second one."""
+    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "again", "env.STAND_IN_STEP_S=0.5")
+    spec = job_spec(profile, run.inputs, Path(run.run_dir), run.run_name, run.runtime_env, "cafe01", 1)
+    write_record(Path(run.run_dir), JobRecord(token="cafe01", attempt=1, submission_id=spec.submission_id,
+                                              address=jobs.get_address(), metrics_file=spec.metrics_file, status="SUBMITTED"))
+    assert submit(jobs, spec) is True
+    assert submit(jobs, spec) is False  # "already exists": the same job
+    progress = Recorder()
+    result = backend_for("verl").train(profile, run, progress)
+    assert result.steps_done == 6 and progress.steps == [1, 2, 3, 4, 5, 6]
+    assert any("following the run's Ray job grpo-again-cafe01-1 (attempt 1)" in note for note in progress.notes)
+    assert [job.submission_id for job in _submissions(jobs, "again")] == [spec.submission_id]
+
+
+def test_a_run_without_checkpoint_overwrites_is_refused(cluster, dataset, tiny_model_dir, tmp_path):
+    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "fresh", "trainer.resume_mode=disable")
+    checkpoints = Path(run.inputs.checkpoint_dir)
+    (checkpoints / "global_step_2").mkdir(parents=True)
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text("2")
+    with pytest.raises(UserError, match=r"trainer.resume_mode=disable: .* already holds this run's checkpoints \(step 2\)"):
+        backend_for("verl").train(profile, run, Recorder())
