@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -38,7 +40,8 @@ from profiles.schema import DataSection
 from stages.dataset import DataSpec, fetch_dataset
 from stages.environment import resolve_environment
 
-STAND_IN = Path(__file__).resolve().parents[1] / "verl_stand_in.py"
+ROOT = Path(__file__).resolve().parents[2]
+STAND_IN = ROOT / "tests" / "verl_stand_in.py"
 ENTRYPOINT = f"trainer.entrypoint={sys.executable} {STAND_IN}"
 # 2 nodes x 1 NPU; 6 steps, a checkpoint every 2.
 CLUSTER = ["backend=verl", "cluster.nnodes=2", "cluster.devices_per_node=1", "trainer.total_training_steps=6",
@@ -241,3 +244,36 @@ def test_a_run_without_checkpoint_overwrites_is_refused(cluster, dataset, tiny_m
     (checkpoints / "latest_checkpointed_iteration.txt").write_text("2")
     with pytest.raises(UserError, match=r"trainer.resume_mode=disable: .* already holds this run's checkpoints \(step 2\)"):
         backend_for("verl").train(profile, run, Recorder())
+
+
+def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, tmp_path):
+    """A cancel from the UI or a worker, a killed terminal: the flow process gets SIGTERM, Prefect
+    runs the run's hooks, and they stop the Ray job; no entrypoint process is left holding devices.
+    The process runs the flow as the command line does (`run_flow`: its own lease and local API),
+    from a plan that names the device (this host has no NPU to detect)."""
+    request = RunRequest(model="tiny", device="npu", backend="verl", run_root=str(tmp_path), run_name="sigterm",
+                         ray_address=cluster.address, stages=["fetch_dataset", "prepare_checkpoint", "train"],
+                         overrides=[*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
+                                    "env.STAND_IN_STEP_S=2", "trainer.total_training_steps=100"])
+    script = ("import sys; from flows.grpo import run_flow; from flows.plan import plan_run; "
+              "from flows.request import RunRequest; request = RunRequest.model_validate_json(sys.argv[1]); "
+              "sys.exit(run_flow(request, plan_run(request, dry_run=True)))")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    process = subprocess.Popen([sys.executable, "-c", script, request.model_dump_json()], cwd=ROOT, env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = tmp_path / "sigterm" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and metrics.read_text().strip()) and process.poll() is None:
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=180)
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    (job,) = _submissions(jobs, "sigterm")
+    assert job.status == "STOPPED", output[-3000:]
+    assert read_record(tmp_path / "sigterm").status == "STOPPED"
+    for pid in map(int, (tmp_path / "sigterm" / "stand-in.pids").read_text().split()):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert "**The run failed.** Stage `train`" in (tmp_path / "sigterm" / "report.md").read_text()

@@ -1,0 +1,140 @@
+"""The verl job path's parts that need no cluster: what is submitted, how a failure is read, how the
+log and the metrics are followed (tests/e2e/test_verl_job.py runs them on a real Ray cluster)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from backends.verl import follow
+from backends.verl.backend import planned_steps
+from backends.verl.failures import diagnose
+from backends.verl.follow import JobLog, VerlMetrics, tracker_step
+from backends.verl.job import job_spec, submission_id
+from profiles.loader import resolve_profile
+from stages.train import training_inputs
+
+
+@pytest.mark.parametrize(
+    ("log", "kind", "line"),
+    [
+        ("(TaskRunner pid=812, ip=10.0.0.3) [rank3]:[E ProcessGroupNCCL.cpp:616] [Rank 3] Watchdog caught collective "
+         "operation timeout: WorkNCCL(SeqNum=7, OpType=ALLREDUCE, Timeout(ms)=600000) ran for 600081 milliseconds before "
+         "timing out.", "transient", "Watchdog caught collective operation timeout"),
+        ("RuntimeError: EI0006: Getting socket times out. Reason: 1. The remote does not initiate a connect request.",
+         "transient", "EI0006"),
+        ("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.\n\tclass_name: "
+         "WorkerDict", "transient", "ActorDiedError"),
+        ("ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.", "transient",
+         "node running low on memory"),
+        ("The node with node id: 4f2a has been marked dead because the detector has missed too many heartbeats from it.",
+         "transient", "marked dead"),
+        ("Could not override 'trainer.bogus'.\nTo append to your config use +trainer.bogus=1\nKey 'bogus' is not in "
+         "struct\n    full_key: trainer.bogus\n    object_type=dict\n\nSet the environment variable HYDRA_FULL_ERROR=1 "
+         "for a complete stack trace.", "config", "Could not override 'trainer.bogus'. Key 'bogus' is not in struct"),
+        ("Traceback (most recent call last):\n  File \"main_ppo.py\", line 88\nValueError: Total available GPUs 16 is "
+         "less than total desired GPUs 32.", "config", "Total available GPUs 16 is less than total desired GPUs 32"),
+        ("Error executing job with overrides: ['a=1']\nTraceback (most recent call last):\nAssertionError: "
+         "ppo_mini_batch_size 64 must be divisible by micro batch 3", "config", "AssertionError: ppo_mini_batch_size"),
+        ("loading weights\nKeyError: 'model.layers.0.mlp.gate'\n", "unknown", "KeyError: 'model.layers.0.mlp.gate'"),
+    ],
+)
+def test_a_failed_jobs_log_says_whether_a_retry_can_help(log, kind, line):
+    cause = diagnose(log, "Job entrypoint command failed with exit code 1")
+    assert cause.kind == kind and line in cause.line
+
+
+def test_a_lost_node_wins_over_the_assertion_it_caused():
+    log = "AssertionError: batch size mismatch\nray.exceptions.NodeDiedError: Task failed because node 10.0.0.4 died"
+    assert diagnose(log).kind == "transient"
+
+
+class ReplayingTail:
+    """Ray's log tail: every connection replays the log from its start; the first one drops mid-way."""
+
+    def __init__(self, log: str):
+        self.log, self.connections = log, 0
+
+    async def tail_job_logs(self, job_id):
+        self.connections += 1
+        cut = 25 if self.connections == 1 else len(self.log)
+        for start in range(0, cut, 7):  # chunks that split lines
+            yield self.log[start:min(start + 7, cut)]
+        if self.connections == 1:
+            raise RuntimeError("WebSocket connection closed unexpectedly with close code 1006")
+
+
+def test_the_log_tail_passes_each_line_once_across_reconnects(monkeypatch):
+    monkeypatch.setattr(follow, "RECONNECT_S", 0.01)
+    text = "".join(f"line {n} of the job\n" for n in range(1, 9)) + "partial"
+    tail = ReplayingTail(text)
+    log = JobLog(tail, "grpo-run-abc-1")
+    deadline, seen = time.monotonic() + 10, []
+    while len(seen) < 8 and time.monotonic() < deadline:
+        seen += log.lines()
+        time.sleep(0.01)
+    assert tail.connections >= 2
+    assert seen == [f"line {n} of the job" for n in range(1, 9)]
+    # After the job ended: its whole log, of which only what the tail missed is new.
+    assert log.finish(text + " line, ended\n") == ["partial line, ended"]
+
+
+def _write(path: Path, *records: dict, partial: str = "") -> None:
+    with open(path, "a") as handle:
+        for record in records:
+            handle.write(json.dumps(record) + "\n")
+        handle.write(partial)
+
+
+def test_verl_file_logger_records_become_the_runs_step_records(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    step = {"critic/score/mean": 0.25, "response_length/mean": 10.0, "timing_s/step": 2.0, "actor/pg_loss": -0.1,
+            "actor/entropy": 1.5, "actor/kl_loss": 0.01, "actor/lr": 1e-6, "perf/throughput": 900.0, "note": "text"}
+    _write(path, {"step": 4, "data": {"val-core/geo3k/reward/mean@1": 0.2}},  # validation before the attempt's first step
+           {"step": 5, "data": step}, partial='{"step": 6, "data": {"critic/sc')
+    metrics = VerlMetrics(path, after_step=4, responses_per_step=8)
+    (record,) = metrics.new()
+    assert (record.step, record.reward_mean, record.kl, record.loss, record.entropy) == (5, 0.25, 0.01, -0.1, 1.5)
+    assert record.tokens_per_s == 10.0 * 8 / 2.0 and record.step_time_s == 2.0 and record.learning_rate == 1e-6
+    assert record.resumed_from == 4
+    _write(path, partial='ore/mean": 0.5, "timing_s/step": 1.0}}\n')
+    assert [(r.step, r.reward_mean, r.kl) for r in metrics.new()] == [(6, 0.5, None)]
+    assert metrics.new() == []
+
+
+def test_the_tracker_names_a_step_only_once_its_folder_exists(tmp_path):
+    assert tracker_step(tmp_path) is None
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    assert tracker_step(tmp_path) is None
+    (tmp_path / "global_step_4").mkdir()
+    assert tracker_step(tmp_path) == 4
+
+
+def test_a_retry_always_resumes_into_the_same_checkpoints_under_its_own_id(tmp_path):
+    profile = resolve_profile("qwen3.5-35b-a3b", "gpu", overrides=["trainer.resume_mode=disable"])
+    inputs = training_inputs(profile, tmp_path / "my run")
+    first = job_spec(profile, inputs, tmp_path / "my run", "my run/1", {"env_vars": {"A": "1"}}, "c0ffee", 1)
+    second = job_spec(profile, inputs, tmp_path / "my run", "my run/1", {"env_vars": {"A": "1"}}, "c0ffee", 2)
+    assert (first.submission_id, second.submission_id) == ("grpo-my-run-1-c0ffee-1", "grpo-my-run-1-c0ffee-2")
+    assert "trainer.resume_mode=disable" in shlex.split(first.entrypoint)
+    assert "trainer.resume_mode=auto" in shlex.split(second.entrypoint)
+    dirs = {arg for spec in (first, second) for arg in shlex.split(spec.entrypoint) if "default_local_dir" in arg}
+    assert dirs == {f'trainer.default_local_dir="{tmp_path / "my run" / "checkpoints"}"'}  # quoted for Hydra
+    assert first.metrics_file != second.metrics_file  # verl opens its file logger with "wb"
+    assert second.runtime_env["env_vars"] == {"A": "1", "VERL_FILE_LOGGER_PATH": second.metrics_file}
+    assert submission_id("x" * 200, "c0ffee", 1) == f"grpo-{'x' * 80}-c0ffee-1"
+
+
+def test_the_planned_steps_follow_verls_count(tmp_path):
+    train = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"prompt": ["p"] * 300}), train)
+    profile = resolve_profile("tiny", "npu", "verl", overrides=["trainer.total_epochs=3", "trainer.total_training_steps=null"])
+    assert planned_steps(profile, [str(train)]) == 300 // 8 * 3  # whole batches of 8 (verl drops the last one)
+    assert planned_steps(profile.model_copy(update={"trainer": profile.trainer.model_copy(
+        update={"total_training_steps": 5})}), [str(train)]) == 5
