@@ -58,6 +58,13 @@ class RayAddress(NamedTuple):
         return f"{self.scheme + '://' if self.scheme else ''}{host}:{self.port}"
 
 
+def cluster_address(given: str | None) -> tuple[str | None, str]:
+    """The run's Ray cluster and where it was named: --ray-address (the request's field), else
+    `RAY_ADDRESS` (a deployment's `job_variables.env`); None when the run starts a Ray of its own."""
+    address, origin = (given, "--ray-address") if given else (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
+    return (None if not address or address.strip() == "local" else address.strip()), origin
+
+
 def parse_ray_address(address: str, origin: str = "--ray-address") -> RayAddress | None:
     """`host:port`, `ray://host[:port]`, `http(s)://host[:port]` or `[IPv6]:port`; None for `auto`
     and `local` (Ray finds or starts the cluster itself). Credentials are refused: Ray's clients do
@@ -121,8 +128,8 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
     # No address: a fresh local Ray ("local"), never whatever /tmp/ray/ray_current_cluster names
     # (a cluster that may be long dead: ray.init would wait on it). A Ray started here runs no
     # dashboard: on a small machine it takes a third of the CPU training needs. A cluster keeps its own.
-    origin = "--ray-address" if address else "RAY_ADDRESS"
-    target = address or os.environ.get("RAY_ADDRESS") or "local"
+    found, origin = cluster_address(address)
+    target = found or "local"
     options = dict(address=target, runtime_env=runtime_env, log_to_driver=False, include_dashboard=False)
     parsed = parse_ray_address(target, origin)
     with sigterm_handler_kept():
@@ -206,9 +213,9 @@ def _problems_on_this_node(entries: list[str], readable: list[str], writable: li
 
 
 def check_shared(path: str, setting: str, ray_address: str | None, runtime_env: dict | None) -> int | None:
-    """On a cluster (`ray_address`), a stage's output must be visible from every node before
-    training starts; returns how many nodes see it (None: no cluster, nothing to check)."""
-    if not ray_address:
+    """On a cluster (--ray-address or RAY_ADDRESS), a stage's output must be visible from every node
+    before training starts; returns how many nodes see it (None: no cluster, nothing to check)."""
+    if cluster_address(ray_address)[0] is None:
         return None
     connect_ray(ray_address, runtime_env)
     return check_visible_on_nodes([Path(path)], setting)

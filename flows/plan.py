@@ -25,7 +25,7 @@ from stages.device import DeviceInfo, detect_device, requested_device
 from stages.environment import RuntimeEnv, resolve_environment
 from stages.model import ModelCheckpoint, ModelSpec
 from stages.train import training_inputs
-from common.ray_cluster import check_reachable, parse_ray_address
+from common.ray_cluster import check_reachable, cluster_address, parse_ray_address
 
 
 class RunPlan(BaseModel):
@@ -91,8 +91,8 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
         DataSpec.from_profile(profile.data)
     if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
         ModelSpec.from_profile(profile.model)
-    if not dry_run and (address := request.ray_address or os.environ.get("RAY_ADDRESS")):
-        origin = "--ray-address" if request.ray_address else "RAY_ADDRESS"
+    address, origin = cluster_address(request.ray_address)
+    if not dry_run and address:
         if parsed := parse_ray_address(address, origin):
             check_reachable(parsed, origin)
 
@@ -128,7 +128,7 @@ def _exists(path: Path) -> bool:
 
 
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
-    device = detect_device(requested_device(request.device), dry_run=dry_run)
+    device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
     profile, backend_reason = profile_for(request, device.kind)
     check_plan(request, profile, device, dry_run)
     env = resolve_environment(profile, ray_address=request.ray_address)

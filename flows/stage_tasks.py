@@ -19,6 +19,7 @@ from backends.base import TrainResult
 from backends.metrics import StepMetrics
 from common.files import write_json_atomic, write_text_atomic
 from common.progress import Bar
+from common.ray_cluster import cluster_address
 from flows.plan import check_plan, check_run_dir, profile_for
 from flows.request import RunRequest
 from flows.run_record import RunRecord, write_run_report
@@ -36,7 +37,7 @@ from stages.train import train
 
 @stage_task("detect_device")
 def detect_device_task(request: RunRequest, planned: DeviceInfo | None = None) -> DeviceInfo:
-    device = planned or detect_device(requested_device(request.device))
+    device = planned or detect_device(requested_device(request.device), cluster=cluster_address(request.ray_address)[0])
     get_run_logger().info("device: %s (%s)", device.kind, device.reason)
     return device
 

@@ -135,8 +135,10 @@ def _tool_version(command: list[str] | None) -> str | None:
     return out.splitlines()[0].strip() if out else None
 
 
-def detect_device(requested: str, dry_run: bool = False, probe: dict | None = None) -> DeviceInfo:
-    """Decide the device kind. A dry run plans for a named kind without requiring it on this host."""
+def detect_device(requested: str, dry_run: bool = False, probe: dict | None = None, cluster: str | None = None) -> DeviceInfo:
+    """Decide the device kind. A dry run plans for a named kind without requiring it on this host; so
+    does a run on a Ray `cluster` (the flow may run on a host without accelerators: the train stage
+    checks the cluster's nodes for them before it submits anything)."""
     if requested not in REQUESTABLE:
         raise DeviceError(f"unsupported device {requested!r}; use one of {', '.join(REQUESTABLE)}")
     if dry_run and requested != "auto":
@@ -174,6 +176,9 @@ def detect_device(requested: str, dry_run: bool = False, probe: dict | None = No
             )
         if requested != "auto":
             found = info.get("detail") or report.get("torch") or "no probe result"
+            if cluster:
+                return DeviceInfo(kind=requested, decided_by="requested", probes=probes,
+                                  reason=f"requested {requested} for the Ray cluster at {cluster} (this host: {found})")
             raise DeviceError(f"--device {requested} requested but not usable here: {found}")
     summary = "; ".join(f"{kind}: {detail}" for kind, detail in probes.items())
     return DeviceInfo(

@@ -36,6 +36,10 @@ def test_probe_tells_toolkit_missing_from_absent(tmp_path):
     with pytest.raises(DeviceError, match="npu requested but not usable here: torch_npu is installed but the Ascend toolkit"):
         detect_device("npu", probe=report)
     assert detect_device("auto", probe=report).kind != "npu"  # falls through to a GPU, or the CPU
+    # A run on a Ray cluster may be planned from a host without NPUs: the cluster's nodes are checked.
+    on_cluster = detect_device("npu", probe=report, cluster="head:6379")
+    assert (on_cluster.kind, on_cluster.count, on_cluster.decided_by) == ("npu", 0, "requested")
+    assert on_cluster.reason.startswith("requested npu for the Ray cluster at head:6379 (this host: torch_npu is installed")
 
 
 def test_probe_reports_other_import_failures(tmp_path):

@@ -21,7 +21,6 @@ are checked whenever a profile is resolved. An attempt of the train stage:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from pathlib import Path
@@ -37,7 +36,9 @@ from backends.verl.follow import JobLog, VerlMetrics, tracker_step
 from backends.verl.job import (
     JOB_DIR, TERMINAL, JobRecord, JobSpec, job_spec, new_token, read_record, write_record,
 )
-from common.ray_cluster import ClusterNotReady, check_paths_on_nodes, connect_ray, parse_ray_address, wait_for_nodes
+from common.ray_cluster import (
+    ClusterNotReady, check_paths_on_nodes, cluster_address, connect_ray, parse_ray_address, wait_for_nodes,
+)
 from profiles.errors import UserError
 from profiles.schema import RunProfile
 from profiles.validation import batch_problems, layout_problems, rollout_problems
@@ -77,9 +78,8 @@ class VerlBackend(Backend):
                   ray_address: str | None) -> None:
         if "train" not in stages or dry_run:
             return
-        address = ray_address or os.environ.get("RAY_ADDRESS")
-        origin = "--ray-address" if ray_address else "RAY_ADDRESS"
-        if not address or address.strip() == "local":
+        address, origin = cluster_address(ray_address)
+        if address is None:
             raise UserError(
                 "backend verl trains as a Ray job on a running cluster: start it (`ray start --head` on the head "
                 "node, `ray start --address=<head>:6379` on the others) and pass --ray-address <head>:6379 "
@@ -244,7 +244,7 @@ def job_client(address: str | None):
         return JobSubmissionClient(address)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ClusterNotReady(
-            f"the Ray cluster at {address or os.environ.get('RAY_ADDRESS')} has no job API answering "
+            f"the Ray cluster at {cluster_address(address)[0]} has no job API answering "
             f"({str(exc).splitlines()[0]}); start the head with its dashboard (ray start --head --include-dashboard=true)"
         ) from None
 

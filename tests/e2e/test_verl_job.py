@@ -108,13 +108,13 @@ def _backend_run(cluster, dataset, tiny_model_dir, tmp_path, name: str, *overrid
 
 
 def _flow(cluster, tmp_path, name: str, *overrides: str):
-    """The whole flow for the tiny model on the cluster, with the plan the command line would make (a
-    dry-run plan: this host has no NPU to detect; the plan names the device)."""
+    """The whole flow for the tiny model on the cluster, with the plan the command line makes (this
+    host has no NPU: a run on a cluster is planned for the device the cluster offers)."""
     request = RunRequest(model="tiny", device="npu", backend="verl", run_root=str(tmp_path), run_name=name,
                          ray_address=cluster.address, stages=["fetch_dataset", "prepare_checkpoint", "train", "report"],
                          overrides=[*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
                                     *overrides])
-    return grpo_pipeline(request, plan_run(request, dry_run=True), return_state=True)
+    return grpo_pipeline(request, plan_run(request, dry_run=False), return_state=True)
 
 
 async def _train_runs_and_logs(flow_run_id):
@@ -249,19 +249,16 @@ def test_a_run_without_checkpoint_overwrites_is_refused(cluster, dataset, tiny_m
 def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, tmp_path):
     """A cancel from the UI or a worker, a killed terminal: the flow process gets SIGTERM, Prefect
     runs the run's hooks, and they stop the Ray job; no entrypoint process is left holding devices.
-    The process runs the flow as the command line does (`run_flow`: its own lease and local API),
-    from a plan that names the device (this host has no NPU to detect)."""
-    request = RunRequest(model="tiny", device="npu", backend="verl", run_root=str(tmp_path), run_name="sigterm",
-                         ray_address=cluster.address, stages=["fetch_dataset", "prepare_checkpoint", "train"],
-                         overrides=[*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
-                                    "env.STAND_IN_STEP_S=2", "trainer.total_training_steps=100"])
-    script = ("import sys; from flows.grpo import run_flow; from flows.plan import plan_run; "
-              "from flows.request import RunRequest; request = RunRequest.model_validate_json(sys.argv[1]); "
-              "sys.exit(run_flow(request, plan_run(request, dry_run=True)))")
+    The command line, as a user runs it against the cluster."""
+    overrides = [*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
+                 "env.STAND_IN_STEP_S=2", "trainer.total_training_steps=100"]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
-    process = subprocess.Popen([sys.executable, "-c", script, request.model_dump_json()], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "npu", "--backend", "verl",
+         "--ray-address", cluster.address, "--run-dir", str(tmp_path), "--run-name", "sigterm",
+         "--stages", "fetch_dataset,prepare_checkpoint,train", *(arg for item in overrides for arg in ("--set", item))],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = tmp_path / "sigterm" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.exists() and metrics.read_text().strip()) and process.poll() is None:
@@ -270,6 +267,7 @@ def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, tmp_path):
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=180)
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert "stopped by SIGTERM" in output
     (job,) = _submissions(jobs, "sigterm")
     assert job.status == "STOPPED", output[-3000:]
     assert read_record(tmp_path / "sigterm").status == "STOPPED"
