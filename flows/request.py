@@ -44,7 +44,7 @@ class RunRequest(BaseModel):
         "auto",
         title="Training backend",
         description="`verl` (Megatron + vLLM on GPUs/NPUs, as a Ray job), `local` (TRL on Ray Train, any "
-        "device), or `auto`: what the model recipe says.",
+        "device), or `auto`: verl for a recipe that trains with Megatron on GPUs/NPUs, local otherwise.",
     )
     overrides: list[str] = Field(
         default_factory=list,
@@ -73,7 +73,7 @@ class RunRequest(BaseModel):
     ray_address: str | None = Field(
         None,
         title="Ray address",
-        description="An existing Ray cluster (as RAY_ADDRESS); empty starts a local Ray.",
+        description="An existing Ray cluster (as RAY_ADDRESS; the verl backend needs one); empty starts a local Ray.",
     )
 
     @field_validator("stages")

@@ -12,7 +12,8 @@ resume rule (`trainer.resume_mode=auto` starts after the tracker's step; at the 
 validates and exits 0 without training).
 
 Test controls, from the job's environment (the profile's `env`):
-  STAND_IN_STEP_S       seconds per step (default 0.05)
+  STAND_IN_STEP_S       seconds per step (default 0.05) ...
+  STAND_IN_STEP_WORK_MB ... or, instead, this many MB hashed per step (CPU-bound steps, for bench/)
   STAND_IN_FAIL_AT_STEP fail when this step starts ...
   STAND_IN_FAIL_TEXT    ... printing this (e.g. an NCCL watchdog line) and exiting 1 ...
   STAND_IN_FAIL_TIMES   ... in this many attempts (default 1; counted in the checkpoint folder)
@@ -23,6 +24,7 @@ Every start writes its pid to <checkpoint folder>/../stand-in.pids.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -80,7 +82,10 @@ def main(overrides: list[str]) -> int:
     while step <= total:
         _maybe_fail(step, checkpoints)
         started = time.monotonic()
-        time.sleep(float(os.environ.get("STAND_IN_STEP_S", "0.05")))
+        if work_mb := int(os.environ.get("STAND_IN_STEP_WORK_MB", "0")):
+            hashlib.sha256(bytes(work_mb << 20)).digest()
+        else:
+            time.sleep(float(os.environ.get("STAND_IN_STEP_S", "0.05")))
         metrics = _step_metrics(step, time.monotonic() - started, config)
         if trainer["save_freq"] > 0 and (step == total or step % trainer["save_freq"] == 0):
             _save(checkpoints, step)

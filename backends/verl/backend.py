@@ -216,11 +216,13 @@ class VerlBackend(Backend):
         if record is None or record.status in TERMINAL:
             return False
         try:
-            stopped = stop_job(job_client(record.address), record.submission_id)
+            client = job_client(record.address)
+            stopped = stop_job(client, record.submission_id)
+            status = _status(client, record.submission_id)
         except Exception as exc:  # the hooks must go on: say why the job could not be stopped
             log.error("could not stop Ray job %s at %s: %s", record.submission_id, record.address, exc)
             return False
-        _save_status(Path(run_dir), record, "STOPPED")
+        _save_status(Path(run_dir), record, status or "STOPPED")  # it may have ended on its own meanwhile
         return stopped
 
     def policy_dir(self, result: TrainResult) -> Path:
