@@ -106,7 +106,7 @@ class VerlBackend(Backend):
         if (record and record.finished) or (done is not None and done >= max_steps):
             final = record.final_step if record and record.finished else done
             progress.note(f"the run was already complete at step {final}: nothing submitted")
-            return _result(run_dir, checkpoints, final, final if final < max_steps else max_steps, None, True)
+            return _result(run_dir, checkpoints, final, min(final, max_steps), None, True)
         if record is None and done is not None and profile.trainer.resume_mode == "disable":
             raise UserError(f"trainer.resume_mode=disable: {checkpoints} already holds this run's checkpoints (step "
                             f"{done}), which verl would write over; choose a new --run-name, or resume_mode=auto")
@@ -130,7 +130,7 @@ class VerlBackend(Backend):
         check_paths_on_nodes(
             entries={},
             readable={"data.root": [*inputs.train_files, *inputs.val_files], "model.root": [inputs.model_path]},
-            writable={"--run-root": [inputs.checkpoint_dir, str(run_dir / JOB_DIR)]},
+            writable={"--run-dir": [inputs.checkpoint_dir, str(run_dir / JOB_DIR)]},
         )
         attempt, token = (record.attempt + 1, record.token) if record else (1, new_token())
         spec = job_spec(profile, inputs, run_dir, run.run_name, run.runtime_env, token, attempt)

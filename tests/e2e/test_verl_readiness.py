@@ -67,11 +67,11 @@ def test_the_wait_covers_a_node_that_joins_late_and_names_what_never_came(head_o
 def test_every_node_must_read_the_inputs_and_write_the_checkpoints(head_only, tmp_path):
     data = tmp_path / "train.parquet"
     data.write_bytes(b"PAR1")
-    assert check_paths_on_nodes({}, {"data.root": [str(data)]}, {"--run-root": [str(tmp_path / "run")]}) == 1
+    assert check_paths_on_nodes({}, {"data.root": [str(data)]}, {"--run-dir": [str(tmp_path / "run")]}) == 1
     with pytest.raises(NotSharedError) as raised:
-        check_paths_on_nodes({}, {"data.root": [str(tmp_path / "absent.parquet")]}, {"--run-root": ["/proc/run"]})
+        check_paths_on_nodes({}, {"data.root": [str(tmp_path / "absent.parquet")]}, {"--run-dir": ["/proc/run"]})
     message = str(raised.value)
-    assert message.startswith("data.root and --run-root are not on storage every Ray node shares: node ")
+    assert message.startswith("data.root and --run-dir are not on storage every Ray node shares: node ")
     assert "absent.parquet: it is not there or not readable" in message and "cannot write to /proc/run" in message
 
 
