@@ -42,6 +42,9 @@ from stages.train import training_inputs
          "less than total desired GPUs 32.", "config", "Total available GPUs 16 is less than total desired GPUs 32"),
         ("Error executing job with overrides: ['a=1']\nTraceback (most recent call last):\nAssertionError: "
          "ppo_mini_batch_size 64 must be divisible by micro batch 3", "config", "AssertionError: ppo_mini_batch_size"),
+        ("Traceback (most recent call last):\nModuleNotFoundError: No module named 'verl'", "config",
+         "No module named 'verl'"),
+        ("/bin/sh: 1: python3: not found", "config", "python3: not found"),
         ("loading weights\nKeyError: 'model.layers.0.mlp.gate'\n", "unknown", "KeyError: 'model.layers.0.mlp.gate'"),
     ],
 )

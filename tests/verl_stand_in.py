@@ -17,6 +17,8 @@ Test controls, from the job's environment (the profile's `env`):
   STAND_IN_FAIL_AT_STEP fail when this step starts ...
   STAND_IN_FAIL_TEXT    ... printing this (e.g. an NCCL watchdog line) and exiting 1 ...
   STAND_IN_FAIL_TIMES   ... in this many attempts (default 1; counted in the checkpoint folder)
+  STAND_IN_DROP_ROWS    training rows its data filter drops (verl counts fewer steps than whole batches
+                        of the file when `data.filter_overlong_prompts` drops prompts)
   STAND_IN_ENV_PROBE    comma-separated variable names: a task pinned to each node records what it
                         sees of them in <checkpoint folder>/../stand-in-env.json
 Every start writes its pid to <checkpoint folder>/../stand-in.pids.
@@ -99,7 +101,7 @@ def _steps_per_epoch(config: dict) -> int:
 
     files = config["data"]["train_files"]
     files = [files] if isinstance(files, str) else files
-    rows = sum(pq.ParquetFile(path).metadata.num_rows for path in files)
+    rows = sum(pq.ParquetFile(path).metadata.num_rows for path in files) - int(os.environ.get("STAND_IN_DROP_ROWS", "0"))
     return rows // config["data"]["train_batch_size"]
 
 

@@ -275,3 +275,26 @@ def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, tmp_path):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert "**The run failed.** Stage `train`" in (tmp_path / "sigterm" / "report.md").read_text()
+
+
+def test_a_run_verl_ends_early_is_complete_and_a_resume_at_its_end_trains_nothing(cluster, jobs, dataset, tiny_model_dir,
+                                                                                   tmp_path):
+    """verl counts its own steps (after filtering overlong prompts: here 1024 - 976 rows, 6 batches of 8,
+    where the file's whole batches make 128). The run it ends is complete; a job resumed at that end
+    (its record lost) validates and exits 0 without training: reported as complete from the tracker
+    file, never as a 0-step success."""
+    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "short", "trainer.total_training_steps=null",
+                                "env.STAND_IN_DROP_ROWS=976")
+    progress = Recorder()
+    result = backend_for("verl").train(profile, run, progress)
+    assert (result.steps_done, result.max_steps, result.already_complete) == (6, 6, False)
+    assert any("verl ended the run at step 6 of the 128 planned" in note for note in progress.notes)
+    assert backend_for("verl").train(profile, run, Recorder()).already_complete
+    assert len(_submissions(jobs, "short")) == 1
+
+    (Path(run.run_dir) / "verl" / "job.json").unlink()
+    progress = Recorder()
+    again = backend_for("verl").train(profile, run, progress)
+    assert (again.steps_done, again.already_complete, progress.steps) == (6, True, [])
+    assert any("already complete at step 6 (verl's tracker file): nothing trained" in note for note in progress.notes)
+    assert [job.status for job in _submissions(jobs, "short")] == ["SUCCEEDED", "SUCCEEDED"]
