@@ -77,6 +77,24 @@ def _submissions(jobs: JobSubmissionClient, run_name: str) -> list:
     return [job for job in jobs.list_jobs() if (job.metadata or {}).get("run_name") == run_name]
 
 
+def _assert_entrypoints_end(run_dir: Path, within_s: float = 30.0) -> None:
+    """Every entrypoint process the run's jobs started is gone: Ray marks a stopped job STOPPED when
+    it has sent SIGTERM, and kills what is left after its stop wait (RAY_JOB_STOP_WAIT_TIME_S, 3 s)."""
+    pids = [int(pid) for pid in (run_dir / "stand-in.pids").read_text().split()]
+    deadline = time.monotonic() + within_s
+    while alive := [pid for pid in pids if _alive(pid)]:
+        assert time.monotonic() < deadline, f"entrypoint processes {alive} outlived their stopped job"
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 class Recorder:
     """A `TrainingProgress` that keeps what it was told."""
 
@@ -207,9 +225,7 @@ def test_a_stop_ends_the_job_and_its_entrypoint(cluster, jobs, dataset, tiny_mod
     record = read_record(Path(run.run_dir))
     assert jobs.get_job_status(record.submission_id) == "STOPPED" and record.status == "STOPPED"
     assert isinstance(outcome["error"], JobStopped)
-    for pid in map(int, (Path(run.run_dir) / "stand-in.pids").read_text().split()):
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    _assert_entrypoints_end(Path(run.run_dir))
     assert backend_for("verl").stop(Path(run.run_dir)) is False  # nothing left to stop
 
 
@@ -271,9 +287,7 @@ def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, tmp_path):
     (job,) = _submissions(jobs, "sigterm")
     assert job.status == "STOPPED", output[-3000:]
     assert read_record(tmp_path / "sigterm").status == "STOPPED"
-    for pid in map(int, (tmp_path / "sigterm" / "stand-in.pids").read_text().split()):
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    _assert_entrypoints_end(tmp_path / "sigterm")
     assert "**The run failed.** Stage `train`" in (tmp_path / "sigterm" / "report.md").read_text()
 
 
