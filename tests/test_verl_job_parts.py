@@ -84,8 +84,10 @@ def test_the_log_tail_passes_each_line_once_across_reconnects(monkeypatch):
         time.sleep(0.01)
     assert tail.connections >= 2
     assert seen == [f"line {n} of the job" for n in range(1, 9)]
-    # After the job ended: its whole log, of which only what the tail missed is new.
-    assert log.finish(text + " line, ended\n") == ["partial line, ended"]
+    # After the job ended: its whole log, of which only what the tail missed is new. A progress bar's
+    # redraws (carriage returns) leave the line as it was last drawn.
+    ended = text + " line, ended\nTraining Progress:  50%|#  | 1/2\rTraining Progress: 100%|##| 2/2\r\n"
+    assert log.finish(ended) == ["partial line, ended", "Training Progress: 100%|##| 2/2"]
 
 
 def _write(path: Path, *records: dict, partial: str = "") -> None:

@@ -62,7 +62,7 @@ class JobLog:
         with self._lock:
             self._take(full_log, 0)
             if self._partial:
-                self._lines.append(self._partial)
+                self._lines.append(_as_shown(self._partial))
                 self._partial = ""
         return self.lines()
 
@@ -76,7 +76,7 @@ class JobLog:
             return
         self.passed += len(new)
         *complete, self._partial = (self._partial + new).split("\n")
-        self._lines.extend(complete)
+        self._lines.extend(map(_as_shown, complete))
 
     def _pump(self) -> None:
         while not self._stop.is_set():
@@ -95,6 +95,11 @@ class JobLog:
             received += len(chunk)
             if self._stop.is_set():
                 return
+
+
+def _as_shown(line: str) -> str:
+    """A progress bar (tqdm) redraws its line with carriage returns: the line as a terminal shows it last."""
+    return line.rstrip("\r").rsplit("\r", 1)[-1]
 
 
 class VerlMetrics:
