@@ -1,0 +1,184 @@
+"""Megatron-core distributed checkpoints (`torch_dist`) written a tensor at a time, without a GPU.
+
+Work in progress for issue 15 (branch wip/issue-15-dist-checkpoint): HF safetensors of a dense
+Llama / Qwen2 / Qwen3 model -> the checkpoint megatron-core's GPTModel (local layer spec, TP=PP=1)
+loads with `dist_checkpointing.load(model.sharded_state_dict(), path, strict=...)`.
+
+The format is torch DCP, as megatron-core's `torch_dist` strategy writes it: one key per sharded
+tensor, decoder layers stacked on a leading axis (one chunk per layer), `linear_fc1` in a gate and an
+up chunk, each linear layer's `_extra_state` as bytes per layer, plus `common.pt` and
+`metadata.json`. megatron-core's own writer preloads every tensor; this one reads, fuses and writes
+one tensor at a time (peak memory: the largest fused tensor), into a staging folder renamed into place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from unittest import mock
+
+import torch
+from safetensors import safe_open
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+DATA_FILE = "__0_0.distcp"
+LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+@contextlib.contextmanager
+def cpu_megatron() -> Iterator[None]:
+    """megatron-core on a host without CUDA: the one place its CUDA assumptions are neutralised.
+    Its checkpoint code calls `torch.cuda.synchronize()` and puts small tensors on
+    `torch.cuda.current_device()`; RoPE moves its frequencies there. On CPU both become no-ops."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with mock.patch("torch.cuda.synchronize", lambda *args, **kwargs: None), \
+            mock.patch("torch.cuda.current_device", lambda: "cpu"):
+        yield
+
+
+class DistCheckpointWriter:
+    """Writes a torch_dist checkpoint chunk by chunk into `<out>.partial-*`, renamed to `out` on close."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.staging = self.out.with_name(f"{self.out.name}.partial-{uuid.uuid4().hex[:8]}")
+        self.staging.mkdir(parents=True)
+        self.stream = open(self.staging / DATA_FILE, "wb")
+        self.tensors: dict[str, TensorStorageMetadata] = {}
+        self.objects: dict[str, BytesStorageMetadata] = {}
+        self.storage: dict[MetadataIndex, _StorageInfo] = {}
+
+    def add_chunk(self, key: str, global_shape: tuple[int, ...], offset: tuple[int, ...], chunk: torch.Tensor) -> None:
+        """One chunk of a global tensor, at `offset` (a copy is written: a view would save its whole storage)."""
+        chunk = chunk.contiguous().clone()
+        meta = self.tensors.setdefault(key, TensorStorageMetadata(
+            properties=TensorProperties(dtype=chunk.dtype), size=torch.Size(global_shape), chunks=[]))
+        if meta.properties.dtype != chunk.dtype or tuple(meta.size) != tuple(global_shape):
+            raise ValueError(f"{key}: chunk dtype/shape disagree with the tensor's")
+        meta.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=chunk.shape))
+        self.storage[MetadataIndex(fqn=key, offset=torch.Size(offset))] = self._write(lambda s: torch.save(chunk, s))
+
+    def add_object(self, key: str, index: int, count: int, value) -> None:
+        """A ShardedObject's part (megatron-core's `<key>/shard_<index>_<count>`, its value in a list, as
+        megatron-core writes it)."""
+        fqn = f"{key}/shard_{index}_{count}"
+        self.objects[fqn] = BytesStorageMetadata()
+        buffer = io.BytesIO()
+        torch.save([value], buffer)
+        self.storage[MetadataIndex(fqn=fqn)] = self._write(lambda s: s.write(buffer.getvalue()))
+
+    def _write(self, write) -> _StorageInfo:
+        offset = self.stream.tell()
+        write(self.stream)
+        return _StorageInfo(relative_path=DATA_FILE, offset=offset, length=self.stream.tell() - offset)
+
+    def close(self) -> Path:
+        self.stream.close()
+        metadata = Metadata(state_dict_metadata={**self.tensors, **self.objects}, planner_data=None,
+                            storage_data=self.storage, storage_meta=StorageMeta(checkpoint_id=str(self.out)))
+        with open(self.staging / ".metadata", "wb") as handle:
+            pickle.dump(metadata, handle)
+        torch.save({}, self.staging / "common.pt")
+        (self.staging / "metadata.json").write_text(json.dumps(
+            {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+             "common_backend_version": 1}))
+        os.replace(self.staging, self.out)
+        return self.out
+
+    def abort(self) -> None:
+        self.stream.close()
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class HFTensors:
+    """The tensors of an HF safetensors directory, opened lazily (one file handle per shard)."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            self.where = json.loads(index.read_text())["weight_map"]
+        else:
+            with safe_open(self.dir / "model.safetensors", "pt") as handle:
+                self.where = dict.fromkeys(handle.keys(), "model.safetensors")
+        self._open: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.where[name]
+        if file not in self._open:
+            self._open[file] = safe_open(self.dir / file, "pt")
+        return self._open[file].get_tensor(name)
+
+
+def hf_to_dist(model_dir: Path, out: Path) -> Path:
+    """A dense Llama / Qwen2 / Qwen3 HF directory as a megatron-core torch_dist checkpoint."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hf = HFTensors(model_dir)
+    layers, hidden = config["num_hidden_layers"], config["hidden_size"]
+    heads, groups = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    head_dim = config.get("head_dim") or hidden // heads
+    ffn = config["intermediate_size"]
+    writer = DistCheckpointWriter(out)
+    try:
+        whole = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                 "decoder.final_layernorm.weight": "model.norm.weight"}
+        if not config.get("tie_word_embeddings", False):
+            whole["output_layer.weight"] = "lm_head.weight"
+        for key, name in whole.items():
+            tensor = hf.get(name)
+            writer.add_chunk(key, tuple(tensor.shape), (0,) * tensor.dim(), tensor)
+        for i in range(layers):
+            p = f"model.layers.{i}."
+
+            def stacked(key: str, tensor: torch.Tensor, at: int = 0, full: tuple[int, ...] | None = None) -> None:
+                shape = full or tuple(tensor.shape)
+                writer.add_chunk(f"decoder.layers.{key}", (layers, *shape), (i, at, *([0] * (len(shape) - 1))),
+                                 tensor.unsqueeze(0))
+
+            stacked("self_attention.linear_qkv.layer_norm_weight", hf.get(p + "input_layernorm.weight"))
+            stacked("self_attention.linear_qkv.weight", _fused_qkv(hf, p, "weight", heads, groups, head_dim))
+            if p + "self_attn.q_proj.bias" in hf:
+                stacked("self_attention.linear_qkv.bias", _fused_qkv(hf, p, "bias", heads, groups, head_dim))
+            stacked("self_attention.linear_proj.weight", hf.get(p + "self_attn.o_proj.weight"))
+            if p + "self_attn.q_norm.weight" in hf:
+                stacked("self_attention.q_layernorm.weight", hf.get(p + "self_attn.q_norm.weight"))
+                stacked("self_attention.k_layernorm.weight", hf.get(p + "self_attn.k_norm.weight"))
+            stacked("mlp.linear_fc1.layer_norm_weight", hf.get(p + "post_attention_layernorm.weight"))
+            stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.gate_proj.weight"), 0, (2 * ffn, hidden))
+            stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.up_proj.weight"), ffn, (2 * ffn, hidden))
+            stacked("mlp.linear_fc2.weight", hf.get(p + "mlp.down_proj.weight"))
+            for linear in LINEARS:
+                writer.add_object(f"decoder.layers.{linear}._extra_state", i, layers, None)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.close()
+
+
+def _fused_qkv(hf: HFTensors, prefix: str, kind: str, heads: int, groups: int, head_dim: int) -> torch.Tensor:
+    """Megatron's fused QKV: per query group, its queries, then its key, then its value."""
+    q, k, v = (hf.get(f"{prefix}self_attn.{name}_proj.{kind}") for name in ("q", "k", "v"))
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(groups, heads // groups * head_dim, *rest), k.reshape(groups, head_dim, *rest),
+                      v.reshape(groups, head_dim, *rest)], dim=1).reshape(-1, *rest)

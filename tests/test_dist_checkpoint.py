@@ -1,0 +1,68 @@
+"""Work in progress (issue 15): an HF model written as a megatron-core torch_dist checkpoint, a tensor
+at a time, loads into megatron-core's GPTModel (local layer spec, TP=PP=1) with strict key checking,
+and gives the HF model's logits."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+megatron = pytest.importorskip("megatron.core", reason="megatron-core is installed by `make setup` on this branch")
+
+from common.dist_checkpoint import cpu_megatron, hf_to_dist  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """One process group of one rank (gloo), TP=PP=1, and megatron-core's RNG tracker in its
+    inference form (its training form needs CUDA RNG states)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    initialize_rng_tracker(inference_rng_tracker=True)
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+def gpt_model(config):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    qk_norm = config.model_type == "qwen3"
+    transformer = TransformerConfig(
+        num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads, ffn_hidden_size=config.intermediate_size, kv_channels=config.head_dim,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        qk_layernorm=qk_norm, use_cpu_initialization=True, layernorm_epsilon=config.rms_norm_eps,
+        attention_dropout=0.0, hidden_dropout=0.0)
+    return GPTModel(config=transformer, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"),
+                    vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
+                    position_embedding_type="rope", rotary_base=config.rope_parameters["rope_theta"],
+                    share_embeddings_and_output_weights=config.tie_word_embeddings)
+
+
+def test_a_converted_qwen3_loads_strictly_and_gives_the_hf_logits(megatron_cpu, tiny_model_dir, tmp_path):
+    from megatron.core import dist_checkpointing
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    out = hf_to_dist(tiny_model_dir, tmp_path / "dist")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dist"]  # the staging folder was renamed into place
+    model = gpt_model(hf.config).eval()
+    with cpu_megatron():
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(out), strict="raise_all")
+    model.load_state_dict(state, strict=True)
+    tokens = torch.randint(0, hf.config.vocab_size, (2, 12))
+    mask = torch.triu(torch.ones(12, 12, dtype=torch.bool), diagonal=1)[None, None]  # the default is built on CUDA
+    with torch.no_grad(), cpu_megatron():
+        logits = model(tokens, torch.arange(12)[None].expand(2, -1), mask)
+        assert torch.allclose(logits, hf(tokens).logits, atol=1e-5, rtol=0)
