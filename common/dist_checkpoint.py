@@ -182,3 +182,101 @@ def _fused_qkv(hf: HFTensors, prefix: str, kind: str, heads: int, groups: int, h
     rest = q.shape[1:]
     return torch.cat([q.reshape(groups, heads // groups * head_dim, *rest), k.reshape(groups, head_dim, *rest),
                       v.reshape(groups, head_dim, *rest)], dim=1).reshape(-1, *rest)
+
+
+class DistCheckpointReader:
+    """The chunks of a torch_dist checkpoint, read one at a time from their files."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        with open(self.path / ".metadata", "rb") as handle:
+            self.metadata: Metadata = pickle.load(handle)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The whole global tensor of `key`, assembled from its chunks."""
+        meta = self.metadata.state_dict_metadata[key]
+        whole = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for chunk in meta.chunks:
+            info = self.metadata.storage_data[MetadataIndex(fqn=key, offset=chunk.offsets)]
+            with open(self.path / info.relative_path, "rb") as handle:
+                handle.seek(info.offset)
+                data = torch.load(io.BytesIO(handle.read(info.length)), weights_only=True)
+            whole[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = data
+        return whole
+
+    def layer(self, key: str, index: int) -> torch.Tensor:
+        """Layer `index` of a stacked `decoder.layers.*` tensor (only its chunks are read)."""
+        meta = self.metadata.state_dict_metadata[key]
+        part = torch.empty(tuple(meta.size)[1:], dtype=meta.properties.dtype)
+        for chunk in meta.chunks:
+            if chunk.offsets[0] != index:
+                continue
+            info = self.metadata.storage_data[MetadataIndex(fqn=key, offset=chunk.offsets)]
+            with open(self.path / info.relative_path, "rb") as handle:
+                handle.seek(info.offset)
+                data = torch.load(io.BytesIO(handle.read(info.length)), weights_only=True)[0]
+            part[tuple(slice(o, o + s) for o, s in zip(chunk.offsets[1:], chunk.sizes[1:]))] = data
+        return part
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.metadata.state_dict_metadata
+
+
+def dist_to_hf(dist_dir: Path, config_dir: Path, out: Path) -> Path:
+    """The inverse of `hf_to_dist`: HF safetensors named as in `config_dir`'s model (its config and
+    tokenizer files are copied), written layer by layer, into a staging folder renamed into place."""
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(config_dir) / "config.json").read_text())
+    heads, groups = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    hidden = config["hidden_size"]
+    head_dim = config.get("head_dim") or hidden // heads
+    ffn = config["intermediate_size"]
+    reader = DistCheckpointReader(dist_dir)
+    staging = Path(out).with_name(f"{Path(out).name}.partial-{uuid.uuid4().hex[:8]}")
+    staging.mkdir(parents=True)
+    try:
+        files: dict[str, str] = {}
+
+        def shard(name: str, tensors: dict[str, torch.Tensor]) -> None:
+            save_file({k: v.contiguous() for k, v in tensors.items()}, staging / name, metadata={"format": "pt"})
+            files.update(dict.fromkeys(tensors, name))
+
+        top = {"model.embed_tokens.weight": reader.tensor("embedding.word_embeddings.weight"),
+               "model.norm.weight": reader.tensor("decoder.final_layernorm.weight")}
+        if "output_layer.weight" in reader:
+            top["lm_head.weight"] = reader.tensor("output_layer.weight")
+        shard("model-embeddings.safetensors", top)
+        for i in range(config["num_hidden_layers"]):
+            p, layer = f"model.layers.{i}.", {}
+
+            def get(key: str) -> torch.Tensor:
+                return reader.layer(f"decoder.layers.{key}", i)
+
+            layer[p + "input_layernorm.weight"] = get("self_attention.linear_qkv.layer_norm_weight")
+            for kind in ("weight", "bias"):
+                if f"decoder.layers.self_attention.linear_qkv.{kind}" in reader:
+                    fused = get(f"self_attention.linear_qkv.{kind}")
+                    rest = fused.shape[1:]
+                    per_group = fused.reshape(groups, (heads // groups + 2) * head_dim, *rest)
+                    q, k, v = per_group.split([heads // groups * head_dim, head_dim, head_dim], dim=1)
+                    for name, part in (("q", q), ("k", k), ("v", v)):
+                        layer[f"{p}self_attn.{name}_proj.{kind}"] = part.reshape(-1, *rest)
+            layer[p + "self_attn.o_proj.weight"] = get("self_attention.linear_proj.weight")
+            if "decoder.layers.self_attention.q_layernorm.weight" in reader:
+                layer[p + "self_attn.q_norm.weight"] = get("self_attention.q_layernorm.weight")
+                layer[p + "self_attn.k_norm.weight"] = get("self_attention.k_layernorm.weight")
+            layer[p + "post_attention_layernorm.weight"] = get("mlp.linear_fc1.layer_norm_weight")
+            gate, up = get("mlp.linear_fc1.weight").split([ffn, ffn], dim=0)
+            layer[p + "mlp.gate_proj.weight"], layer[p + "mlp.up_proj.weight"] = gate, up
+            layer[p + "mlp.down_proj.weight"] = get("mlp.linear_fc2.weight")
+            shard(f"model-layer-{i:05d}.safetensors", layer)
+        (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}, indent=1))
+        for item in Path(config_dir).iterdir():
+            if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
+                shutil.copy2(item, staging / item.name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    os.replace(staging, out)
+    return Path(out)

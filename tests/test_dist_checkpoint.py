@@ -66,3 +66,31 @@ def test_a_converted_qwen3_loads_strictly_and_gives_the_hf_logits(megatron_cpu, 
     with torch.no_grad(), cpu_megatron():
         logits = model(tokens, torch.arange(12)[None].expand(2, -1), mask)
         assert torch.allclose(logits, hf(tokens).logits, atol=1e-5, rtol=0)
+
+
+def _tiny(tmp_path, kind: str):
+    """A tiny random model of an architecture family, saved as HF safetensors."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
+    config = {"qwen2": Qwen2Config(**common, tie_word_embeddings=False),
+              "llama": LlamaConfig(**common, tie_word_embeddings=False)}[kind]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / kind)
+    return tmp_path / kind
+
+
+@pytest.mark.parametrize("kind", ["tiny-qwen3", "qwen2", "llama"])
+def test_hf_to_dist_to_hf_is_bit_exact(tiny_model_dir, tmp_path, kind):
+
+    from common.dist_checkpoint import HFTensors, dist_to_hf
+
+    source = tiny_model_dir if kind == "tiny-qwen3" else _tiny(tmp_path, kind)
+    back = dist_to_hf(hf_to_dist(source, tmp_path / "dist"), source, tmp_path / "back")
+    original, again = HFTensors(source), HFTensors(back)
+    assert set(original.where) == set(again.where)
+    for name in original.where:
+        assert torch.equal(original.get(name), again.get(name)), name
+    assert (back / "config.json").read_text() == (source / "config.json").read_text()
