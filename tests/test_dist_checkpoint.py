@@ -38,11 +38,12 @@ def gpt_model(config):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     qk_norm = config.model_type == "qwen3"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     transformer = TransformerConfig(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads, ffn_hidden_size=config.intermediate_size, kv_channels=config.head_dim,
+        num_query_groups=config.num_key_value_heads, ffn_hidden_size=config.intermediate_size, kv_channels=head_dim,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        qk_layernorm=qk_norm, use_cpu_initialization=True, layernorm_epsilon=config.rms_norm_eps,
+        add_qkv_bias=config.model_type == "qwen2", qk_layernorm=qk_norm, use_cpu_initialization=True, layernorm_epsilon=config.rms_norm_eps,
         attention_dropout=0.0, hidden_dropout=0.0)
     return GPTModel(config=transformer, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"),
                     vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
@@ -50,13 +51,15 @@ def gpt_model(config):
                     share_embeddings_and_output_weights=config.tie_word_embeddings)
 
 
-def test_a_converted_qwen3_loads_strictly_and_gives_the_hf_logits(megatron_cpu, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["tiny-qwen3", "qwen2", "llama"])
+def test_a_converted_model_loads_strictly_and_gives_the_hf_logits(megatron_cpu, tiny_model_dir, tmp_path, kind):
     from megatron.core import dist_checkpointing
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    out = hf_to_dist(tiny_model_dir, tmp_path / "dist")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dist"]  # the staging folder was renamed into place
+    source = tiny_model_dir if kind == "tiny-qwen3" else _tiny(tmp_path / "hf", kind)
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    out = hf_to_dist(source, tmp_path / "dist")
+    assert not list(tmp_path.glob("dist.partial-*"))  # the staging folder was renamed into place
     model = gpt_model(hf.config).eval()
     with cpu_megatron():
         state = dist_checkpointing.load(model.sharded_state_dict(), str(out), strict="raise_all")
@@ -78,6 +81,11 @@ def _tiny(tmp_path, kind: str):
               "llama": LlamaConfig(**common, tie_word_embeddings=False)}[kind]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    if kind == "qwen2":  # random QKV biases: zeros would hide a mis-ordered bias
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_()
     model.save_pretrained(tmp_path / kind)
     return tmp_path / kind
 
