@@ -1,8 +1,9 @@
 """Megatron-core distributed checkpoints (`torch_dist`) written a tensor at a time, without a GPU.
 
-Work in progress for issue 15 (branch wip/issue-15-dist-checkpoint): HF safetensors of a dense
-Llama / Qwen2 / Qwen3 model -> the checkpoint megatron-core's GPTModel (local layer spec, TP=PP=1)
-loads with `dist_checkpointing.load(model.sharded_state_dict(), path, strict=...)`.
+Work in progress for issue 15 (branch wip/issue-15-dist-checkpoint): HF safetensors of a Llama /
+Qwen2 / Qwen3 / Qwen3-MoE model (experts in megatron-core's per-expert layout) -> the checkpoint
+megatron-core's GPTModel (local layer spec, TP=PP=1) loads with
+`dist_checkpointing.load(model.sharded_state_dict(), path, strict=...)`, and back.
 
 The format is torch DCP, as megatron-core's `torch_dist` strategy writes it: one key per sharded
 tensor, decoder layers stacked on a leading axis (one chunk per layer), `linear_fc1` in a gate and an
@@ -19,6 +20,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,12 +47,18 @@ LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linea
 def cpu_megatron() -> Iterator[None]:
     """megatron-core on a host without CUDA: the one place its CUDA assumptions are neutralised.
     Its checkpoint code calls `torch.cuda.synchronize()` and puts small tensors on
-    `torch.cuda.current_device()`; RoPE moves its frequencies there. On CPU both become no-ops."""
+    `torch.cuda.current_device()`; RoPE moves its frequencies there. On CPU both become no-ops.
+    Without TransformerEngine, megatron-core 0.16's MoE router reads a `te_general_gemm` its import
+    guard never defined: it is defined as absent, so the router uses torch's matmul."""
     if torch.cuda.is_available():
         yield
         return
-    with mock.patch("torch.cuda.synchronize", lambda *args, **kwargs: None), \
-            mock.patch("torch.cuda.current_device", lambda: "cpu"):
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch("torch.cuda.synchronize", lambda *args, **kwargs: None))
+        patches.enter_context(mock.patch("torch.cuda.current_device", lambda: "cpu"))
+        moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+        if moe_utils is not None and not hasattr(moe_utils, "te_general_gemm"):
+            patches.enter_context(mock.patch.object(moe_utils, "te_general_gemm", None, create=True))
         yield
 
 
@@ -76,10 +84,10 @@ class DistCheckpointWriter:
         meta.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset), sizes=chunk.shape))
         self.storage[MetadataIndex(fqn=key, offset=torch.Size(offset))] = self._write(lambda s: torch.save(chunk, s))
 
-    def add_object(self, key: str, index: int, count: int, value) -> None:
-        """A ShardedObject's part (megatron-core's `<key>/shard_<index>_<count>`, its value in a list, as
-        megatron-core writes it)."""
-        fqn = f"{key}/shard_{index}_{count}"
+    def add_object(self, key: str, index: tuple[int, ...], count: tuple[int, ...], value) -> None:
+        """A ShardedObject's part (megatron-core's `<key>/shard_<offset>_<shape>`, dot-joined, its value
+        in a list, as megatron-core writes it)."""
+        fqn = f"{key}/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, count))}"
         self.objects[fqn] = BytesStorageMetadata()
         buffer = io.BytesIO()
         torch.save([value], buffer)
@@ -164,12 +172,33 @@ def hf_to_dist(model_dir: Path, out: Path) -> Path:
             if p + "self_attn.q_norm.weight" in hf:
                 stacked("self_attention.q_layernorm.weight", hf.get(p + "self_attn.q_norm.weight"))
                 stacked("self_attention.k_layernorm.weight", hf.get(p + "self_attn.k_norm.weight"))
+            for linear in LINEARS[:2]:
+                writer.add_object(f"decoder.layers.{linear}._extra_state", (i,), (layers,), None)
+            # megatron-core's key for the pre-MLP norm, MoE layers included (the TE-style key map).
             stacked("mlp.linear_fc1.layer_norm_weight", hf.get(p + "post_attention_layernorm.weight"))
-            stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.gate_proj.weight"), 0, (2 * ffn, hidden))
-            stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.up_proj.weight"), ffn, (2 * ffn, hidden))
-            stacked("mlp.linear_fc2.weight", hf.get(p + "mlp.down_proj.weight"))
-            for linear in LINEARS:
-                writer.add_object(f"decoder.layers.{linear}._extra_state", i, layers, None)
+            if p + "mlp.gate.weight" not in hf:
+                stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.gate_proj.weight"), 0, (2 * ffn, hidden))
+                stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.up_proj.weight"), ffn, (2 * ffn, hidden))
+                stacked("mlp.linear_fc2.weight", hf.get(p + "mlp.down_proj.weight"))
+                for linear in LINEARS[2:]:
+                    writer.add_object(f"decoder.layers.{linear}._extra_state", (i,), (layers,), None)
+                continue
+            # A MoE layer, experts in megatron-core's per-expert layout (SequentialMLP): stacked on
+            # [layer, expert], each expert's linear_fc1 in a gate and an up chunk.
+            stacked("mlp.router.weight", hf.get(p + "mlp.gate.weight"))
+            experts = config.get("num_experts") or config["num_local_experts"]  # transformers 5 writes the latter
+            expert_ffn = config["moe_intermediate_size"]
+            fc1 = "decoder.layers.mlp.experts.experts.linear_fc1"
+            fc2 = "decoder.layers.mlp.experts.experts.linear_fc2"
+            for e in range(experts):
+                q = f"{p}mlp.experts.{e}."
+                for at, name in ((0, "gate_proj"), (expert_ffn, "up_proj")):
+                    writer.add_chunk(f"{fc1}.weight", (layers, experts, 2 * expert_ffn, hidden), (i, e, at, 0),
+                                     hf.get(q + f"{name}.weight")[None, None])
+                writer.add_chunk(f"{fc2}.weight", (layers, experts, hidden, expert_ffn), (i, e, 0, 0),
+                                 hf.get(q + "down_proj.weight")[None, None])
+                for linear in (fc1, fc2):
+                    writer.add_object(f"{linear}._extra_state", (i, e), (layers, experts), None)
     except BaseException:
         writer.abort()
         raise
@@ -267,9 +296,18 @@ def dist_to_hf(dist_dir: Path, config_dir: Path, out: Path) -> Path:
                 layer[p + "self_attn.q_norm.weight"] = get("self_attention.q_layernorm.weight")
                 layer[p + "self_attn.k_norm.weight"] = get("self_attention.k_layernorm.weight")
             layer[p + "post_attention_layernorm.weight"] = get("mlp.linear_fc1.layer_norm_weight")
-            gate, up = get("mlp.linear_fc1.weight").split([ffn, ffn], dim=0)
-            layer[p + "mlp.gate_proj.weight"], layer[p + "mlp.up_proj.weight"] = gate, up
-            layer[p + "mlp.down_proj.weight"] = get("mlp.linear_fc2.weight")
+            if "decoder.layers.mlp.router.weight" in reader:  # a MoE layer, per-expert names as HF saves them
+                layer[p + "mlp.gate.weight"] = get("mlp.router.weight")
+                fc1, fc2 = get("mlp.experts.experts.linear_fc1.weight"), get("mlp.experts.experts.linear_fc2.weight")
+                for e in range(fc1.shape[0]):
+                    gate, up = fc1[e].chunk(2, dim=0)
+                    layer[f"{p}mlp.experts.{e}.gate_proj.weight"] = gate.clone()
+                    layer[f"{p}mlp.experts.{e}.up_proj.weight"] = up.clone()
+                    layer[f"{p}mlp.experts.{e}.down_proj.weight"] = fc2[e].clone()
+            else:
+                gate, up = get("mlp.linear_fc1.weight").split([ffn, ffn], dim=0)
+                layer[p + "mlp.gate_proj.weight"], layer[p + "mlp.up_proj.weight"] = gate, up
+                layer[p + "mlp.down_proj.weight"] = get("mlp.linear_fc2.weight")
             shard(f"model-layer-{i:05d}.safetensors", layer)
         (staging / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": files}, indent=1))
         for item in Path(config_dir).iterdir():

@@ -37,21 +37,25 @@ def gpt_model(config):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    qk_norm = config.model_type == "qwen3"
+    qk_norm = config.model_type in ("qwen3", "qwen3_moe")
+    moe = dict(num_moe_experts=getattr(config, "num_experts", None) or config.num_local_experts, moe_router_topk=config.num_experts_per_tok,
+               moe_ffn_hidden_size=config.moe_intermediate_size, moe_token_dispatcher_type="allgather",
+               moe_router_load_balancing_type="none", moe_router_pre_softmax=False) if config.model_type == "qwen3_moe" else {}
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     transformer = TransformerConfig(
         num_layers=config.num_hidden_layers, hidden_size=config.hidden_size, num_attention_heads=config.num_attention_heads,
         num_query_groups=config.num_key_value_heads, ffn_hidden_size=config.intermediate_size, kv_channels=head_dim,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=config.model_type == "qwen2", qk_layernorm=qk_norm, use_cpu_initialization=True, layernorm_epsilon=config.rms_norm_eps,
-        attention_dropout=0.0, hidden_dropout=0.0)
-    return GPTModel(config=transformer, transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm"),
+        attention_dropout=0.0, hidden_dropout=0.0, **moe)
+    spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), qk_layernorm=qk_norm, normalization="RMSNorm")
+    return GPTModel(config=transformer, transformer_layer_spec=spec,
                     vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
                     position_embedding_type="rope", rotary_base=config.rope_parameters["rope_theta"],
                     share_embeddings_and_output_weights=config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("kind", ["tiny-qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["tiny-qwen3", "qwen2", "llama", "qwen3-moe"])
 def test_a_converted_model_loads_strictly_and_gives_the_hf_logits(megatron_cpu, tiny_model_dir, tmp_path, kind):
     from megatron.core import dist_checkpointing
     from transformers import AutoModelForCausalLM
@@ -73,12 +77,14 @@ def test_a_converted_model_loads_strictly_and_gives_the_hf_logits(megatron_cpu, 
 
 def _tiny(tmp_path, kind: str):
     """A tiny random model of an architecture family, saved as HF safetensors."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
-                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
-    config = {"qwen2": Qwen2Config(**common, tie_word_embeddings=False),
-              "llama": LlamaConfig(**common, tie_word_embeddings=False)}[kind]
+                  num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, tie_word_embeddings=False)
+    config = {"qwen2": Qwen2Config(**common), "llama": LlamaConfig(**common),
+              "qwen3-moe": Qwen3MoeConfig(**common, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+                                          norm_topk_prob=True)}[kind]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
     if kind == "qwen2":  # random QKV biases: zeros would hide a mis-ordered bias
@@ -90,7 +96,7 @@ def _tiny(tmp_path, kind: str):
     return tmp_path / kind
 
 
-@pytest.mark.parametrize("kind", ["tiny-qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["tiny-qwen3", "qwen2", "llama", "qwen3-moe"])
 def test_hf_to_dist_to_hf_is_bit_exact(tiny_model_dir, tmp_path, kind):
 
     from common.dist_checkpoint import HFTensors, dist_to_hf
