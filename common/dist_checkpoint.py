@@ -39,7 +39,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
+from profiles.errors import UserError
+
 DATA_FILE = "__0_0.distcp"
+SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
@@ -132,29 +135,43 @@ class HFTensors:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str) -> torch.Tensor:
-        file = self.where[name]
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The tensor `name`, checked against the `shape` the config implies."""
+        file = self.where.get(name)
+        if file is None:
+            raise UserError(f"{self.dir}: tensor {name} is not in the checkpoint; it does not match its config.json")
         if file not in self._open:
+            if not (self.dir / file).is_file():
+                raise UserError(f"{self.dir}: tensor {name} is listed in model.safetensors.index.json in {file}, "
+                                "which is missing; fetch the model again")
             self._open[file] = safe_open(self.dir / file, "pt")
-        return self._open[file].get_tensor(name)
+        tensor = self._open[file].get_tensor(name)
+        if shape is not None and tuple(tensor.shape) != tuple(shape):
+            raise UserError(f"{self.dir}: tensor {name} has shape {list(tensor.shape)}, but its config.json makes it "
+                            f"{list(shape)}")
+        return tensor
 
 
 def hf_to_dist(model_dir: Path, out: Path) -> Path:
     """A dense Llama / Qwen2 / Qwen3 HF directory as a megatron-core torch_dist checkpoint."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
+    architecture = (config.get("architectures") or ["(none)"])[0]
+    if architecture not in SUPPORTED:
+        raise UserError(f"{model_dir}: architecture {architecture} has no Megatron conversion (supported: "
+                        f"{', '.join(SUPPORTED)}); let the engine load the HF weights (use_dist_checkpointing=false)")
     hf = HFTensors(model_dir)
     layers, hidden = config["num_hidden_layers"], config["hidden_size"]
     heads, groups = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     head_dim = config.get("head_dim") or hidden // heads
-    ffn = config["intermediate_size"]
+    ffn, vocab = config["intermediate_size"], config["vocab_size"]
     writer = DistCheckpointWriter(out)
     try:
-        whole = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-                 "decoder.final_layernorm.weight": "model.norm.weight"}
+        whole = {"embedding.word_embeddings.weight": ("model.embed_tokens.weight", (vocab, hidden)),
+                 "decoder.final_layernorm.weight": ("model.norm.weight", (hidden,))}
         if not config.get("tie_word_embeddings", False):
-            whole["output_layer.weight"] = "lm_head.weight"
-        for key, name in whole.items():
-            tensor = hf.get(name)
+            whole["output_layer.weight"] = ("lm_head.weight", (vocab, hidden))
+        for key, (name, shape) in whole.items():
+            tensor = hf.get(name, shape)
             writer.add_chunk(key, tuple(tensor.shape), (0,) * tensor.dim(), tensor)
         for i in range(layers):
             p = f"model.layers.{i}."
@@ -164,11 +181,11 @@ def hf_to_dist(model_dir: Path, out: Path) -> Path:
                 writer.add_chunk(f"decoder.layers.{key}", (layers, *shape), (i, at, *([0] * (len(shape) - 1))),
                                  tensor.unsqueeze(0))
 
-            stacked("self_attention.linear_qkv.layer_norm_weight", hf.get(p + "input_layernorm.weight"))
+            stacked("self_attention.linear_qkv.layer_norm_weight", hf.get(p + "input_layernorm.weight", (hidden,)))
             stacked("self_attention.linear_qkv.weight", _fused_qkv(hf, p, "weight", heads, groups, head_dim))
             if p + "self_attn.q_proj.bias" in hf:
                 stacked("self_attention.linear_qkv.bias", _fused_qkv(hf, p, "bias", heads, groups, head_dim))
-            stacked("self_attention.linear_proj.weight", hf.get(p + "self_attn.o_proj.weight"))
+            stacked("self_attention.linear_proj.weight", hf.get(p + "self_attn.o_proj.weight", (hidden, heads * head_dim)))
             if p + "self_attn.q_norm.weight" in hf:
                 stacked("self_attention.q_layernorm.weight", hf.get(p + "self_attn.q_norm.weight"))
                 stacked("self_attention.k_layernorm.weight", hf.get(p + "self_attn.k_norm.weight"))
@@ -177,9 +194,9 @@ def hf_to_dist(model_dir: Path, out: Path) -> Path:
             # megatron-core's key for the pre-MLP norm, MoE layers included (the TE-style key map).
             stacked("mlp.linear_fc1.layer_norm_weight", hf.get(p + "post_attention_layernorm.weight"))
             if p + "mlp.gate.weight" not in hf:
-                stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.gate_proj.weight"), 0, (2 * ffn, hidden))
-                stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.up_proj.weight"), ffn, (2 * ffn, hidden))
-                stacked("mlp.linear_fc2.weight", hf.get(p + "mlp.down_proj.weight"))
+                stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.gate_proj.weight", (ffn, hidden)), 0, (2 * ffn, hidden))
+                stacked("mlp.linear_fc1.weight", hf.get(p + "mlp.up_proj.weight", (ffn, hidden)), ffn, (2 * ffn, hidden))
+                stacked("mlp.linear_fc2.weight", hf.get(p + "mlp.down_proj.weight", (hidden, ffn)))
                 for linear in LINEARS[2:]:
                     writer.add_object(f"decoder.layers.{linear}._extra_state", (i,), (layers,), None)
                 continue
@@ -207,7 +224,9 @@ def hf_to_dist(model_dir: Path, out: Path) -> Path:
 
 def _fused_qkv(hf: HFTensors, prefix: str, kind: str, heads: int, groups: int, head_dim: int) -> torch.Tensor:
     """Megatron's fused QKV: per query group, its queries, then its key, then its value."""
-    q, k, v = (hf.get(f"{prefix}self_attn.{name}_proj.{kind}") for name in ("q", "k", "v"))
+    hidden = [hf.get(f"{prefix}self_attn.q_proj.weight").shape[1]] if kind == "weight" else []
+    q = hf.get(f"{prefix}self_attn.q_proj.{kind}", (heads * head_dim, *hidden))
+    k, v = (hf.get(f"{prefix}self_attn.{name}_proj.{kind}", (groups * head_dim, *hidden)) for name in ("k", "v"))
     rest = q.shape[1:]
     return torch.cat([q.reshape(groups, heads // groups * head_dim, *rest), k.reshape(groups, head_dim, *rest),
                       v.reshape(groups, head_dim, *rest)], dim=1).reshape(-1, *rest)

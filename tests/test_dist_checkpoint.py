@@ -108,3 +108,38 @@ def test_hf_to_dist_to_hf_is_bit_exact(tiny_model_dir, tmp_path, kind):
     for name in original.where:
         assert torch.equal(original.get(name), again.get(name)), name
     assert (back / "config.json").read_text() == (source / "config.json").read_text()
+
+
+def _copy(source, to):
+    import shutil
+
+    shutil.copytree(source, to)
+    return to
+
+
+def test_bad_input_is_one_line_naming_the_tensor_or_architecture_and_leaves_nothing(tmp_path):
+    import json
+
+    from common.dist_checkpoint import hf_to_dist
+    from profiles.errors import UserError
+
+    source = _tiny(tmp_path / "hf", "llama")
+    cases = {}
+    odd = _copy(source, tmp_path / "odd")
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "architectures": ["MambaForCausalLM"]}))
+    cases[odd] = "architecture MambaForCausalLM has no Megatron conversion"
+    wide = _copy(source, tmp_path / "wide")
+    (wide / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    cases[wide] = "tensor model.layers.0.mlp.gate_proj.weight has shape [96, 64], but its config.json makes it [128, 64]"
+    lost = _copy(source, tmp_path / "lost")
+    (lost / "model.safetensors").rename(lost / "model-00001-of-00001.safetensors")
+    index = {"weight_map": {name: "model-00002-of-00002.safetensors" for name in ("model.embed_tokens.weight",)}}
+    (lost / "model.safetensors.index.json").write_text(json.dumps(index))
+    cases[lost] = ("tensor model.embed_tokens.weight is listed in model.safetensors.index.json in "
+                   "model-00002-of-00002.safetensors, which is missing")
+    for model, fragment in cases.items():
+        with pytest.raises(UserError) as raised:
+            hf_to_dist(model, tmp_path / f"{model.name}-dist")
+        assert fragment in str(raised.value) and "\n" not in str(raised.value)
+        assert not list(tmp_path.glob(f"{model.name}-dist*")), "no partial output is left"
