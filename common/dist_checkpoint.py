@@ -1,6 +1,6 @@
 """Megatron-core distributed checkpoints (`torch_dist`) written a tensor at a time, without a GPU.
 
-Work in progress for issue 15 (branch wip/issue-15-dist-checkpoint): HF safetensors of a Llama /
+Issue 15, in progress (the flow does not use it yet): HF safetensors of a Llama /
 Qwen2 / Qwen3 / Qwen3-MoE model (experts in megatron-core's per-expert layout) -> the checkpoint
 megatron-core's GPTModel (local layer spec, TP=PP=1) loads with
 `dist_checkpointing.load(model.sharded_state_dict(), path, strict=...)`, and back.
