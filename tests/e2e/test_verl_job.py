@@ -135,7 +135,16 @@ def _flow(cluster, tmp_path, name: str, *overrides: str):
     return grpo_pipeline(request, plan_run(request, dry_run=False), return_state=True)
 
 
-async def _train_runs_and_logs(flow_run_id):
+def _train_runs_and_logs(flow_run_id):
+    """The flow run's train task runs and log lines, once Prefect has sent the lines it still holds
+    (its log worker sends them in batches, in the background)."""
+    from flows.local_api import flush_prefect
+
+    flush_prefect()
+    return asyncio.run(_read_train_runs_and_logs(flow_run_id))
+
+
+async def _read_train_runs_and_logs(flow_run_id):
     async with get_client() as client:
         task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
@@ -160,7 +169,7 @@ def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluste
     assert len(seen) == 2 and all(v == {"GRPO_TEST_MARK": "on-every-node"} for v in seen.values())
     (job,) = _submissions(jobs, "full")
     assert job.status == "SUCCEEDED" and job.metadata["attempt"] == "1" and len(job.metadata["profile_hash"]) == 16
-    _, logs = asyncio.run(_train_runs_and_logs(state.state_details.flow_run_id))
+    _, logs = _train_runs_and_logs(state.state_details.flow_run_id)
     assert any(line.startswith("| step:6 - ") for line in logs), "the job's log is streamed into the task's log"
     assert sum(line.startswith("| Total training steps: 6") for line in logs) == 1, "each job line once"
     assert any("backend: verl (--backend verl)" in line for line in logs)
@@ -177,7 +186,7 @@ def test_a_transient_failure_is_retried_and_resumes_from_the_checkpoint(prefect_
     run_dir = tmp_path / "flaky"
     train = state.result()["train"]
     assert (train["steps_done"], train["resumed_from"]) == (6, 2)
-    (train_run,), logs = asyncio.run(_train_runs_and_logs(state.state_details.flow_run_id))
+    (train_run,), logs = _train_runs_and_logs(state.state_details.flow_run_id)
     assert train_run.run_count == 2
     assert any("(transient: RuntimeError: [Rank 1] Watchdog caught collective operation timeout" in line for line in logs)
     assert any("resuming from checkpoint global_step_2 of 6" in line for line in logs)
@@ -198,7 +207,7 @@ def test_a_config_error_fails_once_with_the_jobs_own_message(prefect_api, cluste
     message = str(state.message)
     assert "failed on its configuration: " in message and "Could not override 'trainer.no_such_key'." in message, message
     assert "Key 'no_such_key' is not in struct" in message
-    (train_run,), _ = asyncio.run(_train_runs_and_logs(state.state_details.flow_run_id))
+    (train_run,), _ = _train_runs_and_logs(state.state_details.flow_run_id)
     assert train_run.run_count == 1
     assert [job.status for job in _submissions(jobs, "bad-key")] == ["FAILED"]
 
