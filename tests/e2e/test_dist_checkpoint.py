@@ -5,6 +5,8 @@ line with nothing left behind."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def megatron_cpu():
     dist.destroy_process_group()
 
 
-def gpt_model(config):
+def gpt_model(config, grouped_experts: bool = False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -44,19 +46,32 @@ def gpt_model(config):
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=config.model_type == "qwen2", qk_layernorm=qk_norm, use_cpu_initialization=True, layernorm_epsilon=config.rms_norm_eps,
         attention_dropout=0.0, hidden_dropout=0.0, **moe)
-    spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), qk_layernorm=qk_norm, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=moe.get("num_moe_experts"), qk_layernorm=qk_norm, normalization="RMSNorm",
+                                    moe_grouped_gemm=grouped_experts, moe_use_legacy_grouped_gemm=grouped_experts)
     return GPTModel(config=transformer, transformer_layer_spec=spec,
                     vocab_size=config.vocab_size, max_sequence_length=config.max_position_embeddings,
                     position_embedding_type="rope", rotary_base=config.rope_parameters["rope_theta"],
                     share_embeddings_and_output_weights=config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("kind", ["tiny-qwen3", "qwen2", "llama", "qwen3-moe"])
-def test_a_converted_model_loads_strictly_and_gives_the_hf_logits(megatron_cpu, tiny_model_dir, tmp_path, kind):
+KINDS = ["tiny-qwen3", "smollm2-135m", "qwen2", "llama", "qwen3-moe", "qwen3-moe-packed"]
+
+
+def _source(kind, request, tmp_path):
+    """The HF directory of a model kind: the built-in tiny and SmolLM2 store entries, or a tiny random one."""
+    if kind == "tiny-qwen3":
+        return request.getfixturevalue("tiny_model_dir")
+    if kind == "smollm2-135m":
+        return request.getfixturevalue("smollm2_dir")
+    return _tiny(tmp_path / "hf", kind)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_converted_model_loads_strictly_and_gives_the_hf_logits(megatron_cpu, request, tmp_path, kind):
     from megatron.core import dist_checkpointing
     from transformers import AutoModelForCausalLM
 
-    source = tiny_model_dir if kind == "tiny-qwen3" else _tiny(tmp_path / "hf", kind)
+    source = _source(kind, request, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     out = hf_to_dist(source, tmp_path / "dist")
     assert not list(tmp_path.glob("dist.partial-*"))  # the staging folder was renamed into place
@@ -68,6 +83,58 @@ def test_a_converted_model_loads_strictly_and_gives_the_hf_logits(megatron_cpu, 
     mask = torch.triu(torch.ones(12, 12, dtype=torch.bool), diagonal=1)[None, None]  # the default is built on CUDA
     with torch.no_grad(), cpu_megatron():
         logits = model(tokens, torch.arange(12)[None].expand(2, -1), mask)
+        reference = hf(tokens).logits
+    # fp32: only the two implementations' summation orders differ, which grows with depth and the
+    # logits' size (SmolLM2's 30 layers, logits near 20: 6e-5 seen)
+    difference = (logits - reference).abs().max().item()
+    assert difference <= 1e-5 * max(1.0, reference.abs().max().item()), difference
+
+
+def _gmm(inputs, weights, tokens_per_expert, trans_b=False):
+    """The grouped GEMM of the `grouped_gemm` package (a CUDA kernel), in torch: the rows of each
+    expert's tokens times that expert's [in, out] weight."""
+    rows = inputs.split(tokens_per_expert.tolist())
+    return torch.cat([part @ (w.T if trans_b else w) for part, w in zip(rows, weights)])
+
+
+def test_one_moe_checkpoint_serves_grouped_gemm_and_per_expert_experts(megatron_cpu, tmp_path, monkeypatch):
+    """megatron-core 0.16 writes grouped-GEMM experts (GroupedMLP, TEGroupedMLP) under the same keys
+    and shapes as per-expert ones (SequentialMLP): [layer, expert, ...] with per-expert
+    `_extra_state`. The converted checkpoint loads strictly into a grouped-GEMM model, its weights
+    land transposed in `weight1` / `weight2` as GroupedMLP keeps them, and the logits are HF's. The
+    `grouped_gemm` CUDA kernel is stood in by torch (`_gmm`): there is no CPU build of it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.moe import experts, grouped_gemm_util
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(grouped_gemm_util, "grouped_gemm_is_available", lambda: True)
+    monkeypatch.setattr(experts.gg, "ops", type("ops", (), {"gmm": staticmethod(_gmm)}), raising=False)
+    source = _tiny(tmp_path / "hf", "qwen3-moe")
+    hf = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    out = hf_to_dist(source, tmp_path / "dist")
+    model = gpt_model(hf.config, grouped_experts=True).eval()
+    assert type(model.decoder.layers[0].mlp.experts).__name__ == "GroupedMLP"
+    with cpu_megatron():
+        state = dist_checkpointing.load(model.sharded_state_dict(), str(out), strict="raise_all")
+    model.load_state_dict(state, strict=True)
+    config = hf.config
+    grouped = model.decoder.layers[1].mlp.experts
+    fc1 = grouped.weight1.view(config.num_experts, config.hidden_size, -1)
+    fc2 = grouped.weight2.view(config.num_experts, -1, config.hidden_size)
+    for e in range(config.num_experts):
+        expert = {k: v for k, v in hf.state_dict().items() if k.startswith("model.layers.1.mlp.experts.")}
+        gate_up = expert.get("model.layers.1.mlp.experts.gate_up_proj")
+        if gate_up is None:  # transformers keeps per-expert modules
+            gate_up = torch.cat([expert[f"model.layers.1.mlp.experts.{e}.{n}_proj.weight"] for n in ("gate", "up")])[None]
+        assert torch.equal(fc1[e].T, gate_up[0 if gate_up.shape[0] == 1 else e])
+        down = expert.get("model.layers.1.mlp.experts.down_proj")
+        down = down[e] if down is not None else expert[f"model.layers.1.mlp.experts.{e}.down_proj.weight"]
+        assert torch.equal(fc2[e].T, down)
+    model.config.bf16 = True  # GroupedMLP asserts bf16 (its kernel's only dtype); torch's matmul takes fp32
+    tokens = torch.randint(0, config.vocab_size, (2, 12))
+    mask = torch.triu(torch.ones(12, 12, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad(), cpu_megatron():
+        logits = model(tokens, torch.arange(12)[None].expand(2, -1), mask)
         assert torch.allclose(logits, hf(tokens).logits, atol=1e-5, rtol=0)
 
 
@@ -77,6 +144,8 @@ def _tiny(tmp_path, kind: str):
 
     common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, tie_word_embeddings=False)
+    if kind == "qwen3-moe-packed":
+        return _packed(_tiny(tmp_path, "qwen3-moe"), tmp_path / kind)
     config = {"qwen2": Qwen2Config(**common), "llama": LlamaConfig(**common),
               "qwen3-moe": Qwen3MoeConfig(**common, head_dim=8, num_experts=4, num_experts_per_tok=2,
                                           moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
@@ -92,12 +161,11 @@ def _tiny(tmp_path, kind: str):
     return tmp_path / kind
 
 
-@pytest.mark.parametrize("kind", ["tiny-qwen3", "qwen2", "llama", "qwen3-moe"])
-def test_hf_to_dist_to_hf_is_bit_exact(tiny_model_dir, tmp_path, kind):
-
+@pytest.mark.parametrize("kind", KINDS)
+def test_hf_to_dist_to_hf_is_bit_exact(request, tmp_path, kind):
     from common.dist_checkpoint import HFTensors, dist_to_hf
 
-    source = tiny_model_dir if kind == "tiny-qwen3" else _tiny(tmp_path, kind)
+    source = _source(kind, request, tmp_path)
     back = dist_to_hf(hf_to_dist(source, tmp_path / "dist"), source, tmp_path / "back")
     original, again = HFTensors(source), HFTensors(back)
     assert set(original.where) == set(again.where)
@@ -106,9 +174,28 @@ def test_hf_to_dist_to_hf_is_bit_exact(tiny_model_dir, tmp_path, kind):
     assert (back / "config.json").read_text() == (source / "config.json").read_text()
 
 
-def _copy(source, to):
-    import shutil
+def _packed(source, to):
+    """The MoE model with its experts packed per layer (`mlp.experts.gate_up_proj` [E, 2F, H],
+    `mlp.experts.down_proj` [E, H, F]), the layout of checkpoints such as Qwen3.5's."""
+    import re
 
+    from safetensors.torch import load_file, save_file
+
+    tensors, experts = load_file(source / "model.safetensors"), {}
+    for name in list(tensors):
+        found = re.match(r"(.*mlp\.experts)\.(\d+)\.(\w+)_proj\.weight", name)
+        if found:
+            experts.setdefault(found[1], {}).setdefault(found[3], {})[int(found[2])] = tensors.pop(name)
+    for prefix, parts in experts.items():
+        count = len(parts["gate"])
+        tensors[prefix + ".gate_up_proj"] = torch.stack([torch.cat([parts["gate"][e], parts["up"][e]]) for e in range(count)])
+        tensors[prefix + ".down_proj"] = torch.stack([parts["down"][e] for e in range(count)])
+    shutil.copytree(source, to, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(tensors, to / "model.safetensors", metadata={"format": "pt"})
+    return to
+
+
+def _copy(source, to):
     shutil.copytree(source, to)
     return to
 
