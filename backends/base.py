@@ -36,6 +36,8 @@ class TrainingInputs(BaseModel):
     train_files: list[str] = Field(..., description="Training parquet files (verl RL schema).")
     val_files: list[str] = Field(..., description="Validation parquet files.")
     checkpoint_dir: str = Field(..., description="Where the engine writes global_step_N/ checkpoints (absolute).")
+    dist_checkpoint_path: str | None = Field(
+        None, description="The base model as a megatron-core dist checkpoint (`model.dist_checkpoint`), if made.")
 
 
 class TrainingRun(BaseModel):

@@ -281,7 +281,7 @@ def main() -> None:
         seconds, peak = median(mode, "seconds"), median(mode, "maxrss")
         print(f"{label:<28} {seconds:>7.1f} {median(mode, 'sync_s'):>9.1f} {model_bytes / seconds / GB:>6.2f} "
               f"{both / seconds:>8.2f} {peak / GB:>6.2f} GB {median(mode, 'RssAnon') / GB:>5.2f} GB "
-              f"{median(mode, 'RssFile') / GB:>5.2f} GB {peak / budget:>13.2f}")
+              f"{median(mode, 'RssFile') / GB:>5.2f} GB {peak / budget:>13.3f}")
     print("(RssAnon / RssFile: their peaks, polled every 50 ms; r+w / s: the disk's read+write time over the path's)")
     print(f"\ncommand: .venv/bin/python bench/bench_dist_checkpoint.py {' '.join(sys.argv[1:])}".rstrip())
 

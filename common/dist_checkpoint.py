@@ -41,6 +41,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from profiles.errors import UserError
 
 DATA_FILE = "__0_0.distcp"
+# Bumped when the files written for the same weights change, so stored conversions are made again.
+CONVERTER_VERSION = 1
+DIST_LAYOUT = "megatron-core 0.16 GPTModel torch_dist, global shapes (loads at any TP/PP/EP)"
 SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
 
@@ -280,11 +283,21 @@ class DistCheckpointReader:
 
     def __init__(self, path: Path):
         self.path = Path(path)
+        if not (self.path / ".metadata").is_file():
+            raise UserError(f"{self.path}: not a complete torch_dist checkpoint (no .metadata, which is written last)")
         with open(self.path / ".metadata", "rb") as handle:
             self.metadata: Metadata = pickle.load(handle)
+        # A model saved inside a wrapper (verl's `dist_checkpointing_prefix`, a VL model's
+        # `language_model.`) has every key prefixed; the embedding's key tells which prefix.
+        embedding = "embedding.word_embeddings.weight"
+        found = [k for k in self.metadata.state_dict_metadata if k.endswith(embedding)]
+        if len(found) != 1:
+            raise UserError(f"{self.path}: {len(found)} word-embedding tensors (*{embedding}); not a GPTModel checkpoint")
+        self.prefix = found[0][: -len(embedding)]
 
     def tensor(self, key: str) -> torch.Tensor:
         """The whole global tensor of `key`, assembled from its chunks."""
+        key = self.prefix + key
         meta = self.metadata.state_dict_metadata[key]
         whole = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for chunk in meta.chunks:
@@ -297,6 +310,7 @@ class DistCheckpointReader:
 
     def layer(self, key: str, index: int) -> torch.Tensor:
         """Layer `index` of a stacked `decoder.layers.*` tensor (only its chunks are read)."""
+        key = self.prefix + key
         meta = self.metadata.state_dict_metadata[key]
         part = torch.empty(tuple(meta.size)[1:], dtype=meta.properties.dtype)
         for chunk in meta.chunks:
@@ -310,7 +324,7 @@ class DistCheckpointReader:
         return part
 
     def __contains__(self, key: str) -> bool:
-        return key in self.metadata.state_dict_metadata
+        return self.prefix + key in self.metadata.state_dict_metadata
 
 
 def dist_to_hf(dist_dir: Path, config_dir: Path, out: Path, packed_experts: bool | None = None) -> Path:

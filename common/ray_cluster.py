@@ -130,8 +130,13 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
     # dashboard: on a small machine it takes a third of the CPU training needs. A cluster keeps its own.
     found, origin = cluster_address(address)
     target = found or "local"
-    options = dict(address=target, runtime_env=runtime_env, log_to_driver=False, include_dashboard=False)
     parsed = parse_ray_address(target, origin)
+    if parsed is not None:
+        # Tasks of this project's code (node checks, cluster evaluation) run on nodes whose image
+        # has the engines, not this package: the code travels with the job (Ray's py_modules, which
+        # only a job's runtime_env may upload).
+        runtime_env = {**(runtime_env or {}), "py_modules": project_modules()}
+    options = dict(address=target, runtime_env=runtime_env, log_to_driver=False, include_dashboard=False)
     with sigterm_handler_kept():
         if parsed is None:
             # Started here, in this thread: Ray's local processes die with the thread that started them.
@@ -140,6 +145,14 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
         check_reachable(parsed, origin)
         timeout_s = float(os.environ.get(RAY_CONNECT_TIMEOUT_VAR) or RAY_CONNECT_TIMEOUT_S)
         _init_within(options, timeout_s, f"{origin}: the Ray cluster at {parsed}")
+
+
+def project_modules() -> list[str]:
+    """The packages this project's Ray tasks import (stages, and what they import)."""
+    import profiles
+    import stages
+
+    return [str(Path(__file__).resolve().parent), *(str(Path(m.__file__).parent) for m in (profiles, stages))]
 
 
 def _init_within(options: dict, timeout_s: float, what: str) -> None:

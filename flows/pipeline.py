@@ -24,6 +24,7 @@ from flows.plan import RunPlan, run_dir_for, training_command
 from flows.request import RunRequest
 from flows.run_record import RUNS, RunRecord, after_failure
 from flows.stage_tasks import (
+    convert_checkpoint_task,
     detect_device_task,
     evaluate_task,
     export_checkpoint_task,
@@ -36,7 +37,7 @@ from flows.stage_tasks import (
 )
 from flows.task_policy import filter_run_logs, reuse_only_if_intact
 from stages.dataset import DataSpec, dataset_dir
-from stages.model import ModelSpec, model_dir
+from stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
 
 
 @flow(name="grpo_pipeline", log_prints=True, on_failure=[after_failure], on_crashed=[after_failure],
@@ -96,6 +97,12 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
             spec = ModelSpec.from_profile(profile.model)
             prepare, checked = reuse_only_if_intact(prepare_checkpoint_task, model_dir(spec), spec.source_kind != "local")
         model = record.run("prepare_checkpoint", prepare, spec, profile.model.architecture, checked=checked)
+        if spec.dist_checkpoint:
+            with record.step("convert_checkpoint"):
+                source = source_digest(Path(model.path))
+                convert, checked = reuse_only_if_intact(convert_checkpoint_task, dist_checkpoint_dir(spec, Path(model.path)), True)
+            dist = record.run("convert_checkpoint", convert, spec, model.path, source, checked=checked)
+            model = model.model_copy(update={"dist_checkpoint": dist})
         with record.step("prepare_checkpoint: check that every Ray node sees model.root"):
             _log_shared(check_shared(model.path, "model.root", request.ray_address, env.ray_runtime_env()), model.path)
         write_json_atomic(run_dir / "model.json", model.model_dump(mode="json"))
@@ -110,7 +117,8 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
             policy = record.run("export_checkpoint", export_checkpoint_task, train, run_dir)
             result["policy"] = policy.model_dump(mode="json")
     if "evaluate" in request.stages:
-        evaluation = record.run("evaluate", evaluate_task, profile, record.device, data, model, policy, run_dir)
+        evaluation = record.run("evaluate", evaluate_task, profile, record.device, data, model, policy, run_dir,
+                                request.ray_address, env.ray_runtime_env())
         result["eval"] = evaluation.model_dump(mode="json")
     if "report" in request.stages:
         result["report"] = str(record.run("report", report_task, record))

@@ -28,9 +28,9 @@ from profiles.schema import ModelArchitecture, RunProfile
 from stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from stages.device import DeviceInfo, detect_device, requested_device
 from stages.environment import RuntimeEnv, resolve_environment
-from stages.evaluate import EvalReport, EvalSettings, choose_engine, evaluate
+from stages.evaluate import EvalReport, EvalSettings, choose_engine, evaluate, on_cluster
 from stages.export import ExportedPolicy, export_checkpoint
-from stages.model import ModelCheckpoint, ModelSpec, prepare_model
+from stages.model import DistCheckpoint, ModelCheckpoint, ModelSpec, prepare_dist_checkpoint, prepare_model
 from stages.report import metrics_table
 from stages.train import train
 
@@ -100,6 +100,17 @@ def prepare_checkpoint_task(spec: ModelSpec, architecture: ModelArchitecture) ->
     return checkpoint
 
 
+@stage_task("convert_checkpoint", **CACHED_ACROSS_RUNS)
+def convert_checkpoint_task(spec: ModelSpec, model_path: str, source: str) -> DistCheckpoint:
+    """`source` (the HF weights' digest) is in the cache key: other weights at the same path convert again."""
+    logger = get_run_logger()
+    with progress_artifact("convert-checkpoint", f"dist checkpoint of {spec.source}"):
+        dist = prepare_dist_checkpoint(spec, Path(model_path), log=logger.warning)
+    logger.info("dist checkpoint of %s: %s, at %s", spec.source,
+                "in the store, verified" if dist.cached else "converted and verified", dist.path)
+    return dist
+
+
 class StepLog:
     """The train stage's `TrainingProgress`: a log line per step, a terminal bar (and through it the
     Prefect progress artifact `train`)."""
@@ -152,18 +163,27 @@ def export_checkpoint_task(train: TrainResult, run_dir: Path) -> ExportedPolicy:
 @stage_task("evaluate")
 def evaluate_task(
     profile: RunProfile, device: DeviceInfo, data: DatasetFiles, model: ModelCheckpoint,
-    policy: ExportedPolicy | None, run_dir: Path,
+    policy: ExportedPolicy | None, run_dir: Path, ray_address: str | None = None, runtime_env: dict | None = None,
 ) -> EvalReport:
+    """A run trained by verl evaluates on its cluster (its policy is too big for this host), one
+    engine per `rollout.tp` devices; any other run here, on this host's devices."""
     logger = get_run_logger()
     if profile.eval.models:
         models = {Path(path).name: Path(path).expanduser() for path in profile.eval.models}
     else:
         models = {"base": Path(model.path)} | ({"trained": Path(policy.path)} if policy else {})
     settings = EvalSettings.from_profile(profile)
-    with progress_artifact("evaluate", f"evaluate {', '.join(models)}"):
+    if profile.backend == "verl":
+        settings = settings.model_copy(update={"tensor_parallel_size": profile.rollout.tp})
+        devices = profile.cluster.nnodes * profile.cluster.devices_per_node
+        engine = on_cluster(profile.platform, max(1, devices // profile.rollout.tp), profile.rollout.tp, ray_address,
+                            runtime_env or {})
+    else:
         engine = choose_engine(profile.platform, device.count)
+    with progress_artifact("evaluate", f"evaluate {', '.join(models)}"):
         logger.info("generation engine: %s", engine.__name__)
         report = evaluate(models, Path(data.val_files[0]), settings, run_dir / "eval", engine)
+        logger.info("generated with: %s", report.engine)
     for metrics in report.models:
         logger.info(metrics.summary_line())
     write_json_atomic(run_dir / "eval" / "eval.json", report.model_dump(mode="json"))

@@ -21,7 +21,6 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
 from prefect.tasks import exponential_backoff
 
-from backends.verl.checkpoint import MERGE_TIMEOUT_S
 from common.progress import reporting_to
 from common.store import fingerprint, verify_entry, what_is_checked
 from profiles.errors import UserError
@@ -29,8 +28,8 @@ from profiles.secrets import scrub, secret_values
 
 # Task settings, per stage. Every stage fails at once on a config error (`retry_unless_user_error`).
 # Prefect's `timeout_seconds` interrupts a stage that runs in the flow's main thread (it uses
-# SIGALRM); work that blocks elsewhere carries its own limit: the device probe and the checkpoint
-# merge are subprocesses with timeouts, hub transfers time out per read (huggingface_hub), and a
+# SIGALRM); work that blocks elsewhere carries its own limit: the device probe is a subprocess
+# with a timeout, hub transfers time out per read (huggingface_hub), and a
 # training step that never ends is caught by `trainer.step_timeout_s`.
 HOUR = 3600
 # Downloads: 4 retries after 2, 4, 8, 16 s (each +-50% jitter), so a mirror's bad minute passes.
@@ -45,8 +44,11 @@ STAGE_SETTINGS: dict[str, dict] = {
     # A lost worker, node or collective is retried twice, resuming from the latest checkpoint. No
     # wall-clock limit: a run may take days; a hang is a step that never ends.
     "train": dict(retries=2, retry_delay_seconds=10),
-    # verl's checkpoint merge (a subprocess) may take its own hour.
-    "export_checkpoint": dict(retries=1, retry_delay_seconds=10, timeout_seconds=MERGE_TIMEOUT_S + 600),
+    # HF -> Megatron dist checkpoint, part of prepare_checkpoint when `model.dist_checkpoint` asks for
+    # it: 244 GB read and written once, streamed. A bad checkpoint is a UserError (never retried).
+    "convert_checkpoint": dict(retries=1, retry_delay_seconds=10, timeout_seconds=6 * HOUR),
+    # A verl step saved as a dist checkpoint is converted back to HF here, streamed, like the above.
+    "export_checkpoint": dict(retries=1, retry_delay_seconds=10, timeout_seconds=6 * HOUR),
     "evaluate": dict(retries=1, retry_delay_seconds=10, timeout_seconds=6 * HOUR),
     "report": dict(timeout_seconds=300),
 }

@@ -64,13 +64,13 @@ class Platform(Section):
     def run_dtype(self, engine_dtype: str) -> str:
         return self.dtype or engine_dtype
 
-    def ray_task_options(self, cpus: int = 1) -> dict[str, Any]:
-        """`ray.remote(...)` options that give a task one device (on CPU: `cpus` cores)."""
+    def ray_task_options(self, cpus: int = 1, devices: int = 1) -> dict[str, Any]:
+        """`ray.remote(...)` options that give a task `devices` devices (on CPU: `cpus` cores)."""
         if self.ray_resource is None:
             return {"num_cpus": cpus}
         if self.ray_resource == RAY_BUILTIN_GPU:
-            return {"num_gpus": 1}
-        return {"resources": {self.ray_resource: 1}}
+            return {"num_gpus": devices}
+        return {"resources": {self.ray_resource: devices}}
 
     def ray_train_scaling(self, cpus_per_worker: int = 1) -> dict[str, Any]:
         """Ray Train `ScalingConfig` fields that give each training worker one device."""

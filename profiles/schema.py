@@ -61,6 +61,12 @@ class ModelSection(Section):
     enable_gradient_checkpointing: bool = Field(
         True, description="Recompute activations in the backward pass to save memory."
     )
+    dist_checkpoint: bool = Field(
+        False,
+        description="Also convert the base model, once, into a megatron-core dist checkpoint in `model.root`, "
+        "and have verl's Megatron ranks each load their shard of it (`use_dist_checkpointing`) instead of "
+        "all reading the HF safetensors through the bridge. Llama, Qwen2, Qwen3 and Qwen3-MoE; not Qwen3.5.",
+    )
     architecture: ModelArchitecture = Field(
         ..., description="Architecture numbers used to validate the parallel layout."
     )

@@ -132,11 +132,22 @@ def length_problems(p: RunProfile) -> list[str]:
     return []
 
 
+def conversion_problems(p: RunProfile) -> list[str]:
+    """A dist checkpoint asked for a model the converter cannot write (common/dist_checkpoint.py)."""
+    if p.model.dist_checkpoint and p.model.architecture.linear_num_key_heads:
+        return [
+            f"model.dist_checkpoint=true: {p.model.name} has Gated DeltaNet (linear attention) layers, which "
+            "the converter does not write yet; set model.dist_checkpoint=false (verl's bridge loads the HF "
+            "weights directly)"
+        ]
+    return []
+
+
 def validate_profile(p: RunProfile) -> None:
     """Every rule at once: the backend's own (its layout, how batches split over its ranks, what it
     cannot run) and the ones that hold for any backend; all problems on one line."""
     from backends import backend_for
 
-    problems = backend_for(p.backend).profile_problems(p) + length_problems(p)
+    problems = backend_for(p.backend).profile_problems(p) + length_problems(p) + conversion_problems(p)
     if problems:
         raise ProfileError("invalid profile: " + "; ".join(problems))

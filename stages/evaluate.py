@@ -45,6 +45,7 @@ class EvalSettings(BaseModel):
     reward_function: str | None = None
     torch_device: str = Field("cpu", description="Where generation runs (the platform's torch device).")
     dtype: str = Field("float32", description="Dtype of the model while generating.")
+    tensor_parallel_size: int = Field(1, description="Devices one vLLM engine spans (cluster evaluation).")
 
     @classmethod
     def from_profile(cls, profile: RunProfile) -> EvalSettings:
@@ -170,7 +171,7 @@ def vllm_generate(model_dir: Path, prompts: list[list[dict]], settings: EvalSett
     prompt order; a response cut by max_tokens reports finish_reason "length"."""
     from vllm import LLM, SamplingParams
 
-    engine = LLM(model=str(model_dir), seed=settings.seed)
+    engine = LLM(model=str(model_dir), seed=settings.seed, tensor_parallel_size=settings.tensor_parallel_size)
     params = SamplingParams(n=settings.samples_per_prompt, temperature=settings.temperature,
                             max_tokens=settings.max_new_tokens, seed=settings.seed)
     outputs = engine.chat(prompts, params, use_tqdm=False)
@@ -188,6 +189,60 @@ def choose_engine(platform: Platform, devices: int) -> Generate:
         return transformers_generate
     engine = vllm_generate if importlib.util.find_spec("vllm") else transformers_generate
     return sharded(engine, devices, platform) if devices > 1 else engine
+
+
+def generate_on_node(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> tuple[str, list[list[Response]]]:
+    """On a cluster node, inside a Ray task that holds its devices: the engine the node's image has
+    (vLLM / vllm-ascend, else transformers on the device the node's torch sees), and its name."""
+    import importlib.util
+    import socket
+
+    if importlib.util.find_spec("vllm"):
+        return f"vllm on {socket.gethostname()}", vllm_generate(model_dir, prompts, settings)
+    device = _node_torch_device(settings.torch_device)
+    if device != settings.torch_device:
+        print(f"{socket.gethostname()}: Ray offers this task an accelerator, but torch here sees no "
+              f"{settings.torch_device} device: generating on the CPU", flush=True)
+        settings = settings.model_copy(update={"torch_device": "cpu", "dtype": "float32"})
+    return f"transformers ({device}) on {socket.gethostname()}", transformers_generate(model_dir, prompts, settings)
+
+
+def _node_torch_device(wanted: str) -> str:
+    import torch
+
+    if wanted == "npu":
+        try:
+            import torch_npu  # noqa: F401
+
+            return "npu" if torch.npu.is_available() else "cpu"
+        except Exception:  # not installed, or the Ascend toolkit not loaded
+            return "cpu"
+    return wanted if wanted == "cpu" or torch.cuda.is_available() else "cpu"
+
+
+def on_cluster(platform: Platform, replicas: int, devices_each: int, ray_address: str | None,
+               runtime_env: dict) -> Generate:
+    """Generation for a model too big for the flow's host: `replicas` Ray tasks on the cluster's
+    accelerator nodes, each holding `devices_each` devices (the engine's tensor parallel size) and
+    a contiguous range of the prompts; results merged in prompt order. The project's code travels
+    with the job (`connect_ray`), so a node needs only its engine, not this package."""
+
+    def generate_on_cluster(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
+        import ray
+
+        from common.ray_cluster import connect_ray
+
+        connect_ray(ray_address, runtime_env)
+        run = ray.remote(**platform.ray_task_options(devices=devices_each))(generate_on_node)
+        size = math.ceil(len(prompts) / replicas)
+        results = ray.get([run.remote(model_dir, prompts[start : start + size], settings)
+                           for start in range(0, len(prompts), size)])
+        engines = sorted({engine for engine, _ in results})
+        generate_on_cluster.__name__ = f"{', '.join(engines)} ({len(results)} Ray tasks on the cluster)"
+        return [group for _, piece in results for group in piece]
+
+    generate_on_cluster.__name__ = f"the cluster's engine ({replicas} Ray tasks)"
+    return generate_on_cluster
 
 
 def sharded(generate: Generate, shards: int, platform: Platform) -> Generate:
@@ -283,8 +338,6 @@ def evaluate(
     for name, path in models.items():
         verify_hf_dir(path)  # a directory without weights fails here, before any generation
     rows = load_validation(val_file, settings.max_prompts)
-    return EvalReport(
-        val_file=str(val_file),
-        engine=getattr(generate, "__name__", "custom"),
-        models=[evaluate_model(name, path, rows, settings, out_dir, generate) for name, path in models.items()],
-    )
+    results = [evaluate_model(name, path, rows, settings, out_dir, generate) for name, path in models.items()]
+    # named after generating: an engine on the cluster says then which engine its nodes had
+    return EvalReport(val_file=str(val_file), engine=getattr(generate, "__name__", "custom"), models=results)

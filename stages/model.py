@@ -15,6 +15,7 @@ its shard, and the tensors' shapes are those of the model the config describes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -27,7 +28,7 @@ from profiles.hf_config import architecture_from_hf_config
 from profiles.yaml_files import path_kind
 from profiles.schema import ModelArchitecture, ModelSection
 from common.builtin_models import BUILDERS
-from common.store import Built, Store
+from common.store import Built, Store, fingerprint, read_manifest
 
 BUILTIN_PREFIX = "builtin:"
 INDEX_FILE = "model.safetensors.index.json"
@@ -46,11 +47,12 @@ class ModelSpec(BaseModel):
     files: list[str] = Field(default_factory=list)
     root: Path = Field(..., description="Store root for downloaded and built models.")
     trust_remote_code: bool = False
+    dist_checkpoint: bool = Field(False, description="Also make a megatron-core dist checkpoint of it.")
 
     @classmethod
     def from_profile(cls, model: ModelSection) -> ModelSpec:
         root = Path(model.root).expanduser().resolve()
-        common = {"root": root, "trust_remote_code": model.trust_remote_code}
+        common = {"root": root, "trust_remote_code": model.trust_remote_code, "dist_checkpoint": model.dist_checkpoint}
         if model.path.startswith(BUILTIN_PREFIX):
             name = model.path.removeprefix(BUILTIN_PREFIX)
             if name not in BUILDERS:
@@ -75,6 +77,13 @@ class ModelSpec(BaseModel):
         return self.source.replace("/", "--")
 
 
+class DistCheckpoint(BaseModel):
+    path: str = Field(..., description="megatron-core torch_dist directory (global shapes: loads at any TP/PP/EP).")
+    source_sha256: str = Field(..., description="Digest of the HF weights it was converted from.")
+    converter: int = Field(..., description="Converter version that wrote it.")
+    cached: bool
+
+
 class ModelCheckpoint(BaseModel):
     path: str = Field(..., description="HF directory: config, tokenizer, safetensors.")
     source: str
@@ -84,6 +93,8 @@ class ModelCheckpoint(BaseModel):
     num_parameters: int = Field(..., description="Elements of all weight tensors in the checkpoint.")
     weight_bytes: int
     cached: bool = Field(..., description="True when nothing was fetched or built.")
+    dist_checkpoint: DistCheckpoint | None = Field(
+        None, description="The same weights as a megatron-core dist checkpoint (`model.dist_checkpoint`).")
 
 
 def model_dir(spec: ModelSpec) -> Path:
@@ -111,6 +122,45 @@ def prepare_model(spec: ModelSpec, expected: ModelArchitecture | None = None, lo
         cached=entry.cached,
         **details["checked"],
     )
+
+
+def source_digest(model_path: Path) -> str:
+    """What the HF weights are: for a store entry, the digest of its manifest's file hashes (no file is
+    read); for a local directory, of its files' names, sizes and mtimes (hashing 244 GB per run would
+    cost minutes)."""
+    manifest = read_manifest(model_path)
+    if manifest is None:
+        return "local:" + (fingerprint(model_path) or "")
+    files = sorted((name, record.sha256) for name, record in manifest.files.items())
+    return "sha256:" + hashlib.sha256(json.dumps(files).encode()).hexdigest()
+
+
+def dist_identity(model_path: Path) -> dict[str, Any]:
+    """The dist checkpoint's store key: the source weights, the target layout, the converter."""
+    from common.dist_checkpoint import CONVERTER_VERSION, DIST_LAYOUT
+
+    return {"source": source_digest(model_path), "layout": DIST_LAYOUT, "converter": CONVERTER_VERSION}
+
+
+def dist_checkpoint_dir(spec: ModelSpec, model_path: Path) -> Path:
+    """Where the dist checkpoint of the HF weights at `model_path` is (or will be)."""
+    return Store(spec.root).path_for(f"{spec.store_name}--torch_dist", dist_identity(model_path))
+
+
+def prepare_dist_checkpoint(spec: ModelSpec, model_path: Path, log=print) -> DistCheckpoint:
+    """The base model as a megatron-core dist checkpoint, converted once (streamed, on CPU) into the
+    store next to the HF weights, so each rank of a large run reads only its shard."""
+    from common.dist_checkpoint import CONVERTER_VERSION, hf_to_dist
+
+    identity = dist_identity(model_path)
+
+    def convert(scratch: Path, out: Path) -> Built:
+        hf_to_dist(model_path, out)  # staged beside `out`, renamed over the store's empty `out`
+        return Built(details={"source_path": str(model_path)})
+
+    entry = Store(spec.root).get_or_build(f"{spec.store_name}--torch_dist", identity, convert, log)
+    return DistCheckpoint(path=str(entry.path), source_sha256=identity["source"], converter=CONVERTER_VERSION,
+                          cached=entry.cached)
 
 
 def check_architecture(path: Path, expected: ModelArchitecture | None) -> None:

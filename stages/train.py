@@ -18,7 +18,10 @@ from profiles.schema import RunProfile
 from stages.dataset import DatasetFiles, DataSpec, dataset_dir
 from stages.device import DeviceInfo
 from stages.environment import RuntimeEnv
-from stages.model import ModelCheckpoint, ModelSpec, model_dir
+from stages.model import ModelCheckpoint, ModelSpec, dist_checkpoint_dir, model_dir
+
+# A plan made before the base model is in the store names the dist checkpoint by what makes it.
+PLANNED_DIST_CHECKPOINT = "<the dist checkpoint prepare_checkpoint converts>"
 
 
 def training_inputs(
@@ -30,8 +33,16 @@ def training_inputs(
     """What training reads: the dataset and model stages' outputs, or (in a plan made before they
     ran) the store paths they will produce, which are known without fetching anything."""
     data_path = Path(data.path) if data else dataset_dir(DataSpec.from_profile(profile.data))
+    spec = ModelSpec.from_profile(profile.model)
+    model_path = Path(model.path) if model else model_dir(spec)
+    dist = None
+    if model and model.dist_checkpoint:
+        dist = model.dist_checkpoint.path
+    elif spec.dist_checkpoint:  # its store key hashes the HF weights: known once they are in the store
+        dist = str(dist_checkpoint_dir(spec, model_path)) if model_path.is_dir() else PLANNED_DIST_CHECKPOINT
     return TrainingInputs(
-        model_path=model.path if model else str(model_dir(ModelSpec.from_profile(profile.model))),
+        model_path=str(model_path),
+        dist_checkpoint_path=dist,
         train_files=data.train_files if data else [str(data_path / "train.parquet")],
         val_files=data.val_files if data else [str(data_path / "test.parquet")],
         checkpoint_dir=str((run_dir / "checkpoints").resolve()),

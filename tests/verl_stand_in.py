@@ -9,7 +9,8 @@ runtime_env). What it imitates: verl's device check ("Total available GPUs X is 
 desired GPUs Y"), its console step lines, its file logger (`$VERL_FILE_LOGGER_PATH`, opened "wb"), its
 checkpoint layout (`global_step_N/actor/...` then `latest_checkpointed_iteration.txt`), and its
 resume rule (`trainer.resume_mode=auto` starts after the tracker's step; at the last step it
-validates and exits 0 without training).
+validates and exits 0 without training). Its checkpoints hold the base model's weights as the policy,
+as HF safetensors or, when the run loads a dist checkpoint, as one.
 
 Test controls, from the job's environment (the profile's `env`):
   STAND_IN_STEP_S       seconds per step (default 0.05) ...
@@ -66,6 +67,9 @@ def main(overrides: list[str]) -> int:
     desired = trainer["nnodes"] * trainer["n_gpus_per_node"]
     if available < desired:
         raise ValueError(f"Total available GPUs {available} is less than total desired GPUs {desired}.")
+    megatron = config["actor_rollout_ref"]["actor"]["megatron"]
+    if megatron["use_dist_checkpointing"] and not (Path(megatron["dist_checkpointing_path"]) / ".metadata").is_file():
+        raise FileNotFoundError(f"no dist checkpoint at {megatron['dist_checkpointing_path']}")
     if probe := os.environ.get("STAND_IN_ENV_PROBE"):
         _probe_env_on_every_node(probe.split(","), run_dir / "stand-in-env.json")
 
@@ -90,7 +94,7 @@ def main(overrides: list[str]) -> int:
             time.sleep(float(os.environ.get("STAND_IN_STEP_S", "0.05")))
         metrics = _step_metrics(step, time.monotonic() - started, config)
         if trainer["save_freq"] > 0 and (step == total or step % trainer["save_freq"] == 0):
-            _save(checkpoints, step)
+            _save(checkpoints, step, config)
         _log(logger, step, metrics)
         step += 1
     return 0
@@ -130,9 +134,24 @@ def _log(logger, step: int, data: dict) -> None:
         logger.write(json.dumps({"step": step, "data": data}).encode() + b"\n")
 
 
-def _save(checkpoints: Path, step: int) -> None:
+def _save(checkpoints: Path, step: int, config: dict) -> None:
+    """verl's Megatron layout v2 (the policy unchanged: the stand-in does not train). The HF config and
+    tokenizer always go to model/huggingface; the weights as HF safetensors there, or, when the run
+    loaded a dist checkpoint (`use_dist_checkpointing`), as a dist checkpoint in model/dist_ckpt."""
+    import shutil
+
+    model = config["actor_rollout_ref"]["model"]["path"]
+    megatron = config["actor_rollout_ref"]["actor"]["megatron"]
     actor = checkpoints / f"global_step_{step}" / "actor"
-    (actor / "model" / "huggingface").mkdir(parents=True, exist_ok=True)
+    exported = actor / "model" / "huggingface"
+    exported.mkdir(parents=True, exist_ok=True)
+    for item in Path(model).iterdir():
+        weights = item.name.endswith(".safetensors") or item.name == "model.safetensors.index.json"
+        if item.is_file() and item.name != "manifest.json" and not (weights and megatron["use_dist_checkpointing"]):
+            shutil.copy2(item, exported / item.name)
+    if megatron["use_dist_checkpointing"]:
+        shutil.copytree(megatron["dist_checkpointing_path"], actor / "model" / "dist_ckpt",
+                        ignore=shutil.ignore_patterns("manifest.json"))
     (actor / "ckpt_contents.json").write_text(json.dumps({"step": step}))
     (checkpoints / f"global_step_{step}" / "data.pt").write_bytes(b"stand-in dataloader state")
     (checkpoints / "latest_checkpointed_iteration.txt").write_text(str(step))

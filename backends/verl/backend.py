@@ -129,7 +129,8 @@ class VerlBackend(Backend):
         inputs, run_dir = run.inputs, Path(run.run_dir)
         check_paths_on_nodes(
             entries={},
-            readable={"data.root": [*inputs.train_files, *inputs.val_files], "model.root": [inputs.model_path]},
+            readable={"data.root": [*inputs.train_files, *inputs.val_files],
+                      "model.root": [inputs.model_path, *filter(None, [inputs.dist_checkpoint_path])]},
             writable={"--run-dir": [inputs.checkpoint_dir, str(run_dir / JOB_DIR)]},
         )
         attempt, token = (record.attempt + 1, record.token) if record else (1, new_token())

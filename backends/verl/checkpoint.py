@@ -1,30 +1,41 @@
 """A verl checkpoint step as a Hugging Face directory, for the export stage.
 
-    python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --stages export_checkpoint --run-name <run>
+    python -m flows.grpo --model qwen3-moe-recipe --device gpu --stages export_checkpoint --run-name <run>
 
-`global_step_N/actor/model/huggingface` when verl wrote one; else verl's own merger turns the
-Megatron shards into one (`python -m verl.model_merger merge --backend megatron ...`).
+verl's Megatron checkpoint (layout v2) keeps the policy under `global_step_N/actor/model/`:
+- `huggingface/`: the bridge's HF weights, config and tokenizer (verl's default): used as they are;
+- `dist_ckpt/`: a megatron-core dist checkpoint (with `use_dist_checkpointing`), whose HF config and
+  tokenizer are in `huggingface/`: converted back to HF safetensors here, streamed, on the CPU, into
+  `actor/huggingface-export/` (staged and renamed into place, so a half-written one is never found).
+verl's own merger is not used: it needs NCCL/HCCL accelerators and has no Qwen3.5 support.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-MERGE_TIMEOUT_S = 3600
+from profiles.errors import UserError
+
+EXPORT_DIR = "huggingface-export"
 
 
 def verl_hf_dir(step_dir: Path) -> Path:
-    """verl's HF export of a step, merged from the Megatron shards when verl did not write one."""
-    exported = step_dir / "actor" / "model" / "huggingface"
+    """The step's policy as an HF directory: verl's own HF weights, else its dist checkpoint converted."""
+    from common.dist_checkpoint import dist_to_hf
+
+    model = step_dir / "actor" / "model"
+    exported = model / "huggingface"
     if (exported / "config.json").is_file() and any(exported.glob("*.safetensors")):
         return exported
-    merged = step_dir / "actor" / "huggingface-merged"
-    if not (merged / "config.json").is_file():
-        command = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "megatron",
-                   "--local_dir", str(step_dir / "actor"), "--target_dir", str(merged)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=MERGE_TIMEOUT_S)
-        if done.returncode != 0:
-            raise RuntimeError(f"verl's model merger failed on {step_dir}: {done.stderr.strip().splitlines()[-1:]}")
-    return merged
+    converted = step_dir / "actor" / EXPORT_DIR
+    if (converted / "config.json").is_file():
+        return converted
+    dist = model / "dist_ckpt"
+    if not (dist / ".metadata").is_file():
+        raise UserError(f"{step_dir}: no policy to export: neither HF weights in actor/model/huggingface nor a complete "
+                        "dist checkpoint in actor/model/dist_ckpt (verl writes one of them when "
+                        "actor_rollout_ref.actor.checkpoint.save_contents holds 'model')")
+    if not (exported / "config.json").is_file():
+        raise UserError(f"{exported}: no config.json to name the dist checkpoint's tensors; verl writes the HF config "
+                        "there with every checkpoint: copy the base model's config and tokenizer files into it")
+    return dist_to_hf(dist, exported, converted)

@@ -120,6 +120,10 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
     for name, value in p.engine.optimizer_overrides.items():
         settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.actor.optim.override_optimizer_config.{name}"] = value
     settings.update(_engine_settings(p, "ref"))
+    if inputs.dist_checkpoint_path:  # each rank reads its own shard, actor and reference alike
+        for role in ("actor", "ref"):
+            settings[f"actor_rollout_ref.{role}.megatron.use_dist_checkpointing"] = True
+            settings[f"actor_rollout_ref.{role}.megatron.dist_checkpointing_path"] = inputs.dist_checkpoint_path
     for role in ("rollout", "ref"):
         settings[f"actor_rollout_ref.{role}.log_prob_micro_batch_size_per_gpu"] = lp.micro_batch_size_per_gpu
         settings[f"actor_rollout_ref.{role}.log_prob_use_dynamic_bsz"] = lp.use_dynamic_bsz

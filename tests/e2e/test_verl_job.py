@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 from ray.cluster_utils import Cluster
@@ -31,6 +33,7 @@ from backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
 from backends.metrics import read_metrics
 from backends.verl.backend import JobStopped, submit
 from backends.verl.job import JobRecord, job_spec, read_record, write_record
+from common.dist_checkpoint import HFTensors
 from flows.pipeline import grpo_pipeline
 from flows.plan import plan_run
 from flows.request import RunRequest
@@ -125,11 +128,12 @@ def _backend_run(cluster, dataset, tiny_model_dir, tmp_path, name: str, *overrid
     return profile, run
 
 
-def _flow(cluster, tmp_path, name: str, *overrides: str):
+def _flow(cluster, tmp_path, name: str, *overrides: str,
+          stages=("fetch_dataset", "prepare_checkpoint", "train", "report")):
     """The whole flow for the tiny model on the cluster, with the plan the command line makes (this
     host has no NPU: a run on a cluster is planned for the device the cluster offers)."""
     request = RunRequest(model="tiny", device="npu", backend="verl", run_root=str(tmp_path), run_name=name,
-                         ray_address=cluster.address, stages=["fetch_dataset", "prepare_checkpoint", "train", "report"],
+                         ray_address=cluster.address, stages=list(stages),
                          overrides=[*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
                                     *overrides])
     return grpo_pipeline(request, plan_run(request, dry_run=False), return_state=True)
@@ -178,6 +182,40 @@ def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluste
     again = _flow(cluster, tmp_path, "full")
     assert again.is_completed() and again.result()["train"]["already_complete"] is True
     assert len(_submissions(jobs, "full")) == 1
+
+
+def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefect_api, cluster, jobs, tmp_path):
+    """`model.dist_checkpoint`: prepare_checkpoint converts the base model into the store, both roles
+    load it, the step saved as a dist checkpoint is exported back to HF, and the evaluation runs as
+    Ray tasks on the cluster's NPU nodes (the HF engine standing in for vLLM there: no vLLM here)."""
+    stages = ("fetch_dataset", "prepare_checkpoint", "train", "export_checkpoint", "evaluate", "report")
+    state = _flow(cluster, tmp_path, "dist", "model.dist_checkpoint=true", "eval.max_prompts=6", "eval.max_new_tokens=6",
+                  stages=stages)
+    assert state.is_completed(), state.message
+    result, run_dir = state.result(), tmp_path / "dist"
+    dist = result["model"]["dist_checkpoint"]["path"]
+    assert dist.startswith(str(tmp_path / "models")) and (Path(dist) / "manifest.json").is_file()
+    (job,) = _submissions(jobs, "dist")
+    for role in ("actor", "ref"):
+        assert f"actor_rollout_ref.{role}.megatron.use_dist_checkpointing=true" in job.entrypoint
+        assert f"actor_rollout_ref.{role}.megatron.dist_checkpointing_path={dist}" in job.entrypoint
+    step = run_dir / "checkpoints" / "global_step_6" / "actor"
+    assert (step / "model" / "dist_ckpt" / ".metadata").is_file() and not list((step / "model" / "huggingface").glob("*.safetensors"))
+    assert result["policy"]["path"] == str(step / "huggingface-export")
+    base, trained = HFTensors(Path(result["model"]["path"])), HFTensors(step / "huggingface-export")
+    assert set(base.where) == set(trained.where) and all(torch.equal(base.get(n), trained.get(n)) for n in base.where)
+    evaluation = result["eval"]
+    assert evaluation["engine"] == "transformers (cpu) on " + socket.gethostname() + " (2 Ray tasks on the cluster)"
+    by_name = {m["name"]: m for m in evaluation["models"]}
+    assert by_name["base"]["prompts"] == by_name["trained"]["prompts"] == 6
+    # the stand-in does not train: the same weights, greedy, give the same responses
+    assert Path(by_name["trained"]["samples_file"]).read_text() == Path(by_name["base"]["samples_file"]).read_text()
+
+    # Again: the conversion is a cache hit, checked against the store's manifest.
+    again = _flow(cluster, tmp_path, "dist-again", "model.dist_checkpoint=true", stages=stages[:3])
+    assert again.is_completed() and again.result()["model"]["dist_checkpoint"]["path"] == dist
+    _, logs = _train_runs_and_logs(again.state_details.flow_run_id)
+    assert any(line.startswith("convert_checkpoint: skipped") for line in logs)
 
 
 def test_a_transient_failure_is_retried_and_resumes_from_the_checkpoint(prefect_api, cluster, jobs, tmp_path):
