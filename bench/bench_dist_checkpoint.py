@@ -2,23 +2,18 @@
 
     .venv/bin/python bench/bench_dist_checkpoint.py [--shape qwen3-1.7b|qwen3-4b] [--shard-gb 1] [--rounds 1] [--dir /tmp]
 
-Writes a model of a real model's shape with random bf16 weights (safetensors shards of ~--shard-gb
-GB written tensor by tensor, an index and a config.json) into a temporary folder under --dir, then,
-in each round, on the same files:
-  disk      all shards read once (64 MB reads), then the same bytes written once to a new file and
-            fsynced: the disk's sequential read and write GB/s; "read+write" is the time the disk
-            needs to read the model's bytes and write them once, the floor of any converter.
-  stream    `hf_to_dist(model, out)` in a child process (timed to the end of a sync, as the disk's
-            write is, since the converter does not fsync).
-  whole     the path that loads everything first: every shard with `safetensors.torch.load_file`,
-            the same fused keys (QKV, gate+up) per layer, one `torch.distributed.checkpoint.save`
-            (no process group; it fsyncs its files), in a child process.
-The page cache is dropped before each (needs root; otherwise it is noted: the cache is then warm
-for every side alike). For each child, peak RSS (its own VmHWM) and the peaks of RssAnon and
-RssFile from /proc/<pid>/status polled every 50 ms: pages of an mmapped shard count as RssFile.
-The memory goal of the streaming converter is peak RSS < 2 x the largest tensor group it must hold
-at once + the fixed overhead, the RSS of a child that only imports torch, safetensors and
-common.dist_checkpoint. Its speed goal: >= 0.7 x the disk's read+write for the same bytes.
+Writes a model of a real model's shape, random bf16 weights, as safetensors shards of ~--shard-gb GB
+(tensor by tensor: no transformers model in memory), then in each round, on the same files, with the
+page cache dropped before each (root only; else noted: warm for every side alike):
+  disk    the shards read once (64 MB reads), the same bytes written once and fsynced: read and write
+          GB/s, and "read+write", the time the disk needs to read and write the model's bytes once.
+  stream  `hf_to_dist(model, out)` in a child, timed to the end of a sync (it does not fsync itself).
+  whole   in a child, every shard through `safetensors.torch.load_file`, the same fused keys (QKV,
+          gate+up) per layer, one `torch.distributed.checkpoint.save` without a process group (fsyncs).
+Per child: peak RSS (VmHWM) and the peaks of RssAnon and RssFile polled every 50 ms from
+/proc/<pid>/status (touched pages of an mmapped shard are RssFile). Goals of `stream`: >= 0.7 x the
+disk's read+write speed, peak RSS < 2 x the largest tensor group it holds at once + the fixed
+overhead (the RSS of a child that only imports torch, safetensors and common.dist_checkpoint).
 """
 
 from __future__ import annotations
@@ -33,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import warnings
 from pathlib import Path
 
@@ -40,10 +36,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GB = 1e9
 SHAPES = {  # the config.json fields of the real models (bf16, tied embeddings)
-    "qwen3-1.7b": dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, intermediate_size=6144, vocab_size=151936),
-    "qwen3-4b": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-                     head_dim=128, intermediate_size=9728, vocab_size=151936),
+    "qwen3-1.7b": {"hidden_size": 2048, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+                   "head_dim": 128, "intermediate_size": 6144, "vocab_size": 151936},
+    "qwen3-4b": {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936},
 }
 
 
@@ -77,23 +73,19 @@ def write_model(out: Path, c: dict, shard_bytes: float) -> list[Path]:
     import torch
 
     out.mkdir(parents=True)
-    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
-    size = 0
+    shards, size = [[]], 0
     for name, shape in hf_tensors(c):
-        nbytes = 2 * torch.Size(shape).numel()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append([])
-            size = 0
+        if shards[-1] and size + 2 * torch.Size(shape).numel() > shard_bytes:
+            shards, size = [*shards, []], 0
         shards[-1].append((name, shape))
-        size += nbytes
+        size += 2 * torch.Size(shape).numel()
     weight_map, files = {}, []
     for n, tensors in enumerate(shards):
         file = out / f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
         header, at = {"__metadata__": {"format": "pt"}}, 0
         for name, shape in tensors:
-            nbytes = 2 * torch.Size(shape).numel()
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + nbytes]}
-            at += nbytes
+            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [at, at + 2 * torch.Size(shape).numel()]}
+            at = header[name]["data_offsets"][1]
         raw = json.dumps(header).encode()
         raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
         with open(file, "wb") as handle:
@@ -169,8 +161,10 @@ def watch(*args: str) -> dict:
 
 
 def run_child(mode: str, model: Path, out: Path) -> None:
-    import torch  # noqa: F401  (the fixed overhead: what every child imports)
+    # The fixed overhead: what every child imports.
     import safetensors.torch  # noqa: F401
+    import torch  # noqa: F401
+
     from common import dist_checkpoint
 
     started = time.perf_counter()
@@ -181,19 +175,15 @@ def run_child(mode: str, model: Path, out: Path) -> None:
     converted = time.perf_counter()
     if mode != "idle":
         os.sync()  # written bytes on disk, as the disk's own write is timed
+    # Peak RSS: VmHWM, not ru_maxrss, which after exec keeps the parent's peak (having written the model).
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
     print(json.dumps({"seconds": time.perf_counter() - started, "sync_s": time.perf_counter() - converted,
-                      "maxrss": peak_rss()}))
-
-
-def peak_rss() -> int:
-    """This process's peak RSS in bytes: VmHWM, not ru_maxrss, which after exec keeps the parent's
-    peak (this script's, having written the model) when that is higher."""
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
+                      "maxrss": int(hwm.split()[1]) * 1024}))
 
 
 def save_whole(model: Path, out: Path) -> None:
-    """Load every tensor, fuse as hf_to_dist does (per-layer keys: no process group, no sharding), save as DCP."""
+    """Load every tensor (`load_file` maps the shard: its tensors are file pages), fuse as hf_to_dist
+    does (per-layer keys: no process group, no sharding), save as DCP."""
     import torch
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
@@ -205,16 +195,14 @@ def save_whole(model: Path, out: Path) -> None:
     hf: dict[str, torch.Tensor] = {}
     for file in sorted(set(where.values())):
         hf.update(load_file(model / file))
-
-    class Loaded:  # what _fused_qkv reads from
-        get = staticmethod(lambda name, shape=None: hf[name])
+    loaded = types.SimpleNamespace(get=lambda name, shape=None: hf[name])  # what _fused_qkv reads from
 
     state = {"embedding.word_embeddings.weight": hf.pop("model.embed_tokens.weight"),
              "decoder.final_layernorm.weight": hf.pop("model.norm.weight")}
     heads, groups, head_dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     for i in range(config["num_hidden_layers"]):
         p, d = f"model.layers.{i}.", f"decoder.layers.{i}."
-        state[d + "self_attention.linear_qkv.weight"] = _fused_qkv(Loaded, p, "weight", heads, groups, head_dim)
+        state[d + "self_attention.linear_qkv.weight"] = _fused_qkv(loaded, p, "weight", heads, groups, head_dim)
         state[d + "mlp.linear_fc1.weight"] = torch.cat([hf.pop(p + "mlp.gate_proj.weight"), hf.pop(p + "mlp.up_proj.weight")])
         for name in ("q", "k", "v"):
             del hf[f"{p}self_attn.{name}_proj.weight"]

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from profiles.errors import UserError
+from profiles.errors import EXIT_USER_ERROR, UserError
 
 DATA_FILE = "__0_0.distcp"
 # Bumped when the files written for the same weights change, so stored conversions are made again.
@@ -403,3 +403,35 @@ def dist_to_hf(dist_dir: Path, config_dir: Path, out: Path, packed_experts: bool
         raise
     os.replace(staging, out)
     return Path(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m common.dist_checkpoint to-dist HF_DIR OUT` / `to-hf DIST_DIR CONFIG_DIR OUT`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m common.dist_checkpoint",
+                                     description="Convert between HF safetensors and megatron-core torch_dist, streamed, on CPU.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_dist = commands.add_parser("to-dist", help="HF directory -> dist checkpoint")
+    to_dist.add_argument("model_dir", type=Path)
+    to_dist.add_argument("out", type=Path)
+    to_hf = commands.add_parser("to-hf", help="dist checkpoint -> HF directory (config and tokenizer from CONFIG_DIR)")
+    to_hf.add_argument("dist_dir", type=Path)
+    to_hf.add_argument("config_dir", type=Path)
+    to_hf.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    if args.out.exists():
+        print(f"error: {args.out} exists; give a new directory (nothing is written over)", file=sys.stderr)
+        return EXIT_USER_ERROR
+    try:
+        out = hf_to_dist(args.model_dir, args.out) if args.command == "to-dist" else dist_to_hf(
+            args.dist_dir, args.config_dir, args.out)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -24,14 +24,12 @@ from pydantic import ValidationError
 
 from flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
 from flows.request import STAGES, RunRequest
-from profiles.errors import UserError
+from profiles.errors import EXIT_USER_ERROR, UserError
 from profiles.loader import builtin_models
 from profiles.secrets import scrub
 
 if TYPE_CHECKING:
     from flows.plan import RunPlan
-
-EXIT_USER_ERROR = 2
 
 
 class _OneLineParser(argparse.ArgumentParser):

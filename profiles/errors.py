@@ -5,6 +5,8 @@ a missing file, an invalid parallel layout). The CLI prints its message as one l
 Prefect's retry condition never retries it. Anything else is a bug or a transient fault.
 """
 
+EXIT_USER_ERROR = 2  # what every command line of the project exits with on a UserError
+
 
 class UserError(Exception):
     """Bad input: the message names what is wrong and how to fix it."""

@@ -18,7 +18,8 @@ from hydra.errors import ConfigCompositionException
 
 from backends.verl.command import ADD_OR_OVERRIDE, entrypoint, verl_settings
 from backends.verl.job import FILE_LOGGER_PATH_VAR, job_spec
-from stages.train import training_inputs
+from stages.train import PLANNED_DIST_CHECKPOINT, training_inputs
+from profiles.errors import ProfileError
 from profiles.loader import PROFILES_DIR, resolve_profile
 from profiles.yaml_files import load_yaml_mapping
 from stages.environment import resolve_environment
@@ -141,3 +142,21 @@ def test_parity_with_upstream(device):
     for pattern in patterns:
         if "grad_offload" not in pattern:
             assert any(fnmatch.fnmatchcase(k, pattern) for k in differing), pattern
+
+
+def test_a_dist_checkpoint_is_what_actor_and_reference_load(tmp_path):
+    overrides = render("tiny", "npu", ["backend=verl", "model.dist_checkpoint=true", f"model.root={tmp_path}"])[3]
+    composed = compose_verl(overrides)
+    paths = {select(composed, f"actor_rollout_ref.{role}.megatron.dist_checkpointing_path") for role in ("actor", "ref")}
+    assert paths == {PLANNED_DIST_CHECKPOINT}  # the plan, made before the base model is in the store
+    for role in ("actor", "ref"):
+        assert select(composed, f"actor_rollout_ref.{role}.megatron.use_dist_checkpointing") is True
+    plain = compose_verl(render("tiny", "npu", ["backend=verl"])[3])
+    assert select(plain, "actor_rollout_ref.actor.megatron.use_dist_checkpointing") is False
+
+
+def test_a_dist_checkpoint_of_a_gated_deltanet_model_is_refused_at_planning():
+    with pytest.raises(ProfileError) as raised:
+        resolve_profile("qwen3.5-122b-a10b", "npu", overrides=["model.dist_checkpoint=true"])
+    assert ("model.dist_checkpoint=true: qwen3.5-122b-a10b has Gated DeltaNet (linear attention) layers, which the "
+            "converter does not write yet; set model.dist_checkpoint=false") in str(raised.value)

@@ -5,7 +5,11 @@ line with nothing left behind."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,4 +229,54 @@ def test_bad_input_is_one_line_naming_the_tensor_or_architecture_and_leaves_noth
         with pytest.raises(UserError) as raised:
             hf_to_dist(model, tmp_path / f"{model.name}-dist")
         assert fragment in str(raised.value) and "\n" not in str(raised.value)
-        assert not list(tmp_path.glob(f"{model.name}-dist*")), "no partial output is left"
+        done = subprocess.run([sys.executable, "-m", "common.dist_checkpoint", "to-dist", str(model), str(tmp_path / "out")],
+                              capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert (done.returncode, done.stdout) == (2, "")
+        assert done.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in done.stderr
+        assert not list(tmp_path.glob(f"{model.name}-dist*")) and not list(tmp_path.glob("out*")), "partial output left"
+
+
+def test_a_verl_step_exports_from_either_layout_and_is_scored(tiny_model_dir, tmp_path):
+    """verl's layout v2: HF weights in actor/model/huggingface (the bridge's), or a dist checkpoint in
+    actor/model/dist_ckpt with only the config and tokenizer in huggingface/. Both export to a
+    verified HF directory of the same weights, which the evaluation stage scores alike."""
+    from backends.base import TrainResult
+    from profiles.schema import DataSection
+    from stages.dataset import DataSpec, fetch_dataset
+    from stages.evaluate import EvalSettings, evaluate
+    from stages.export import export_checkpoint
+
+    steps = {}
+    for layout in ("huggingface", "dist_ckpt"):
+        model = tmp_path / layout / "global_step_4" / "actor" / "model"
+        shutil.copytree(tiny_model_dir, model / "huggingface", ignore=shutil.ignore_patterns(
+            "manifest.json", *(["*.safetensors"] if layout == "dist_ckpt" else [])))
+        if layout == "dist_ckpt":
+            hf_to_dist(tiny_model_dir, model / "dist_ckpt")
+        steps[layout] = model.parents[1]
+    policies = {layout: export_checkpoint(TrainResult(backend="verl", checkpoint_dir=str(step), steps_done=4,
+                                                      max_steps=4, metrics_file=""))
+                for layout, step in steps.items()}
+    assert policies["huggingface"].path == str(steps["huggingface"] / "actor" / "model" / "huggingface")
+    assert policies["dist_ckpt"].path == str(steps["dist_ckpt"] / "actor" / "huggingface-export")
+    assert policies["dist_ckpt"].num_parameters == policies["huggingface"].num_parameters
+    # a second export finds the converted directory
+    assert export_checkpoint(TrainResult(backend="verl", checkpoint_dir=str(steps["dist_ckpt"]), steps_done=4,
+                                         max_steps=4, metrics_file="")).path == policies["dist_ckpt"].path
+
+    data = fetch_dataset(DataSpec.from_profile(DataSection(root=str(tmp_path / "data"))))
+    report = evaluate({layout: Path(p.path) for layout, p in policies.items()}, Path(data.val_files[0]),
+                      EvalSettings(max_prompts=8, max_new_tokens=8), tmp_path / "eval")
+    hf, dist = report.models
+    assert (hf.prompts, dist.prompts) == (8, 8)
+    assert Path(hf.samples_file).read_text() == Path(dist.samples_file).read_text()
+
+
+def test_a_step_without_a_policy_is_one_line_naming_what_is_missing(tmp_path):
+    from backends.verl.checkpoint import verl_hf_dir
+    from profiles.errors import UserError
+
+    (tmp_path / "global_step_2" / "actor" / "model" / "huggingface").mkdir(parents=True)
+    with pytest.raises(UserError, match="no policy to export: neither HF weights in actor/model/huggingface nor a "
+                                        "complete dist checkpoint in actor/model/dist_ckpt"):
+        verl_hf_dir(tmp_path / "global_step_2")
