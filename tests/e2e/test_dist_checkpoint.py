@@ -94,6 +94,29 @@ def test_a_converted_model_loads_strictly_and_gives_the_hf_logits(megatron_cpu, 
     assert difference <= 1e-5 * max(1.0, reference.abs().max().item()), difference
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3-moe"])
+def test_what_megatron_core_itself_saves_exports_to_the_original_hf_weights(megatron_cpu, request, tmp_path, kind):
+    """The export reads checkpoints megatron-core's own writer made (as verl saves a step), not only
+    this converter's: a model loaded from the conversion, saved by `dist_checkpointing.save`, comes
+    back to HF bit for bit."""
+    from megatron.core import dist_checkpointing
+    from transformers import AutoConfig
+
+    from common.dist_checkpoint import HFTensors, dist_to_hf
+
+    source = _source(kind, request, tmp_path)
+    model = gpt_model(AutoConfig.from_pretrained(source))
+    with cpu_megatron():
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), str(hf_to_dist(source, tmp_path / "dist")),
+                                                      strict="raise_all"))
+        (tmp_path / "saved").mkdir()
+        dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path / "saved"))
+    back = dist_to_hf(tmp_path / "saved", source, tmp_path / "back")
+    original, again = HFTensors(source), HFTensors(back)
+    assert set(original.where) == set(again.where)
+    assert all(torch.equal(original.get(name), again.get(name)) for name in original.where)
+
+
 def _gmm(inputs, weights, tokens_per_expert, trans_b=False):
     """The grouped GEMM of the `grouped_gemm` package (a CUDA kernel), in torch: the rows of each
     expert's tokens times that expert's [in, out] weight."""
