@@ -1,9 +1,13 @@
 """Megatron-core distributed checkpoints (`torch_dist`) written a tensor at a time, without a GPU.
 
-Issue 15, in progress (the flow does not use it yet): HF safetensors of a Llama /
-Qwen2 / Qwen3 / Qwen3-MoE model (experts in megatron-core's per-expert layout) -> the checkpoint
-megatron-core's GPTModel (local layer spec, TP=PP=1) loads with
-`dist_checkpointing.load(model.sharded_state_dict(), path, strict=...)`, and back.
+    python -m common.dist_checkpoint to-dist HF_DIR OUT
+    python -m common.dist_checkpoint to-hf DIST_DIR HF_CONFIG_DIR OUT
+
+HF safetensors of a Llama / Qwen2 / Qwen3 / Qwen3-MoE model -> the checkpoint megatron-core 0.16's
+GPTModel loads with `dist_checkpointing.load(model.sharded_state_dict(), path, strict=...)` (global
+shapes: at any TP / PP / EP; grouped-GEMM and per-expert MoE experts share its keys), and back. The
+checkpoint stage makes one when `model.dist_checkpoint` asks (stages/model.py), and the export stage
+turns a verl step's dist checkpoint back into HF (backends/verl/checkpoint.py).
 
 The format is torch DCP, as megatron-core's `torch_dist` strategy writes it: one key per sharded
 tensor, decoder layers stacked on a leading axis (one chunk per layer), `linear_fc1` in a gate and an
@@ -80,8 +84,10 @@ class DistCheckpointWriter:
         self.storage: dict[MetadataIndex, _StorageInfo] = {}
 
     def add_chunk(self, key: str, global_shape: tuple[int, ...], offset: tuple[int, ...], chunk: torch.Tensor) -> None:
-        """One chunk of a global tensor, at `offset` (a copy is written: a view would save its whole storage)."""
-        chunk = chunk.contiguous().clone()
+        """One chunk of a global tensor, at `offset`."""
+        chunk = chunk.contiguous()
+        if chunk.untyped_storage().nbytes() != chunk.nbytes:  # a view: torch.save would write its whole storage
+            chunk = chunk.clone()
         meta = self.tensors.setdefault(key, TensorStorageMetadata(
             properties=TensorProperties(dtype=chunk.dtype), size=torch.Size(global_shape), chunks=[]))
         if meta.properties.dtype != chunk.dtype or tuple(meta.size) != tuple(global_shape):
@@ -187,7 +193,8 @@ def _safetensors_header(path: Path) -> tuple[int, dict]:
 
 
 def hf_to_dist(model_dir: Path, out: Path) -> Path:
-    """A dense Llama / Qwen2 / Qwen3 HF directory as a megatron-core torch_dist checkpoint."""
+    """An HF directory of a SUPPORTED architecture as a megatron-core torch_dist checkpoint at `out`
+    (staged beside it, renamed into place; `out` may be an empty directory)."""
     config = json.loads((Path(model_dir) / "config.json").read_text())
     architecture = (config.get("architectures") or ["(none)"])[0]
     if architecture not in SUPPORTED:

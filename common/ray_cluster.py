@@ -148,11 +148,12 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
 
 
 def project_modules() -> list[str]:
-    """The packages this project's Ray tasks import (stages, and what they import)."""
+    """The packages this project's Ray tasks and workers import (all but the flow's own, `flows`)."""
+    import backends
     import profiles
     import stages
 
-    return [str(Path(__file__).resolve().parent), *(str(Path(m.__file__).parent) for m in (profiles, stages))]
+    return [str(Path(__file__).resolve().parent), *(str(Path(m.__file__).parent) for m in (backends, profiles, stages))]
 
 
 def _init_within(options: dict, timeout_s: float, what: str) -> None:

@@ -39,11 +39,13 @@ def test_a_local_backend_refusal_happens_when_the_run_is_planned(capsys, overrid
 def test_verl_training_without_a_cluster_is_refused_at_planning_and_staging_is_not(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     profile, npu = resolve_profile("qwen3.5-122b-a10b", "npu"), detect_device("npu", dry_run=True)
-    with pytest.raises(UserError, match=r"backend verl trains as a Ray job on a running cluster: .* pass --ray-address"):
+    with pytest.raises(UserError, match=r"backend verl trains as a Ray job on a running cluster, and evaluates there: .* pass --ray-address"):
         check_plan(RunRequest(model="qwen3.5-122b-a10b"), profile, npu, dry_run=False)
     with pytest.raises(UserError, match=r"--ray-address=http://head:8265: backend verl checks the cluster's nodes "
                                         r"through Ray itself; give the head's GCS address"):
         check_plan(RunRequest(model="qwen3.5-122b-a10b", ray_address="http://head:8265"), profile, npu, dry_run=False)
+    with pytest.raises(UserError, match="and evaluates there"):  # its policy is scored on the cluster too
+        check_plan(RunRequest(model="qwen3.5-122b-a10b", stages=["evaluate"]), profile, npu, dry_run=False)
     staging = RunRequest(model="qwen3.5-122b-a10b", stages=["fetch_dataset", "prepare_checkpoint"])
     check_plan(staging, profile, npu, dry_run=False)
     check_plan(RunRequest(model="qwen3.5-122b-a10b"), profile, npu, dry_run=True)

@@ -76,12 +76,12 @@ class VerlBackend(Backend):
 
     def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool,
                   ray_address: str | None) -> None:
-        if "train" not in stages or dry_run:
+        if not {"train", "evaluate"} & set(stages) or dry_run:
             return
         address, origin = cluster_address(ray_address)
         if address is None:
             raise UserError(
-                "backend verl trains as a Ray job on a running cluster: start it (`ray start --head` on the head "
+                "backend verl trains as a Ray job on a running cluster, and evaluates there: start it (`ray start --head` on the head "
                 "node, `ray start --address=<head>:6379` on the others) and pass --ray-address <head>:6379 "
                 "(or set RAY_ADDRESS)"
             )

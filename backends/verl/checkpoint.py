@@ -1,6 +1,6 @@
 """A verl checkpoint step as a Hugging Face directory, for the export stage.
 
-    python -m flows.grpo --model qwen3-moe-recipe --device gpu --stages export_checkpoint --run-name <run>
+    python -m flows.grpo --model qwen3.5-122b-a10b --device npu --stages export_checkpoint --run-name <run>
 
 verl's Megatron checkpoint (layout v2) keeps the policy under `global_step_N/actor/model/`:
 - `huggingface/`: the bridge's HF weights, config and tokenizer (verl's default): used as they are;
