@@ -137,8 +137,9 @@ def write_report(
                   f"responses per prompt, {data['train_batch_size']} prompts per step, learning rate {algo['lr']}.", ""]
     models = (evaluation or {}).get("models") or []
     if models:
+        engine = f" Generated with {evaluation['engine']}." if evaluation.get("engine") else ""
         parts += ["## Evaluation", "", f"{models[0]['prompts']} validation prompts, {models[0]['k']} response(s) each, "
-                  "scored with the training reward.", "", metrics_table(models), "", _verdict(models), ""]
+                  f"scored with the training reward.{engine}", "", metrics_table(models), "", _verdict(models), ""]
         if plot_eval(models, run_dir / EVAL_PLOT):
             parts += [f"![evaluation]({EVAL_PLOT})", ""]
         parts += ["Per-sample results: " + ", ".join(f"[{m['name']}]({Path(m['samples_file']).relative_to(run_dir)})"

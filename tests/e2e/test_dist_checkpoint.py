@@ -1,7 +1,8 @@
-"""Work in progress (issue 15): an HF model written as a megatron-core torch_dist checkpoint, a tensor
-at a time, loads into megatron-core's GPTModel (local layer spec, TP=PP=1) with strict key checking
-and gives the HF model's logits; the inverse gives back every tensor bit for bit; bad input is one
-line with nothing left behind."""
+"""HF <-> megatron-core dist checkpoints (common/dist_checkpoint.py): a converted model loads into
+megatron-core's GPTModel (local layer spec, TP=PP=1) with strict key checking and gives the HF
+model's logits (dense, MoE with per-expert and grouped-GEMM experts, HF experts one module each or
+packed, SmolLM2-135M's real weights); HF -> dist -> HF is bit-exact, also through megatron-core's
+own writer; verl steps export from either layout; bad input is one line with nothing left behind."""
 
 from __future__ import annotations
 

@@ -208,6 +208,7 @@ def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefe
     assert evaluation["engine"] == "transformers (cpu) on " + socket.gethostname() + " (2 Ray tasks on the cluster)"
     by_name = {m["name"]: m for m in evaluation["models"]}
     assert by_name["base"]["prompts"] == by_name["trained"]["prompts"] == 6
+    assert f"Generated with {evaluation['engine']}." in (run_dir / "report.md").read_text()
     # the stand-in does not train: the same weights, greedy, give the same responses
     assert Path(by_name["trained"]["samples_file"]).read_text() == Path(by_name["base"]["samples_file"]).read_text()
 
