@@ -167,8 +167,8 @@ def test_the_vllm_engine_translates_settings_and_outputs(tiny_model_dir, monkeyp
         finish_reason: str
 
     class LLM:
-        def __init__(self, model, seed):
-            seen["model"], seen["seed"] = model, seed
+        def __init__(self, model, seed, tensor_parallel_size):
+            seen["model"], seen["seed"], seen["tp"] = model, seed, tensor_parallel_size
 
         def chat(self, prompts, params, use_tqdm):
             seen["params"] = params
@@ -176,9 +176,10 @@ def test_the_vllm_engine_translates_settings_and_outputs(tiny_model_dir, monkeyp
                                                    for j in range(params["n"])]) for i, _ in enumerate(prompts)]
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw))
-    settings = EvalSettings(samples_per_prompt=2, temperature=0.7, max_new_tokens=9, seed=5)
+    settings = EvalSettings(samples_per_prompt=2, temperature=0.7, max_new_tokens=9, seed=5, tensor_parallel_size=4)
     out = vllm_generate(tiny_model_dir, [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], settings)
     assert seen["params"] == {"n": 2, "temperature": 0.7, "max_tokens": 9, "seed": 5} and seen["model"] == str(tiny_model_dir)
+    assert seen["tp"] == 4  # a cluster evaluation's engine spans rollout.tp devices
     assert [[r.text for r in group] for group in out] == [["0-0", "0-1"], ["1-0", "1-1"]]
     assert [r.truncated for r in out[0]] == [False, True] and out[0][1].tokens == 2
     from profiles.platform import Platform
