@@ -59,6 +59,7 @@ class TrainResult(BaseModel):
     metrics_file: str
     resumed_from: int | None = Field(None, description="Step this attempt resumed from, if any.")
     already_complete: bool = Field(False, description="The run had finished before this attempt; nothing was trained.")
+    rollouts: str | None = Field(None, description="How rollouts were generated (engine, cache, compile, batch).")
 
 
 class TrainingInterrupted(Exception):

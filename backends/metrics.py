@@ -25,6 +25,8 @@ class StepMetrics(BaseModel):
     response_length: float = Field(0.0, description="Mean generated tokens per response.")
     tokens_per_s: float | None = Field(None, description="Generated tokens per second of step time.")
     step_time_s: float
+    generation_s: float | None = Field(
+        None, description="Seconds of the step spent generating rollouts (0 on the steps that reuse a round's).")
     learning_rate: float | None = None
     resumed_from: int | None = Field(None, description="Step the attempt that wrote this record resumed from.")
     time: float = Field(..., description="Unix time the step ended.")

@@ -1,18 +1,24 @@
-"""Batched generation (the evaluation engine) vs one prompt at a time, same prompts, same model.
+"""The evaluation engine, two ways on the same prompts and model: batched vs one prompt at a time
+(`--compare batching`), or the eager path vs the fast one (`--compare fast`: static KV cache and a
+compiled decode step, the GPU's `generation` defaults).
 
     .venv/bin/python bench/bench_generation.py [--model smollm2-135m] [--prompts 64] [--batch 32]
+    python bench/bench_generation.py --compare fast --model qwen3-0.6b --device gpu --prompts 128 --max-new-tokens 256
 
 Greedy decoding of `--max-new-tokens` on the arith validation prompts, through
-`stages.evaluate.transformers_generate` with `eval.batch_size` = `--batch` and = 1, alternating
-twice; prints prompts/s of each and the speed-up.
+`stages.evaluate.transformers_generate`, the sides alternating for `--rounds`; prints each side's
+time, prompts/s and generated tokens/s, and the speed-up. The fast side's first round includes its
+compilation and is left out when there is more than one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,29 +32,57 @@ from stages.model import ModelSpec, prepare_model  # noqa: E402
 from common.rl_data import arith_splits  # noqa: E402
 
 
+def model_dir_for(name: str) -> Path:
+    if name == "qwen3-0.6b":
+        from bench_local_backend import make_model
+
+        out = Path(tempfile.mkdtemp(prefix="bench-generation-")) / "model"
+        make_model(name, out)
+        return out
+    profile = resolve_profile(name, "cpu")
+    return Path(prepare_model(ModelSpec.from_profile(profile.model), log=lambda m: None).path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m", choices=["tiny", "smollm2-135m"])
+    parser.add_argument("--compare", choices=["batching", "fast"], default="batching")
+    parser.add_argument("--model", default="smollm2-135m", choices=["tiny", "smollm2-135m", "qwen3-0.6b"])
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, help="also write the result as JSON here")
     args = parser.parse_args()
-    profile = resolve_profile(args.model, "cpu")
-    model_dir = Path(prepare_model(ModelSpec.from_profile(profile.model), log=lambda m: None).path)
+    model_dir = model_dir_for(args.model)
     prompts = [row["prompt"] for row in arith_splits(8, args.prompts, seed=0)["test"].to_pylist()]
-    timings: dict[int, list[float]] = {args.batch: [], 1: []}
+    base = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                torch_device="cuda" if args.device == "gpu" else "cpu", dtype="bfloat16" if args.device == "gpu" else "float32")
+    if args.compare == "batching":
+        sides = {f"batch {args.batch}": EvalSettings(**base), "batch 1": EvalSettings(**{**base, "batch_size": 1})}
+    else:
+        sides = {"eager": EvalSettings(**base), "fast": EvalSettings(**base, cache="static", compile=True)}
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    tokens: dict[str, int] = {}
     for round_index in range(args.rounds):
-        for batch in (args.batch, 1) if round_index % 2 == 0 else (1, args.batch):
-            settings = EvalSettings(max_new_tokens=args.max_new_tokens, batch_size=batch)
+        for name in list(sides) if round_index % 2 == 0 else list(sides)[::-1]:
             start = time.perf_counter()
-            transformers_generate(model_dir, prompts, settings)
-            timings[batch].append(time.perf_counter() - start)
-    batched, single = statistics.median(timings[args.batch]), statistics.median(timings[1])
-    print(f"model {args.model}, {args.prompts} prompts, {args.max_new_tokens} new tokens, greedy, {args.rounds} rounds")
-    print(f"batch {args.batch}: {batched:.2f} s ({args.prompts / batched:.1f} prompts/s)")
-    print(f"batch 1:  {single:.2f} s ({args.prompts / single:.1f} prompts/s)")
-    print(f"speed-up batched / one at a time: {single / batched:.2f}x")
+            responses = transformers_generate(model_dir, prompts, sides[name])
+            seconds[name].append(time.perf_counter() - start)
+            tokens[name] = sum(r.tokens for group in responses for r in group)
+    result = {"model": args.model, "device": args.device, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
+              "rounds": args.rounds}
+    for name, times in seconds.items():
+        kept = times[1:] if args.compare == "fast" and name == "fast" and len(times) > 1 else times
+        median = statistics.median(kept)
+        result[name] = {"s": round(median, 2), "prompts_per_s": round(args.prompts / median, 1),
+                        "tokens_per_s": round(tokens[name] / median, 1), "all_rounds_s": [round(t, 2) for t in times]}
+    first, second = list(sides)
+    result["speedup"] = round(result[second]["tokens_per_s"] / result[first]["tokens_per_s"], 2) if args.compare == "fast" \
+        else round(result[second]["s"] / result[first]["s"], 2)
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
-"""Per-step time of the local backend vs a bare TRL GRPOTrainer script, same model, data, settings.
+"""The local backend (the device's generation settings) vs a bare TRL GRPOTrainer script (TRL's own
+generation: eager, dynamic cache, one step's prompts at a time), same model, data and reward.
 
-    .venv/bin/python bench/bench_local_backend.py                                  # CPU, tiny
-    python bench/bench_local_backend.py --model qwen3-0.6b --device gpu --steps 12  # one GPU
+    .venv/bin/python bench/bench_local_backend.py                                   # CPU, tiny
+    python bench/bench_local_backend.py --model qwen3-0.6b --device gpu --steps 12 --warmup 4
 
 Both sides train the same model on the same arith prompts with the same GRPOConfig (derived once
-from the profile), the arith reward, and a fixed completion length (min = max new tokens), in one
-process / one Ray Train worker with the same cores. The bare side is what a person would write:
-load, GRPOTrainer, train. The local backend side is `train_local`: Ray Train worker, metrics file,
-checkpoint publishing. Step time = step begin to the step's log, median over the steps after
-warm-up; the ratio local / bare is the orchestration's cost (goal <= 1.05).
+from the profile) except for generation, the arith reward, and a fixed completion length (min = max
+new tokens), in one process / one Ray Train worker with the same cores. The bare side is what a
+person would write: load, GRPOTrainer, train. The local backend side is `train_local` with the
+profile's `generation` section (on a GPU: static cache, compiled decoding, 4 steps' prompts per
+generation): Ray Train worker, metrics file, checkpoint publishing. After `--warmup` steps (keep it a
+multiple of the steps per generation: the first round compiles), per side: mean step time (a round
+generates on one step and reuses on the others, so the mean, not the median), generated tokens/s,
+and decode time per token (time in `generate` / tokens per sequence); the ratio of tokens/s.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from backends.local.driver import train_local  # noqa: E402
 from backends.metrics import StepMetrics  # noqa: E402
 from backends.local.settings import LocalTrainSettings, plan_local_training  # noqa: E402
-from backends.local.worker import training_rows  # noqa: E402
+from backends.local.worker import GenerationTimer, training_rows  # noqa: E402
 from profiles.loader import resolve_profile  # noqa: E402
 from common.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
 from common.rl_data import arith_splits  # noqa: E402
@@ -73,7 +77,8 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
     def reward(prompts, completions, ground_truth, **_):
         return [arith_score(c[-1]["content"], truth).reward for c, truth in zip(completions, ground_truth)]
 
-    times: list[float] = []
+    times: list[tuple[float, float]] = []
+    timer = GenerationTimer(model)
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -81,7 +86,7 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
-                times.append(time.perf_counter() - self.started)
+                times.append((time.perf_counter() - self.started, timer.take()))
 
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=settings.max_steps, save_strategy="no", logging_steps=1,
                       report_to=[], seed=settings.seed, use_cpu=not settings.platform.accelerated,
@@ -95,7 +100,7 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
     return times
 
 
-def local_backend(settings: LocalTrainSettings) -> list[float]:
+def local_backend(settings: LocalTrainSettings) -> list[tuple[float, float]]:
     import ray
 
     records: list[StepMetrics] = []
@@ -103,7 +108,7 @@ def local_backend(settings: LocalTrainSettings) -> list[float]:
         train_local(settings, None, None, on_step=records.append, run_name="bench")
     finally:
         ray.shutdown()  # no Ray processes left to compete with the next bare run
-    return [r.step_time_s for r in sorted(records, key=lambda r: r.step)]
+    return [(r.step_time_s, r.generation_s or 0.0) for r in sorted(records, key=lambda r: r.step)]
 
 
 def main() -> None:
@@ -111,7 +116,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny", "qwen3-0.6b"], default="tiny")
     parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the medians")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out (keep it a multiple of the steps per generation)")
     parser.add_argument("--rounds", type=int, default=2, help="bare / local pairs, alternating")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--generations", type=int, default=4)
@@ -124,33 +129,47 @@ def main() -> None:
     make_model(args.model, model_dir)
     pq.write_table(arith_splits(args.prompts * args.steps, 8, seed=0)["train"], train_file)
     completions = args.prompts * args.generations
-    profile = resolve_profile("tiny", args.device, overrides=[
+    overrides = [
         f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
         f"actor.ppo_micro_batch_size_per_gpu={completions}", f"algorithm.rollout_n={args.generations}",
         f"data.max_response_length={args.completion_length}", "data.max_prompt_length=512",
         f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.steps}", "cluster.devices_per_node=1",
-    ])
+    ]
+    # TRL's own generation, for the bare script: eager, dynamic cache, each step's prompts on their own.
+    plain = ["generation.cache=dynamic", "generation.compile=false", "generation.steps_per_generation=1"]
     devices_here = os.cpu_count() or 1 if args.device == "cpu" else 1
-    settings = plan_local_training(profile, [str(train_file)], str(model_dir), work / "run", devices_here)
-    settings.grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
+    sides = {}
+    for name, extra in (("bare_trl", plain), ("local_backend", [])):
+        profile = resolve_profile("tiny", args.device, overrides=overrides + extra)
+        sides[name] = plan_local_training(profile, [str(train_file)], str(model_dir), work / "run", devices_here)
+        sides[name].grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
+    fast = sides["local_backend"].generation
+    print(f"local backend generation: {fast.describe(args.device != 'cpu')}", flush=True)
 
-    bare_times, local_times = [], []
+    timed: dict[str, list[tuple[float, float]]] = {"bare_trl": [], "local_backend": []}
     for round_index in range(args.rounds):
-        run = settings.model_copy(update={"run_dir": str(work / f"run-{round_index}")})
-        for side in (bare_trl, local_backend) if round_index % 2 == 0 else (local_backend, bare_trl):
-            times = side(run)
-            (bare_times if side is bare_trl else local_times).extend(times[args.warmup:])
-            print(f"round {round_index} {side.__name__}: median {statistics.median(times[args.warmup:]):.3f} s/step "
-                  f"over {len(times) - args.warmup} steps", flush=True)
-    bare, local = statistics.median(bare_times), statistics.median(local_times)
-    tokens = completions * args.completion_length
-    result = {
-        "model": args.model, "device": args.device, "steps": args.steps, "rounds": args.rounds,
-        "completions_per_step": completions, "completion_length": args.completion_length,
-        "bare_trl_s_per_step": round(bare, 4), "local_backend_s_per_step": round(local, 4),
-        "ratio_local_over_bare": round(local / bare, 3), "bare_tokens_per_s": round(tokens / bare, 1),
-        "local_tokens_per_s": round(tokens / local, 1),
-    }
+        order = ("bare_trl", "local_backend") if round_index % 2 == 0 else ("local_backend", "bare_trl")
+        for name in order:
+            run = sides[name].model_copy(update={"run_dir": str(work / f"run-{round_index}-{name}")})
+            steps = (bare_trl if name == "bare_trl" else local_backend)(run)[args.warmup:]
+            timed[name].extend(steps)
+            print(f"round {round_index} {name}: mean {statistics.fmean(t for t, _ in steps):.3f} s/step over "
+                  f"{len(steps)} steps", flush=True)
+    tokens_per_step = completions * args.completion_length
+    result = {"model": args.model, "device": args.device, "steps": args.steps, "warmup": args.warmup,
+              "rounds": args.rounds, "completions_per_step": completions, "completion_length": args.completion_length,
+              "local_generation": fast.describe(args.device != "cpu")}
+    for name, steps in timed.items():
+        step_s = statistics.fmean(t for t, _ in steps)
+        generating = sum(g for _, g in steps)
+        rounds = sum(1 for _, g in steps if g > 0) or 1
+        result[name] = {
+            "s_per_step": round(step_s, 4), "tokens_per_s": round(tokens_per_step / step_s, 1),
+            "generate_share": round(generating / sum(t for t, _ in steps), 3),
+            "decode_ms_per_token": round(1000 * generating / rounds / args.completion_length, 3),
+            "step_s_min_max": [round(min(t for t, _ in steps), 3), round(max(t for t, _ in steps), 3)],
+        }
+    result["speedup_tokens_per_s"] = round(result["local_backend"]["tokens_per_s"] / result["bare_trl"]["tokens_per_s"], 2)
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

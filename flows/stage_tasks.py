@@ -179,7 +179,8 @@ def evaluate_task(
         engine = on_cluster(profile.platform, max(1, devices // profile.rollout.tp), profile.rollout.tp, ray_address,
                             runtime_env or {})
     else:
-        engine = choose_engine(profile.platform, device.count)
+        engine = choose_engine(profile.platform, device.count,
+                               profile.generation.resolved_engine(profile.platform.accelerated))
     with progress_artifact("evaluate", f"evaluate {', '.join(models)}"):
         logger.info("generation engine: %s", engine.__name__)
         report = evaluate(models, Path(data.val_files[0]), settings, run_dir / "eval", engine)

@@ -69,6 +69,55 @@ class RolloutSection(Section):
     )
 
 
+class GenerationSection(Section):
+    """How the local backend generates its rollouts and the evaluation stage its responses: the same
+    model doing the same work, on the same settings. Library options only (transformers' generate,
+    TRL, vLLM); the device profiles hold the fastest measured for each device."""
+
+    engine: Literal["auto", "transformers", "vllm"] = Field(
+        "auto",
+        description="`vllm`: vLLM (vllm-ascend on NPUs) in colocate mode through TRL, `rollout.gpu_memory_utilization` "
+        "of the device; `transformers`: `generate` with the settings below; `auto`: vLLM when it is importable on "
+        "a GPU or NPU, else transformers.",
+    )
+    cache: Literal["dynamic", "static"] = Field(
+        "dynamic", description="KV cache of `generate`: `static` preallocates it, which compiled decoding needs."
+    )
+    compile: bool = Field(
+        False,
+        description="Compile the decode step (torch.compile; CUDA graphs on GPUs): one launch per token instead "
+        "of hundreds. Needs `cache: static`; the first generation pays the compilation.",
+    )
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
+        "sdpa", description="Attention kernels of the transformers model (`flash_attention_2` needs flash-attn)."
+    )
+    steps_per_generation: int = Field(
+        1,
+        gt=0,
+        description="GRPO steps whose prompts are generated in one round (one large batch instead of several "
+        "small ones); the later steps of a round update on responses of a slightly older policy, which GRPO's "
+        "clipped importance ratio accounts for. 1: every step generates from the current policy, as verl does.",
+    )
+
+
+    def resolved_engine(self, accelerated: bool) -> str:
+        """`vllm` or `transformers`: what `engine` means on this host."""
+        import importlib.util
+
+        if self.engine != "auto":
+            return self.engine
+        return "vllm" if accelerated and importlib.util.find_spec("vllm") is not None else "transformers"
+
+    def describe(self, accelerated: bool) -> str:
+        """The generation path in words, as the log and the report give it."""
+        if self.resolved_engine(accelerated) == "vllm":
+            path = "vLLM (colocate)"
+        else:
+            path = f"transformers generate ({self.cache} cache, {'compiled' if self.compile else 'eager'} decoding, " \
+                   f"{self.attn_implementation} attention)"
+        return f"{path}, {self.steps_per_generation} step(s)' prompts per generation"
+
+
 class LogProbSection(Section):
     """Log-prob recomputation settings, shared by the rollout (old log-probs) and the reference."""
 

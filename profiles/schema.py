@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from profiles.engine import EngineSection, LogProbSection, RolloutSection
+from profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
 from profiles.platform import DeviceKind, Platform
 from profiles.section import Section
 
@@ -231,6 +231,8 @@ class RunProfile(Section):
     actor: ActorSection = Field(default_factory=ActorSection)
     engine: EngineSection = Field(default_factory=EngineSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
+    generation: GenerationSection = Field(
+        default_factory=GenerationSection, description="How the local backend and the evaluation stage generate.")
     log_prob: LogProbSection = Field(default_factory=LogProbSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     eval: EvalSection = Field(default_factory=EvalSection, description="The evaluation stage.")

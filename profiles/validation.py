@@ -132,6 +132,23 @@ def length_problems(p: RunProfile) -> list[str]:
     return []
 
 
+def generation_problems(p: RunProfile) -> list[str]:
+    """Generation settings that cannot work together or here."""
+    import importlib.util
+
+    g, problems = p.generation, []
+    if g.compile and g.cache != "static":
+        problems.append("generation.compile=true needs generation.cache=static (a compiled decode step needs a "
+                        "fixed-size KV cache); set both, or generation.compile=false")
+    if g.engine == "vllm" and not p.platform.accelerated:
+        problems.append(f"generation.engine=vllm on device {p.platform.kind}: vLLM needs a GPU or NPU; use "
+                        "generation.engine=auto")
+    elif g.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        problems.append("generation.engine=vllm: vllm is not installed here; install it (vllm-ascend on NPUs) or use "
+                        "generation.engine=auto")
+    return problems
+
+
 def conversion_problems(p: RunProfile) -> list[str]:
     """A dist checkpoint asked for a model the converter cannot write (common/dist_checkpoint.py)."""
     if p.model.dist_checkpoint and p.model.architecture.linear_num_key_heads:
@@ -148,6 +165,6 @@ def validate_profile(p: RunProfile) -> None:
     cannot run) and the ones that hold for any backend; all problems on one line."""
     from backends import backend_for
 
-    problems = backend_for(p.backend).profile_problems(p) + length_problems(p) + conversion_problems(p)
+    problems = backend_for(p.backend).profile_problems(p) + length_problems(p) + conversion_problems(p) + generation_problems(p)
     if problems:
         raise ProfileError("invalid profile: " + "; ".join(problems))

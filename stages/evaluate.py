@@ -46,6 +46,9 @@ class EvalSettings(BaseModel):
     torch_device: str = Field("cpu", description="Where generation runs (the platform's torch device).")
     dtype: str = Field("float32", description="Dtype of the model while generating.")
     tensor_parallel_size: int = Field(1, description="Devices one vLLM engine spans (cluster evaluation).")
+    cache: str = Field("dynamic", description="KV cache of transformers' generate (`generation.cache`).")
+    compile: bool = Field(False, description="Compiled decode step (`generation.compile`).")
+    attn_implementation: str = Field("sdpa", description="Attention kernels (`generation.attn_implementation`).")
 
     @classmethod
     def from_profile(cls, profile: RunProfile) -> EvalSettings:
@@ -60,7 +63,12 @@ class EvalSettings(BaseModel):
             max_new_tokens=section.max_new_tokens or profile.data.max_response_length, batch_size=section.batch_size,
             max_prompts=section.max_prompts, seed=section.seed, reward_function=profile.algorithm.reward_function,
             torch_device=profile.platform.torch_device, dtype=profile.platform.run_dtype(profile.engine.dtype),
+            cache=profile.generation.cache, compile=profile.generation.compile,
+            attn_implementation=profile.generation.attn_implementation,
         )
+
+    def transformers_path(self) -> str:
+        return f"{self.cache} cache, {'compiled' if self.compile else 'eager'} decoding, {self.attn_implementation} attention"
 
 
 class Response(BaseModel):
@@ -135,7 +143,18 @@ def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: 
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     device = settings.torch_device
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype)).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype),
+                                                 attn_implementation=settings.attn_implementation).to(device).eval()
+    fast = {"cache_implementation": "static"} if settings.cache == "static" else {}
+    if settings.compile:
+        from common.generation import compiled_decoding
+
+        compiled_decoding(model.generation_config, device != "cpu")
+    else:
+        fast["disable_compile"] = True
+    # A compiled decode step is specialised to its shapes: prompts padded to a multiple of 64 tokens
+    # reuse a few compiled graphs instead of one per batch.
+    pad_to = 64 if settings.compile else None
     stop_ids = set(_as_list(model.generation_config.eos_token_id) + [tokenizer.eos_token_id]) - {None}
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
     torch.manual_seed(settings.seed)
@@ -143,7 +162,7 @@ def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: 
     with Bar(total=len(texts), desc=f"generate {model_dir.name}", unit="prompt") as bar, torch.inference_mode():
         for start in range(0, len(texts), settings.batch_size):
             batch = tokenizer(texts[start : start + settings.batch_size], return_tensors="pt", padding=True,
-                              add_special_tokens=False).to(device)
+                              pad_to_multiple_of=pad_to, add_special_tokens=False).to(device)
             output = model.generate(
                 **batch,
                 max_new_tokens=settings.max_new_tokens,
@@ -152,6 +171,7 @@ def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: 
                 top_p=None, top_k=None,
                 num_return_sequences=settings.samples_per_prompt,
                 pad_token_id=tokenizer.pad_token_id,
+                **fast,
             )
             new = output[:, batch["input_ids"].shape[1] :].tolist()
             for offset in range(0, len(new), settings.samples_per_prompt):
@@ -181,14 +201,10 @@ def vllm_generate(model_dir: Path, prompts: list[list[dict]], settings: EvalSett
     ]
 
 
-def choose_engine(platform: Platform, devices: int) -> Generate:
-    """vLLM on an accelerator when it is installed, else transformers; sharded over the devices."""
-    import importlib.util
-
-    if not platform.accelerated:
-        return transformers_generate
-    engine = vllm_generate if importlib.util.find_spec("vllm") else transformers_generate
-    return sharded(engine, devices, platform) if devices > 1 else engine
+def choose_engine(platform: Platform, devices: int, engine: str = "transformers") -> Generate:
+    """`engine` (`generation.engine` as resolved here: vllm or transformers), sharded over the devices."""
+    generate = vllm_generate if engine == "vllm" else transformers_generate
+    return sharded(generate, devices, platform) if platform.accelerated and devices > 1 else generate
 
 
 def generate_on_node(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> tuple[str, list[list[Response]]]:
@@ -340,4 +356,7 @@ def evaluate(
     rows = load_validation(val_file, settings.max_prompts)
     results = [evaluate_model(name, path, rows, settings, out_dir, generate) for name, path in models.items()]
     # named after generating: an engine on the cluster says then which engine its nodes had
-    return EvalReport(val_file=str(val_file), engine=getattr(generate, "__name__", "custom"), models=results)
+    engine = getattr(generate, "__name__", "custom")
+    if "transformers" in engine:
+        engine += f" ({settings.transformers_path()})"
+    return EvalReport(val_file=str(val_file), engine=engine, models=results)

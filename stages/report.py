@@ -152,6 +152,8 @@ def write_report(
             resumed = f", resumed from step {train['resumed_from']}" if train.get("resumed_from") is not None else ""
             parts += [f"{train['steps_done']} of {train['max_steps']} steps{resumed}; policy in "
                       f"[{Path(train['checkpoint_dir']).relative_to(run_dir)}]({Path(train['checkpoint_dir']).relative_to(run_dir)}).", ""]
+        if train.get("rollouts"):
+            parts += [f"Rollouts: {train['rollouts']}.", ""]
         if plot_reward_curve(Path(train["metrics_file"]), run_dir / REWARD_CURVE):
             parts += [f"![reward curve]({REWARD_CURVE})", "", f"Step by step: [metrics.jsonl]({Path(train['metrics_file']).relative_to(run_dir)})", ""]
     if timings:

@@ -41,6 +41,35 @@ def test_the_profile_maps_to_trl_explicitly(tmp_path, arith_train):
     assert grpo_fields(resolve_profile("tiny", "cpu", overrides=["algorithm.use_kl_loss=false"]), 1)[0]["beta"] == 0.0
 
 
+def test_the_generation_settings_reach_trl_and_the_worker(tmp_path, arith_train, monkeypatch):
+    cpu = plan(tmp_path, arith_train, "m", 2)
+    assert cpu.grpo["cache_implementation"] is None and cpu.generation.compile is False  # CPU: eager, dynamic
+    assert "use_vllm" not in cpu.grpo
+    fast = plan(tmp_path, arith_train, "m", 2, "generation.cache=static", "generation.compile=true",
+                "generation.steps_per_generation=4", "generation.attn_implementation=eager")
+    assert fast.grpo["cache_implementation"] == "static" and fast.grpo["generation_batch_size"] == 4 * 32
+    assert (fast.generation.compile, fast.generation.attn_implementation) == (True, "eager")
+    gpu = resolve_profile("tiny", "gpu")  # the device's defaults: the fastest path measured on an H200
+    assert (gpu.generation.cache, gpu.generation.compile, gpu.generation.steps_per_generation) == ("static", True, 4)
+    assert gpu.generation.describe(accelerated=True) == ("transformers generate (static cache, compiled decoding, "
+                                                         "sdpa attention), 4 step(s)' prompts per generation")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "vllm" else None)
+    colocated = grpo_fields(resolve_profile("tiny", "gpu", overrides=["rollout.gpu_memory_utilization=0.4"]), 1)[0]
+    assert (colocated["use_vllm"], colocated["vllm_mode"], colocated["vllm_gpu_memory_utilization"]) == (True, "colocate", 0.4)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["generation.compile=true"], "generation.compile=true needs generation.cache=static"),
+        (["generation.engine=vllm"], "generation.engine=vllm on device cpu: vLLM needs a GPU or NPU"),
+    ],
+)
+def test_generation_settings_that_cannot_work_are_refused(overrides, message):
+    with pytest.raises(ProfileError, match=message):
+        resolve_profile("tiny", "cpu", overrides=overrides)
+
+
 @pytest.mark.parametrize(
     "overrides, devices_here, message",
     [

@@ -27,6 +27,9 @@ The verl <-> TRL mapping of the one `algorithm` section (also in docs/local-back
 | data.max_response_length                    | max_completion_length                        |
 | data.max_prompt_length                      | prompts longer are filtered or refused here  |
 | data.train_batch_size x rollout_n           | generation_batch_size                        |
+|   x generation.steps_per_generation         |                                              |
+| generation.cache / compile / engine         | cache_implementation, disable_compile=False, |
+|                                             | use_vllm + vllm_mode="colocate"              |
 | actor.ppo_mini_batch_size x rollout_n       | completions per optimizer step (grad. accum.) |
 | actor.ppo_micro_batch_size_per_gpu          | per_device_train_batch_size (+ grad. accum.) |
 | trainer.total_training_steps, save_freq     | max_steps, save_steps (x steps_per_generation)|

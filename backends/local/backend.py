@@ -32,8 +32,11 @@ class LocalBackend(Backend):
                                        run.devices_here)
         if overlong := check_prompt_lengths(settings):
             progress.note(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
+        rollouts = profile.generation.describe(profile.platform.accelerated)
+        progress.note(f"rollouts: {rollouts}")
         progress.started(settings.max_steps, latest_step(settings.checkpoints))
         result = train_local(settings, run.runtime_env, run.ray_address, progress.step, run_name=run.run_name)
+        result = result.model_copy(update={"rollouts": rollouts})
         if result.already_complete:
             progress.note(f"the run was already complete at step {result.steps_done}: nothing trained")
         return result

@@ -61,9 +61,14 @@ def grpo_fields(profile: RunProfile, workers: int) -> tuple[dict[str, Any], int]
         "max_completion_length": data.max_response_length,
         # Global completions per generation round; TRL splits them into micro batches and takes
         # train_batch_size / ppo_mini_batch_size optimizer steps on them, as verl does.
-        "generation_batch_size": data.train_batch_size * n,
+        # generation.steps_per_generation > 1 generates several steps' prompts in one round.
+        "generation_batch_size": data.train_batch_size * n * profile.generation.steps_per_generation,
+        "cache_implementation": "static" if profile.generation.cache == "static" else None,
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": per_update // (micro * workers),
         "gradient_checkpointing": profile.model.enable_gradient_checkpointing,
     }
+    if profile.generation.resolved_engine(profile.platform.accelerated) == "vllm":
+        fields.update(use_vllm=True, vllm_mode="colocate",
+                      vllm_gpu_memory_utilization=profile.rollout.gpu_memory_utilization)
     return fields, updates_per_step

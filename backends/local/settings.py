@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from backends.local.checkpoints import CHECKPOINTS
 from backends.local.mapping import grpo_fields
 from backends.metrics import METRICS
+from profiles.engine import GenerationSection
 from profiles.errors import ProfileError, UserError
 from profiles.platform import Platform
 from profiles.schema import RunProfile
@@ -40,6 +41,8 @@ class LocalTrainSettings(BaseModel):
     filter_overlong_prompts: bool
     reward_function: str | None = None
     grpo: dict[str, Any] = Field(..., description="GRPOConfig fields derived from the profile.")
+    generation: GenerationSection = Field(default_factory=GenerationSection,
+                                          description="How rollouts are generated (what GRPOConfig has no field for).")
 
     @property
     def checkpoints(self) -> Path:
@@ -93,6 +96,7 @@ def plan_local_training(
         filter_overlong_prompts=profile.data.filter_overlong_prompts,
         reward_function=profile.algorithm.reward_function,
         grpo=grpo,
+        generation=profile.generation,
     )
 
 

@@ -20,6 +20,7 @@ from transformers import TrainerCallback
 from backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
 from backends.local.settings import LocalTrainSettings, prompt_length
 from backends.metrics import StepMetrics, append_metrics, keep_metrics_up_to
+from common.generation import compiled_decoding
 
 
 def worker_loop(config: dict[str, Any]) -> None:
@@ -42,7 +43,9 @@ def worker_loop(config: dict[str, Any]) -> None:
         keep_metrics_up_to(settings.metrics_file, resume or 0)
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
-    model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=getattr(torch, settings.dtype))
+    model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=getattr(torch, settings.dtype),
+                                                 attn_implementation=settings.generation.attn_implementation)
+    timer = GenerationTimer(model)
     train = training_rows(settings, tokenizer, datasets)
     args = GRPOConfig(
         output_dir=str(settings.checkpoints / TRAINER_DIR),
@@ -64,10 +67,33 @@ def worker_loop(config: dict[str, Any]) -> None:
         args=args,
         train_dataset=train,
         processing_class=tokenizer,
-        callbacks=[_MetricsWriter(settings, rank, resume), _CheckpointPublisher(settings, rank)],
+        callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
     )
+    if settings.generation.compile and not settings.grpo.get("use_vllm"):
+        compiled_decoding(trainer.generation_config, settings.platform.accelerated)
     checkpoint = settings.checkpoints / f"global_step_{resume}" if resume is not None else None
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+
+
+class GenerationTimer:
+    """Seconds spent in the model's `generate` since the last `take()`: TRL generates through the
+    unwrapped model, so wrapping this instance's method sees every rollout."""
+
+    def __init__(self, model):
+        self.seconds, generate = 0.0, model.generate
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        model.generate = timed
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def training_rows(settings: LocalTrainSettings, tokenizer, datasets_module):
@@ -98,8 +124,8 @@ def _reward_function(custom: str | None) -> Callable:
 class _MetricsWriter(TrainerCallback):
     """Rank 0 appends one JSON line per optimizer step; the driver follows the file."""
 
-    def __init__(self, settings: LocalTrainSettings, rank: int, resumed_from: int | None):
-        self.settings, self.rank, self.resumed_from = settings, rank, resumed_from
+    def __init__(self, settings: LocalTrainSettings, rank: int, resumed_from: int | None, timer: GenerationTimer):
+        self.settings, self.rank, self.resumed_from, self.timer = settings, rank, resumed_from, timer
         self.step_started = time.perf_counter()
         grpo = settings.grpo
         self.completions_per_step = grpo["per_device_train_batch_size"] * settings.workers * grpo["gradient_accumulation_steps"]
@@ -122,6 +148,7 @@ class _MetricsWriter(TrainerCallback):
             response_length=length,
             tokens_per_s=length * self.completions_per_step / step_time if step_time > 0 else None,
             step_time_s=step_time,
+            generation_s=self.timer.take(),
             learning_rate=logs.get("learning_rate"),
             resumed_from=self.resumed_from,
             time=time.time(),

@@ -69,6 +69,9 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     report = (run_dir / "report.md").read_text()
     assert result["report"] == str(run_dir / "report.md")
     assert "| metric | base | trained | Δ (last - first) |" in report and "## Time per stage" in report
+    # the generation path, of the rollouts and of the evaluation (the CPU's: eager, dynamic cache)
+    assert "Rollouts: transformers generate (dynamic cache, eager decoding, sdpa attention), 1 step(s)' prompts" in report
+    assert "Generated with transformers_generate (dynamic cache, eager decoding, sdpa attention)." in report
     for image in ("reward_curve.png", "eval_comparison.png"):
         assert f"]({image})" in report and (run_dir / image).read_bytes().startswith(b"\x89PNG")
     for target in re.findall(r"\]\(([^)]+)\)", report):
