@@ -121,11 +121,16 @@ def _reward_function(custom: str | None) -> Callable:
     return reward
 
 
+# What TRL logs once per generation round (a round serves generation.steps_per_generation steps).
+ROUND_KEYS = ("reward", "reward_std", "completions/mean_length")
+
+
 class _MetricsWriter(TrainerCallback):
     """Rank 0 appends one JSON line per optimizer step; the driver follows the file."""
 
     def __init__(self, settings: LocalTrainSettings, rank: int, resumed_from: int | None, timer: GenerationTimer):
         self.settings, self.rank, self.resumed_from, self.timer = settings, rank, resumed_from, timer
+        self.round: dict[str, float] = {}
         self.step_started = time.perf_counter()
         grpo = settings.grpo
         self.completions_per_step = grpo["per_device_train_batch_size"] * settings.workers * grpo["gradient_accumulation_steps"]
@@ -134,8 +139,15 @@ class _MetricsWriter(TrainerCallback):
         self.step_started = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.rank != 0 or not logs or "reward" not in logs:
+        if self.rank != 0 or not logs or ("loss" not in logs and "reward" not in logs):
+            return  # the end-of-training summary
+        # TRL logs the rewards of a generation round on its first step only; the round's other steps
+        # (generation.steps_per_generation > 1) train on the same responses: their record says so.
+        if "reward" in logs:
+            self.round = {key: logs[key] for key in ROUND_KEYS if key in logs}
+        if not self.round:
             return
+        logs = {**self.round, **logs}
         step_time = time.perf_counter() - self.step_started
         length = logs.get("completions/mean_length", 0.0)
         append_metrics(self.settings.metrics_file, StepMetrics(

@@ -62,6 +62,29 @@ def test_two_workers_learn_the_reward(tmp_path):
     assert all(line["tokens_per_s"] > 0 and line["step_time_s"] > 0 and line["entropy"] > 0 for line in lines)
 
 
+def test_the_fast_rollout_path_records_every_step_of_a_generation_round(tmp_path):
+    """generation.steps_per_generation=2 with a static cache and compiled decoding (the GPU's path,
+    compiled here on the CPU): each round generates on its first step, every step gets its record,
+    and the round's second step carries the round's rewards."""
+    overrides = ["cluster.devices_per_node=1", f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
+                 "trainer.total_training_steps=4", "trainer.save_freq=4", "generation.cache=static",
+                 "generation.compile=true", "generation.steps_per_generation=2"]
+    profile = resolve_profile("tiny", "cpu", overrides=overrides)
+    data = fetch_dataset(DataSpec.from_profile(profile.data))
+    model = prepare_model(ModelSpec.from_profile(profile.model))
+    settings = plan_local_training(profile, data.train_files, model.path, tmp_path / "fast", devices_here=1)
+    try:
+        result = train_local(settings, None, None)
+    finally:
+        ray.shutdown()
+    assert result.steps_done == 4
+    records = [json.loads(line) for line in Path(settings.metrics_file).read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["generation_s"] > 0 for r in records] == [True, False, True, False]
+    assert records[1]["reward_mean"] == records[0]["reward_mean"] and records[3]["reward_mean"] == records[2]["reward_mean"]
+    assert all(r["loss"] is not None for r in records)
+
+
 def _kill_a_worker_after_checkpoint(checkpoints: Path, at_least: int, killed: dict) -> None:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
