@@ -113,9 +113,13 @@ class GenerationSection(Section):
         if self.resolved_engine(accelerated) == "vllm":
             path = "vLLM (colocate)"
         else:
-            path = f"transformers generate ({self.cache} cache, {'compiled' if self.compile else 'eager'} decoding, " \
-                   f"{self.attn_implementation} attention)"
+            path = f"transformers generate ({transformers_path(self.cache, self.compile, self.attn_implementation)})"
         return f"{path}, {self.steps_per_generation} step(s)' prompts per generation"
+
+
+def transformers_path(cache: str, compile: bool, attn_implementation: str) -> str:
+    """How transformers' `generate` runs, in words (rollouts and evaluation say it alike)."""
+    return f"{cache} cache, {'compiled' if compile else 'eager'} decoding, {attn_implementation} attention"
 
 
 class LogProbSection(Section):

@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from profiles.engine import transformers_path
 from profiles.errors import UserError
 from profiles.platform import Platform
 from profiles.schema import RunProfile
@@ -68,7 +69,7 @@ class EvalSettings(BaseModel):
         )
 
     def transformers_path(self) -> str:
-        return f"{self.cache} cache, {'compiled' if self.compile else 'eager'} decoding, {self.attn_implementation} attention"
+        return transformers_path(self.cache, self.compile, self.attn_implementation)
 
 
 class Response(BaseModel):
