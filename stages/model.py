@@ -76,6 +76,11 @@ class ModelSpec(BaseModel):
     def store_name(self) -> str:
         return self.source.replace("/", "--")
 
+    @property
+    def dist_store_name(self) -> str:
+        """The store name of its megatron-core dist checkpoint."""
+        return f"{self.store_name}--torch_dist"
+
 
 class DistCheckpoint(BaseModel):
     path: str = Field(..., description="megatron-core torch_dist directory (global shapes: loads at any TP/PP/EP).")
@@ -144,7 +149,7 @@ def dist_identity(model_path: Path) -> dict[str, Any]:
 
 def dist_checkpoint_dir(spec: ModelSpec, model_path: Path) -> Path:
     """Where the dist checkpoint of the HF weights at `model_path` is (or will be)."""
-    return Store(spec.root).path_for(f"{spec.store_name}--torch_dist", dist_identity(model_path))
+    return Store(spec.root).path_for(spec.dist_store_name, dist_identity(model_path))
 
 
 def prepare_dist_checkpoint(spec: ModelSpec, model_path: Path, log=print) -> DistCheckpoint:
@@ -158,7 +163,7 @@ def prepare_dist_checkpoint(spec: ModelSpec, model_path: Path, log=print) -> Dis
         hf_to_dist(model_path, out)  # staged beside `out`, renamed over the store's empty `out`
         return Built(details={"source_path": str(model_path)})
 
-    entry = Store(spec.root).get_or_build(f"{spec.store_name}--torch_dist", identity, convert, log)
+    entry = Store(spec.root).get_or_build(spec.dist_store_name, identity, convert, log)
     return DistCheckpoint(path=str(entry.path), source_sha256=identity["source"], converter=CONVERTER_VERSION,
                           cached=entry.cached)
 
