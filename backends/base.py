@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from backends.metrics import StepMetrics
+    from profiles.memory import MemoryPlan
     from profiles.schema import RunProfile
 
 
@@ -91,6 +92,12 @@ class Backend(ABC):
     def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool,
                   ray_address: str | None) -> None:
         """Refuse at planning what depends on the host, the cluster address or the stages asked for (UserError)."""
+
+    def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
+                    detected_gib: list[float] | None = None) -> MemoryPlan | None:
+        """Device memory per role of this engine's layout (profiles/memory.py), with the devices detected
+        here when there are any; None when this engine has no estimate or the architecture is incomplete."""
+        return None
 
     def submission(self, profile: RunProfile, run: TrainingRun) -> dict | None:
         """What training submits to a cluster, for the dry run; None when it trains in the flow."""

@@ -26,6 +26,8 @@ from flows.local_api import LocalAPIError, flush_prefect, local_api_unless_confi
 from flows.request import STAGES, RunRequest
 from profiles.errors import EXIT_USER_ERROR, UserError
 from profiles.loader import builtin_models
+from profiles.memory import memory_table
+from profiles.model_size import missing_size_fields
 from profiles.secrets import scrub
 
 if TYPE_CHECKING:
@@ -77,7 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="resolve and validate everything, print the profile (YAML) and the exact training command, run "
         "nothing; a named --device is planned for without being required on this host",
     )
-    parser.add_argument("--json", action="store_true", help="with --dry-run: print one JSON object instead")
+    parser.add_argument(
+        "--suggest-layout", action="store_true",
+        help="list the parallel layouts (TP, PP, CP, EP, ETP, rollout TP, offload, micro batch) of the verl backend "
+        "that pass validation and fit in memory on cluster.nnodes x cluster.devices_per_node devices of --device, "
+        "cheapest first by a simple cost model; runs nothing",
+    )
+    parser.add_argument("--json", action="store_true", help="with --dry-run or --suggest-layout: print one JSON object instead")
     return parser
 
 
@@ -123,6 +131,10 @@ def print_dry_run(plan, as_json: bool) -> None:
         print(f"#   {name}={item['value']}  [{item['source']}]")
     for reference in plan.env.unset_references:
         print(f"#   {reference}: not set here; a run refuses to start without it")
+    if plan.memory:
+        print("# memory plan (profiles/memory.py)")
+        for line in memory_table(plan.memory):
+            print(f"#   {line}")
     print("# training command")
     print(format_command(plan.command))
     if job := plan.submission:
@@ -130,6 +142,34 @@ def print_dry_run(plan, as_json: bool) -> None:
               "the last part: the attempt)")
         print(f"#   metadata: {json.dumps(job['metadata'])}")
         print(f"#   runtime_env (every process of the job, on every node): {json.dumps(job['runtime_env'])}")
+
+
+def print_layouts(request: RunRequest, as_json: bool) -> int:
+    """`--suggest-layout`: the layouts that fit, cheapest first; exit 2 when none does."""
+    from profiles.layouts import suggest_layouts, suggestion_table
+    from profiles.loader import resolve_run_profile
+    from stages.device import requested_device
+
+    kind = requested_device(request.device)
+    if kind not in ("gpu", "npu"):
+        raise UserError(f"--suggest-layout plans the verl backend's layouts on GPUs or NPUs, not device {kind!r}; "
+                        "pass --device gpu or --device npu")
+    # The profile's own layout may not be valid for this cluster size: the search does not start from it.
+    profile, _ = resolve_run_profile(request.model, kind, "verl", request.profile_file, request.overrides, validate=False)
+    if missing := missing_size_fields(profile.model.architecture):
+        raise UserError(f"--suggest-layout needs the model's size: set {', '.join(missing)}")
+    suggestions, facts = suggest_layouts(profile)
+    if as_json:
+        print(json.dumps({"facts": facts, "layouts": [
+            {"settings": s.layout.settings(), "step_seconds": s.cost, "memory": s.plan.summary()} for s in suggestions]},
+            indent=2))
+    else:
+        print("\n".join(suggestion_table(suggestions, facts, profile)))
+    if not suggestions:
+        print(f"error: no layout of {profile.model.name} fits {profile.cluster.nnodes} x {profile.cluster.devices_per_node} "
+              f"{profile.platform.accelerator or kind} devices; add nodes (--set cluster.nnodes=N)", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
 
 
 def print_run_summary(result: dict) -> None:
@@ -186,9 +226,11 @@ def import_ahead(stages: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.json and not args.dry_run:
-            raise UserError("--json only applies to --dry-run; add --dry-run")
+        if args.json and not (args.dry_run or args.suggest_layout):
+            raise UserError("--json only applies to --dry-run and --suggest-layout; add --dry-run")
         request = request_from_args(args)
+        if args.suggest_layout:
+            return print_layouts(request, args.json)
         from flows.plan import plan_run
 
         if args.dry_run:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from backends import backend_for
 from backends.base import TrainingRun
 from flows.request import RunRequest
-from profiles.errors import UserError
+from profiles.errors import ProfileError, UserError
 from profiles.loader import resolve_run_profile
 from profiles.schema import RunProfile
 from stages.dataset import DatasetFiles, DataSpec
@@ -36,6 +36,7 @@ class RunPlan(BaseModel):
     env: RuntimeEnv
     command: list[str] = Field(..., description="The training command (argv) the run will execute.")
     submission: dict | None = Field(None, description="What training submits to the cluster (a verl Ray job).")
+    memory: dict | None = Field(None, description="Device memory per role of the layout (profiles/memory.py).")
 
     def summary(self) -> dict[str, Any]:
         """The dry-run JSON: what the run would do, with secrets redacted."""
@@ -46,6 +47,7 @@ class RunPlan(BaseModel):
             "command": self.command,
             "env": self.env.redacted(),
         }
+        summary |= {"memory": self.memory} if self.memory else {}
         return summary | ({"job": self.submission} if self.submission else {})
 
 
@@ -87,6 +89,8 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
     cluster that does not answer."""
     stages = request.stages
     backend_for(profile.backend).check_run(profile, device.count, stages, dry_run, request.ray_address)
+    if (memory := device.memory_plan(profile)) is not None and not memory.fits:
+        raise ProfileError("the layout does not fit in memory: " + "; ".join(memory.problems()))
     if {"fetch_dataset", "train", "evaluate"} & set(stages):
         DataSpec.from_profile(profile.data)
     if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
@@ -141,4 +145,5 @@ def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     return RunPlan(
         run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
         command=training_command(request, profile, run_dir), submission=backend_for(profile.backend).submission(profile, run),
+        memory=memory.summary() if (memory := device.memory_plan(profile)) else None,
     )

@@ -60,6 +60,8 @@ class RolloutSection(Section):
     max_model_len: int | None = Field(
         None, gt=0, description="Context length the inference engine reserves (prompt + response)."
     )
+    max_num_seqs: int = Field(
+        256, gt=0, description="Sequences vLLM runs at once (verl's default); the KV cache should hold this many.")
     dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Inference dtype.")
     update_weights_bucket_megabytes: int = Field(
         512, gt=0, description="Size of the buckets that carry new weights to the inference engine."

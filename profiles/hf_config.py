@@ -33,13 +33,25 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
+# Facts of a model family that its config.json does not spell out.
+_QK_NORM_TYPES = {"qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+_OUTPUT_GATE_TYPES = {"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"}
+_QKV_BIAS_TYPES = {"qwen2", "qwen2_moe"}
+_NUMBERS = ("num_layers", "num_attention_heads", "num_kv_heads", "num_experts", "hidden_size", "vocab_size",
+            "linear_num_key_heads", "linear_num_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "num_experts_per_tok", "full_attention_interval", "linear_key_head_dim",
+            "linear_value_head_dim", "linear_conv_kernel_dim")
+
+
 def architecture_from_hf_config(model_dir: Path) -> dict[str, Any]:
-    """Architecture numbers from a local HF directory's config.json (text_config for multimodal)."""
+    """Architecture numbers from a local HF directory's config.json (text_config for multimodal);
+    only what the file (or its model type) says: what it leaves out is not returned."""
     config = read_hf_config(model_dir)
     text = config.get("text_config") or config
     if not isinstance(text, dict):
         raise ProfileError(f"model directory {shown(model_dir)}: config.json's text_config is a "
                            f"{type(text).__name__}, not an object")
+    model_type = text.get("model_type") or config.get("model_type")
     try:
         found = {
             "num_layers": text["num_hidden_layers"],
@@ -50,11 +62,29 @@ def architecture_from_hf_config(model_dir: Path) -> dict[str, Any]:
             "vocab_size": text["vocab_size"],
             "linear_num_key_heads": text.get("linear_num_key_heads"),
             "linear_num_value_heads": text.get("linear_num_value_heads"),
+            "head_dim": text.get("head_dim"),
+            "intermediate_size": text.get("intermediate_size"),
+            "moe_intermediate_size": text.get("moe_intermediate_size"),
+            "shared_expert_intermediate_size": text.get("shared_expert_intermediate_size"),
+            "num_experts_per_tok": text.get("num_experts_per_tok"),
+            "full_attention_interval": text.get("full_attention_interval"),
+            "linear_key_head_dim": text.get("linear_key_head_dim"),
+            "linear_value_head_dim": text.get("linear_value_head_dim"),
+            "linear_conv_kernel_dim": text.get("linear_conv_kernel_dim"),
+            "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings")),
+            "attention_bias": text.get("attention_bias", True if model_type in _QKV_BIAS_TYPES else None),
+            "attention_output_gate": text.get("attn_output_gate", True if model_type in _OUTPUT_GATE_TYPES else None),
+            "qk_norm": True if model_type in _QK_NORM_TYPES else None,
         }
     except KeyError as exc:
         raise ProfileError(f"model directory {shown(model_dir)}: config.json has no {exc.args[0]}") from None
-    wrong = [name for name, value in found.items()
-             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0)]
+    if not found["num_experts"]:  # a dense model's config may still carry MoE defaults
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok"):
+            found[name] = None
+    wrong = [name for name in _NUMBERS if (value := found[name]) is not None
+             and (isinstance(value, bool) or not isinstance(value, int) or value < 0)]
+    wrong += [name for name, value in found.items() if name not in _NUMBERS and value is not None and not isinstance(value, bool)]
     if wrong:
-        raise ProfileError(f"model directory {shown(model_dir)}: config.json's {', '.join(wrong)} must be whole numbers")
-    return found
+        raise ProfileError(f"model directory {shown(model_dir)}: config.json's {', '.join(wrong)} must be "
+                           "whole numbers (true/false for switches)")
+    return {name: value for name, value in found.items() if value is not None}

@@ -94,7 +94,7 @@ def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 def section_type(annotation: Any) -> type[BaseModel] | None:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
-    if get_origin(annotation) is not None:
+    if get_origin(annotation) not in (None, dict):  # a dict of sections is a value, not a section
         for arg in get_args(annotation):
             if isinstance(arg, type) and issubclass(arg, BaseModel):
                 return arg
@@ -187,8 +187,10 @@ def resolve_run_profile(
     backend: str = "auto",
     profile_file: str | Path | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
+    validate: bool = True,
 ) -> tuple[RunProfile, str]:
-    """`resolve_profile`, and why the profile has its backend (`choose_backend`)."""
+    """`resolve_profile`, and why the profile has its backend (`choose_backend`). `validate=False`
+    skips the rules across fields (a layout search starts from a layout that may not be valid)."""
     if device not in DEVICE_KINDS:
         raise ProfileError(f"unknown device '{device}'; use one of {', '.join(DEVICE_KINDS)}")
     layers = [(f"device profile {device}", load_yaml_mapping(PROFILES_DIR / "devices" / f"{device}.yaml", "device profile"))]
@@ -210,7 +212,8 @@ def resolve_run_profile(
         profile = RunProfile.model_validate(merged)
     except ValidationError as exc:
         raise ProfileError(describe_validation_error(exc)) from None
-    validate_profile(profile)
+    if validate:
+        validate_profile(profile)
     return profile, reason
 
 

@@ -20,6 +20,17 @@ DeviceKind = Literal["gpu", "npu", "cpu"]
 RAY_BUILTIN_GPU = "GPU"
 
 
+class Accelerator(Section):
+    """One model of device: what the memory planner and its layout cost model know of it
+    (profiles/memory.py, profiles/layouts.py). Bandwidths are per device, one direction."""
+
+    memory_gib: float = Field(..., gt=0, description="Device memory as torch reports it (total_memory), GiB.")
+    bf16_tflops: float = Field(..., gt=0, description="Dense bf16 peak, TFLOP/s.")
+    link_gb_s: float = Field(..., gt=0, description="Bandwidth to the other devices of its node (NVLink, HCCS), GB/s.")
+    network_gb_s: float = Field(..., gt=0, description="Bandwidth to other nodes (InfiniBand, RoCE), GB/s.")
+    host_gb_s: float = Field(..., gt=0, description="Bandwidth to host memory (PCIe), GB/s: what offloading moves over.")
+
+
 class Platform(Section):
     """Facts about a device kind. They live in `profiles/devices/<kind>.yaml`, never in code branches."""
 
@@ -55,6 +66,20 @@ class Platform(Section):
     toolkit_version_var: str | None = Field(
         None, description="Environment variable that holds the device toolkit's version (detection reports it)."
     )
+
+    accelerator: str | None = Field(
+        None, description="Model of device the run plans memory for: a key of `platform.accelerators` (e.g. `H20`, "
+        "`H200`, `Atlas A3`); a detected device's name picks its row when it has one.")
+    accelerators: dict[str, Accelerator] = Field(
+        default_factory=dict, description="Known models of this kind of device, by name (memory, speed, links).")
+    device_memory_gib: float | None = Field(
+        None, gt=0, description="Memory of one device, GiB, overriding the accelerator's and the detected value.")
+    reserved_memory_gib: float = Field(
+        0.0, ge=0, description="Device memory outside the framework's allocator, per device, GiB: the runtime's "
+        "context, communication buffers (NCCL/HCCL), allocator slack. The planner fits estimates into the rest.")
+    host_memory_gib: float | None = Field(
+        None, gt=0, description="Host memory per node, GiB, that offloaded parameters and optimizer states must fit "
+        "in; empty: not checked (unless detected on the host that runs training).")
 
     @property
     def accelerated(self) -> bool:

@@ -39,6 +39,25 @@ class ModelArchitecture(Section):
     linear_num_value_heads: int | None = Field(
         None, description="Value heads of the linear-attention (Gated DeltaNet) layers, if any."
     )
+    # The numbers below size the model (parameters, memory: profiles/model_size.py, profiles/memory.py);
+    # a model directory's config.json gives them, a recipe records them.
+    head_dim: int | None = Field(None, gt=0, description="Width of one attention head; empty: hidden_size / num_attention_heads.")
+    intermediate_size: int | None = Field(None, gt=0, description="Width of a dense MLP (dense models).")
+    moe_intermediate_size: int | None = Field(None, gt=0, description="Width of one routed expert's MLP.")
+    shared_expert_intermediate_size: int | None = Field(
+        None, gt=0, description="Width of the shared expert of each MoE layer, if any.")
+    num_experts_per_tok: int | None = Field(None, gt=0, description="Experts each token is routed to (top-k).")
+    tie_word_embeddings: bool = Field(False, description="The output layer shares the input embedding's weights.")
+    qk_norm: bool = Field(False, description="RMSNorm on queries and keys per head (Qwen3 and later).")
+    attention_bias: bool = Field(False, description="Bias on the query, key and value projections (Qwen2).")
+    attention_output_gate: bool = Field(
+        False, description="A sigmoid gate on the attention output, projected with the queries (Qwen3.5).")
+    full_attention_interval: int | None = Field(
+        None, gt=0, description="Hybrid models: every N-th layer is full attention, the others linear attention.")
+    linear_key_head_dim: int | None = Field(None, gt=0, description="Key head width of the linear-attention layers.")
+    linear_value_head_dim: int | None = Field(None, gt=0, description="Value head width of the linear-attention layers.")
+    linear_conv_kernel_dim: int | None = Field(
+        None, gt=0, description="Width of the linear-attention layers' short convolution.")
 
 
 class ModelSection(Section):

@@ -15,12 +15,16 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
 from profiles.errors import DeviceError
 from profiles.loader import DEVICE_KINDS, platform_for
+
+if TYPE_CHECKING:
+    from profiles.memory import MemoryPlan
+    from profiles.schema import RunProfile
 from profiles.platform import DeviceKind
 
 REQUESTABLE = ("auto", *DEVICE_KINDS)
@@ -95,6 +99,14 @@ class DeviceInfo(BaseModel):
     decided_by: Literal["requested", "detected"] = Field(..., description="How the kind was chosen.")
     reason: str = Field(..., description="Why this kind, in words.")
     probes: dict[str, str] = Field(default_factory=dict, description="What each probe found.")
+
+    def memory_plan(self, profile: RunProfile) -> MemoryPlan | None:
+        """The profile's backend's memory plan, on the devices found here when they are the profile's kind."""
+        from backends import backend_for
+
+        here = self.kind == profile.platform.kind and self.count > 0 and bool(self.memory_gib)
+        return backend_for(profile.backend).memory_plan(profile, self.names if here else None,
+                                                        self.memory_gib if here else None)
 
 
 def requested_device(cli_value: str | None = None, environ: dict[str, str] | None = None) -> str:

@@ -17,6 +17,7 @@ import yaml
 
 from backends.metrics import read_metrics
 from common.files import write_text_atomic
+from profiles.memory import MemoryPlan, memory_table
 
 REPORT = "report.md"
 REWARD_CURVE = "reward_curve.png"
@@ -114,6 +115,17 @@ def _verdict(models: list[dict]) -> str:
             f"**{last['name']}** may be noise.")
 
 
+def _memory_plan(profile: dict[str, Any], device: dict[str, Any]) -> MemoryPlan | None:
+    """The memory plan the run was checked against at planning, made again from its profile."""
+    from profiles.schema import RunProfile
+    from stages.device import DeviceInfo
+
+    run_profile = RunProfile.model_validate(profile)
+    found = DeviceInfo.model_validate(device) if device else DeviceInfo(kind=run_profile.platform.kind,
+                                                                         decided_by="requested", reason="")
+    return found.memory_plan(run_profile)
+
+
 def write_report(
     run_dir: Path,
     *,
@@ -156,6 +168,9 @@ def write_report(
             parts += [f"Rollouts: {train['rollouts']}.", ""]
         if plot_reward_curve(Path(train["metrics_file"]), run_dir / REWARD_CURVE):
             parts += [f"![reward curve]({REWARD_CURVE})", "", f"Step by step: [metrics.jsonl]({Path(train['metrics_file']).relative_to(run_dir)})", ""]
+    if profile and (memory := _memory_plan(profile, device or {})):
+        parts += ["## Memory plan", "", "Estimated device memory per role of the layout (profiles/memory.py):", ""]
+        parts += memory_table(memory.summary()) + [""]
     if timings:
         total = sum(timings.values())
         parts += ["## Time per stage", "", "| stage | seconds | share |", "|---|---|---|"]

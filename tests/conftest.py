@@ -9,6 +9,7 @@ command line as a subprocess, converting the real demo model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,30 @@ def no_accelerator(monkeypatch):
     here" say so instead of assuming the host they run on has none)."""
     monkeypatch.setattr("stages.device.run_probe", lambda *args, **kwargs: NO_ACCELERATOR)
     return NO_ACCELERATOR
+
+
+@dataclass
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys, no_accelerator):
+    """`python -m flows.grpo ARGS` in this process, with `env` exported for it."""
+
+    def run(*args: str, env: dict[str, str] | None = None) -> Done:
+        monkeypatch.delenv("DEVICE", raising=False)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        try:
+            from flows.grpo import main
+
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse: --help, an unknown option
+            code = exit_.code
+        out = capsys.readouterr()
+        return Done(code, out.out, out.err)
+
+    return run

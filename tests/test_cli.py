@@ -8,38 +8,11 @@ import json
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 
-from flows.grpo import main
 
 SECRET = "hf_sEcReT_vAlUe_123"
-
-
-@dataclass
-class Done:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys, no_accelerator):
-    """`python -m flows.grpo ARGS` in this process, with `env` exported for it."""
-
-    def run(*args: str, env: dict[str, str] | None = None) -> Done:
-        monkeypatch.delenv("DEVICE", raising=False)
-        for name, value in (env or {}).items():
-            monkeypatch.setenv(name, value)
-        try:
-            code = main(list(args))
-        except SystemExit as exit_:  # argparse: --help, an unknown option
-            code = exit_.code
-        out = capsys.readouterr()
-        return Done(code, out.out, out.err)
-
-    return run
 
 
 def test_the_module_entry_point_exits_2_with_one_line_and_no_traceback():
@@ -54,7 +27,7 @@ def test_dry_run_json_plans_for_a_named_device_without_requiring_it(cli, tmp_pat
                "--run-name", "plan", env={"HF_TOKEN": SECRET})
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert set(plan) == {"device", "profile", "backend", "command", "env", "job"}
+    assert set(plan) == {"device", "profile", "backend", "command", "env", "job", "memory"}
     assert plan["device"]["kind"] == "npu" and plan["device"]["decided_by"] == "requested"
     assert plan["backend"] == {"name": "verl", "reason": "model recipe qwen3.5-122b-a10b trains with Megatron + vLLM "
                                                          "through verl, and device npu has accelerators"}

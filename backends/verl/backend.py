@@ -40,6 +40,7 @@ from common.ray_cluster import (
     ClusterNotReady, check_paths_on_nodes, cluster_address, connect_ray, parse_ray_address, wait_for_nodes,
 )
 from profiles.errors import UserError
+from profiles.memory import MemoryPlan, plan_for
 from profiles.schema import RunProfile
 from profiles.validation import batch_problems, layout_problems, rollout_problems
 
@@ -55,6 +56,10 @@ class JobStopped(UserError):
 
 class VerlBackend(Backend):
     name = "verl"
+
+    def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
+                    detected_gib: list[float] | None = None) -> MemoryPlan | None:
+        return plan_for(profile, detected_names, detected_gib)
 
     def profile_problems(self, profile: RunProfile) -> list[str]:
         p = profile

@@ -133,6 +133,7 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
             "actor_rollout_ref.rollout.name": r.engine,
             "actor_rollout_ref.rollout.tensor_model_parallel_size": r.tp,
             "actor_rollout_ref.rollout.gpu_memory_utilization": r.gpu_memory_utilization,
+            "actor_rollout_ref.rollout.max_num_seqs": r.max_num_seqs,
             "actor_rollout_ref.rollout.n": alg.rollout_n,
             "actor_rollout_ref.rollout.temperature": alg.temperature,
             "actor_rollout_ref.rollout.dtype": r.dtype,

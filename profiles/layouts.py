@@ -1,0 +1,211 @@
+"""Layouts that fit: for a model, a device kind and a device count, every parallel layout that passes
+validation and the memory plan, ranked by a simple cost model.
+
+    python -m flows.grpo --model qwen3.5-122b-a10b --device npu --suggest-layout --set cluster.nnodes=2
+
+Searched: TP (within a node, dividing the heads), PP (dividing the layers), CP 1 or 2, EP (dividing the
+experts and a stage's ranks), ETP 1 or TP, and for each such layout the least offloading (none;
+parameters; parameters and optimizer; and megatron-core's CPU optimizer) under which every role fits
+with some micro batch of 4, 2 or 1, and of those the cheapest, with the smallest rollout TP whose KV cache holds
+`rollout.max_num_seqs` sequences (else the smallest that fits at all).
+
+The cost model, seconds per training step on the fullest device, is deliberately simple:
+- compute: (6, or 8 with full recompute) x active parameters x tokens of a step, over the world's
+  bf16 peak at 40% utilisation, stretched by the 1F1B pipeline bubble (m + PP - 1) / m for m micro
+  batches per data-parallel rank;
+- context parallel: keys and values of the full-attention layers passed around the ring, 3 times;
+- tensor parallel: 8 (12 with recompute) sequence-parallel collectives of a token's hidden state per
+  layer, (TP-1)/TP of it over the node's links;
+- expert parallel: 4 all-to-alls (dispatch, combine; forward, backward) of each token's top-k copies,
+  (EP-1)/EP of it, over the links when the group stays in a node, else the network;
+- data parallel: the distributed optimizer's reduce-scatter of fp32 gradients and all-gather of bf16
+  parameters, (DP-1)/DP of them, over the network when the group spans nodes;
+- offload: what each step moves to the host and back, over the host link.
+Rollout generation is taken to cost the same for every layout; only the update is ranked.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from profiles.memory import GIB, Layout, MemoryPlan, accelerator_for, estimate, recompute_layers, \
+    stage_parameters
+from profiles.model_size import ModelSize, model_size
+from profiles.validation import batch_problems, layout_problems, rollout_problems
+
+if TYPE_CHECKING:
+    from profiles.platform import Accelerator
+    from profiles.schema import RunProfile
+
+MFU = 0.4
+# Offload levels, least first: (param_offload, optimizer_offload, megatron-core CPU optimizer).
+OFFLOAD_LEVELS = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
+MICRO_BATCHES = (4, 2, 1)
+
+
+@dataclass
+class Suggestion:
+    layout: Layout
+    plan: MemoryPlan
+    cost: dict[str, float]  # seconds per step by part
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.cost.values())
+
+    def actor_gib(self) -> float:
+        return round(self.plan.roles[0].total / GIB, 1)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def with_layout(p: RunProfile, lay: Layout) -> RunProfile:
+    """The profile with `lay`'s settings (no validation: the rule functions check it)."""
+    overrides = dict(p.engine.optimizer_overrides)
+    overrides["optimizer_cpu_offload"] = lay.optimizer_cpu_offload
+    if lay.optimizer_cpu_offload:
+        overrides["optimizer_offload_fraction"] = 1
+    engine = p.engine.model_copy(update={"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp,
+                                         "param_offload": lay.param_offload, "optimizer_offload": lay.optimizer_offload,
+                                         "optimizer_overrides": overrides})
+    return p.model_copy(update={"engine": engine, "rollout": p.rollout.model_copy(update={"tp": lay.rollout_tp}),
+                                "actor": p.actor.model_copy(update={"ppo_micro_batch_size_per_gpu": lay.micro_batch})})
+
+
+def step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) -> dict[str, float]:
+    """The cost model of the module's docstring, seconds per step by part."""
+    arch, c = p.model.architecture, p.cluster
+    world, per_node = p.world_size, c.devices_per_node
+    tokens = p.data.train_batch_size * p.algorithm.rollout_n * (p.data.max_prompt_length + p.data.max_response_length)
+    dp = world // (lay.tp * lay.pp * lay.cp)
+    edp = world // (lay.ep * lay.etp * lay.pp)
+    recompute = recompute_layers(p) is not None
+    sequences = p.actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp
+    m = max(sequences / lay.micro_batch, 1)
+    compute = (8 if recompute else 6) * size.active * tokens / (world * spec.bf16_tflops * 1e12 * MFU)
+    cost = {"compute": compute, "bubble": compute * (lay.pp - 1) / m}
+    link, network, host = spec.link_gb_s * 1e9, spec.network_gb_s * 1e9, spec.host_gb_s * 1e9
+    replica_tokens = tokens / dp
+    layers = arch.num_layers / lay.pp
+    cost["tensor parallel"] = (replica_tokens * layers * (12 if recompute else 8) * 2 * arch.hidden_size
+                               * (lay.tp - 1) / lay.tp / link)
+    if arch.num_experts:
+        device_tokens = replica_tokens / (lay.tp * lay.cp)
+        bandwidth = link if lay.ep * lay.etp <= per_node else network  # expert ranks are contiguous
+        cost["expert parallel"] = (device_tokens * layers * 4 * (arch.num_experts_per_tok or 1) * arch.hidden_size * 2
+                                   * (lay.ep - 1) / lay.ep / bandwidth)
+    if lay.cp > 1:  # ring attention passes each chunk's keys and values around, and their gradients back
+        kv = 2 * arch.num_kv_heads * (arch.head_dim or arch.hidden_size // arch.num_attention_heads) * 2
+        cost["context parallel"] = (replica_tokens / lay.tp * size.attention_layers / lay.pp * 3 * kv
+                                    * (lay.cp - 1) / lay.cp / link)
+    dense, experts = stage_parameters(size, lay)
+    stage_ranks = world // lay.pp
+    dp_bandwidth = network if stage_ranks > per_node else link
+    cost["data parallel"] = 6 * (dense * (dp - 1) / dp + experts * (edp - 1) / edp) / dp_bandwidth
+    cost["pipeline"] = (2 * replica_tokens * arch.hidden_size * 2 / (lay.tp * lay.cp) / (network if world > per_node else link)
+                        if lay.pp > 1 else 0.0)
+    params = dense + experts
+    moved = (2 * 6 * params if lay.param_offload else 0.0)
+    if lay.optimizer_cpu_offload:
+        moved += 6 * params  # gradients down, updated parameters up; Adam itself runs on the host
+    elif lay.optimizer_offload:
+        moved += 2 * 12 * (dense / dp + experts / edp)
+    cost["offload"] = moved / host
+    return cost
+
+
+def candidate_layouts(p: RunProfile) -> list[tuple[int, int, int, int, int]]:
+    """(TP, PP, CP, EP, ETP) that pass the layout rules (rollout and batches are checked per layout)."""
+    arch, world, per_node = p.model.architecture, p.world_size, p.cluster.devices_per_node
+    out = []
+    for tp, pp, cp in itertools.product(_divisors(per_node), _divisors(arch.num_layers), (1, 2)):
+        if world % (tp * pp * cp):
+            continue
+        for ep in (_divisors(arch.num_experts) if arch.num_experts else [1]):
+            for etp in sorted({1, tp}) if arch.num_experts else [1]:
+                probe = with_layout(p, Layout(tp, pp, cp, ep, etp, 1, False, False, False, 1))
+                if not layout_problems(probe):
+                    out.append((tp, pp, cp, ep, etp))
+    return out
+
+
+def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
+    """Every layout that fits, cheapest first, and what the search looked at."""
+    started = time.perf_counter()
+    size = model_size(p.model.architecture)
+    name, spec = accelerator_for(p.platform)
+    if spec is None:
+        raise ValueError(f"platform.accelerator {name!r} has no row in platform.accelerators; the cost model needs one")
+    rollout_tps = [t for t in _divisors(p.cluster.devices_per_node)
+                   if not rollout_problems(with_layout(p, replace(Layout.of(p), rollout_tp=t)))]
+    found: list[Suggestion] = []
+    layouts = candidate_layouts(p)
+    estimates = 0
+    for tp, pp, cp, ep, etp in layouts:
+        for param_off, opt_off, cpu_off in OFFLOAD_LEVELS:  # the least offloading under which some micro batch fits
+            fitting = []
+            for micro in MICRO_BATCHES:
+                lay = Layout(tp, pp, cp, ep, etp, rollout_tps[0] if rollout_tps else p.rollout.tp,
+                             param_off, opt_off, cpu_off, micro)
+                if batch_problems(with_layout(p, lay), p.world_size // (tp * pp * cp)):
+                    continue
+                estimates += 1
+                if not all(role.fits for role in estimate(p, lay).roles if role.role != "rollout"):
+                    continue
+                if (chosen := _with_rollout(p, lay, rollout_tps)) is not None:
+                    fitting.append(Suggestion(chosen[0], chosen[1], step_cost(p, size, chosen[0], spec)))
+            if fitting:
+                found.append(min(fitting, key=lambda s: s.seconds))
+                break
+    found.sort(key=lambda s: s.seconds)
+    facts = {"layouts": len(layouts), "estimates": estimates, "fit": len(found),
+             "seconds": time.perf_counter() - started}
+    return found, facts
+
+
+def _with_rollout(p: RunProfile, lay: Layout, rollout_tps: list[int]) -> tuple[Layout, MemoryPlan] | None:
+    """The smallest rollout TP whose KV cache holds max_num_seqs sequences, else the smallest that fits."""
+    fitting = []
+    for rtp in rollout_tps:
+        plan = estimate(p, replace(lay, rollout_tp=rtp))
+        if plan.fits:
+            if not any("vLLM queues" in role.when for role in plan.roles):
+                return replace(lay, rollout_tp=rtp), plan
+            fitting.append((replace(lay, rollout_tp=rtp), plan))
+    return fitting[0] if fitting else None
+
+
+def parallel_dims(lay: Layout) -> tuple[int, int, int, int, int]:
+    return lay.tp, lay.pp, lay.cp, lay.ep, lay.etp
+
+
+def suggestion_table(suggestions: list[Suggestion], facts: dict[str, float], p: RunProfile, limit: int = 10) -> list[str]:
+    """The `limit` cheapest layouts as Markdown, where the profile's own layout ranks, and the `--set`
+    line of the cheapest."""
+    c = p.cluster
+    head = (f"{p.model.name} on {c.nnodes} x {c.devices_per_node} {p.platform.accelerator or p.platform.kind}: "
+            f"{facts['fit']} of {facts['layouts']} valid layouts fit ({facts['estimates']} estimates, "
+            f"{facts['seconds'] * 1000:.0f} ms); cost model: profiles/layouts.py")
+    lines = [head, "| rank | TP | PP | CP | EP | ETP | rollout TP | offload | micro batch | actor GiB | step s (model) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for rank, s in enumerate(suggestions[:limit], 1):
+        lay = s.layout
+        offload = "+".join(name for name, on in (("params", lay.param_offload), ("optimizer", lay.optimizer_offload),
+                                                 ("cpu-adam", lay.optimizer_cpu_offload)) if on) or "none"
+        lines.append(f"| {rank} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.rollout_tp} | {offload} | "
+                     f"{lay.micro_batch} | {s.actor_gib()} | {s.seconds:.1f} |")
+    own = parallel_dims(Layout.of(p))
+    rank = next((i for i, s in enumerate(suggestions, 1) if parallel_dims(s.layout) == own), None)
+    shown = f"TP {own[0]} PP {own[1]} CP {own[2]} EP {own[3]} ETP {own[4]}"
+    lines.append(f"the profile's layout ({shown}): " + (f"fits, rank {rank} of {len(suggestions)}" if rank else
+                                                       "does not fit or does not validate here"))
+    if suggestions:
+        best = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}"
+                        for k, v in suggestions[0].layout.settings().items())
+        lines.append(f"best: {best}")
+    return lines
