@@ -95,7 +95,7 @@ class RoleMemory:
         """One line: the role, its estimate, the capacity and a fix."""
         where = "node's host memory" if self.role == "host" else f"{device} device"
         return (f"{self.role} needs {gib(self.total)} GiB per {'node' if self.role == 'host' else 'device'} "
-                f"({self.when}) but a {where} has {gib(self.capacity)} GiB for it; {self.fix}")
+                f"({self.when}) but one {where} has {gib(self.capacity)} GiB for it; {self.fix}")
 
 
 @dataclass
@@ -203,13 +203,14 @@ def _layer_activation_elements(arch: ModelArchitecture, linear: bool, tp: int, e
     else:
         d = head_dim(arch)
         q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
-        mixer = q * (2 if arch.attention_output_gate else 1) + 2 * kv + (q + kv if arch.qk_norm else 0) + 2 * q
+        # projections (queries with their gate), q/k norms, rotary outputs, attention output, o_proj input
+        mixer = q * (2 if arch.attention_output_gate else 1) + 2 * kv + (q + kv if arch.qk_norm else 0) + (q + kv) + 2 * q
     if arch.num_experts:
         k, fe = arch.num_experts_per_tok or 1, arch.moe_intermediate_size or 0
-        shared = 3 * (arch.shared_expert_intermediate_size or 0)
-        mlp = 4 * arch.num_experts + k * (2 * h + 3 * fe / etp) + shared  # router logits and probs in fp32
+        shared = 4 * (arch.shared_expert_intermediate_size or 0)
+        mlp = 4 * arch.num_experts + k * (2 * h + 4 * fe / etp) + shared  # router logits and probs in fp32
     else:
-        mlp = 3 * (arch.intermediate_size or 0)
+        mlp = 4 * (arch.intermediate_size or 0)  # fc1's gate and up outputs, silu(gate), their product (fc2's input)
     return (4 * h + mixer + mlp) / tp
 
 

@@ -68,7 +68,7 @@ def test_a_layout_that_cannot_fit_is_refused_at_planning_with_role_numbers_and_f
     assert done.returncode == 2 and done.stdout == ""
     line = done.stderr.strip()
     assert "\n" not in line and line.startswith("error: the layout does not fit in memory: actor needs ")
-    assert "GiB per device (update, micro batch 1 x 7336 tokens, full recompute) but a H20 device has 91.6 GiB" in line
+    assert "GiB per device (update, micro batch 1 x 7336 tokens, full recompute) but one H20 device has 91.6 GiB" in line
     assert "--suggest-layout" in line  # the fix
     assert "rollout needs" in line and "set engine.param_offload=true" in line
 
@@ -110,7 +110,7 @@ def test_a_kv_cache_too_small_for_one_sequence_is_named_with_the_rollout_fix():
 def test_host_memory_is_checked_when_known():
     profile = resolve_profile("qwen3.5-122b-a10b", "gpu", overrides={"platform": {"host_memory_gib": 256}})
     problems = estimate(profile).problems()
-    assert len(problems) == 1 and problems[0].startswith("host needs ") and "node's host memory has 256.0 GiB" in problems[0]
+    assert len(problems) == 1 and problems[0].startswith("host needs ") and "one node's host memory has 256.0 GiB" in problems[0]
 
 
 def test_device_memory_comes_from_the_override_then_detection_then_the_accelerator():
@@ -153,3 +153,22 @@ def test_suggest_layout_command(cli):
     assert done.stderr.startswith("error: no layout of qwen3.5-122b-a10b fits 1 x 2 H20 devices")
     done = cli("--model", "tiny", "--device", "cpu", "--suggest-layout")
     assert done.returncode == 2 and "pass --device gpu or --device npu" in done.stderr
+
+
+def test_the_estimates_stay_within_15_percent_of_the_peaks_measured_on_the_h200():
+    """bench/results-h200-memory.json: megatron-core training steps measured on an H200
+    (`python3 bench/bench_memory.py`); the estimator's formulas must keep agreeing with them."""
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    from bench_memory import estimated_bytes
+
+    rows = json.loads((bench / "results-h200-memory.json").read_text())["rows"]
+    assert len(rows) >= 17 and {r["held_out"] for r in rows} == {True, False}
+    for row in rows:
+        measured = row["measured"]
+        estimate_bytes, parameters = estimated_bytes(measured["config"])
+        assert parameters == measured["parameters"], row["run"]
+        assert 0.85 <= estimate_bytes / measured["peak_step_bytes"] <= 1.15, row["run"]

@@ -1,0 +1,110 @@
+"""The memory planner's actor estimate (profiles/memory.py) against the measured peak of real
+megatron-core training steps (bench/megatron_memory_probe.py), side by side, config by config.
+
+    python3 bench/bench_memory.py --out $OUT/memory.json          # one GPU: measures every run, then compares
+    .venv/bin/python bench/bench_memory.py --results bench/results-h200-memory.json   # compare stored measurements
+
+Each run is one device (TP = PP = 1, data parallel 1: Adam's state is not sharded), bf16, the
+distributed optimizer, fp32 gradients, micro batch x sequence length, with or without full recompute.
+The estimate is the actor role's update step for the same settings; the measurement is
+`torch.cuda.max_memory_allocated` over training steps 2..n. Prints estimate, measurement and their
+ratio; the goal is every ratio within 0.85..1.15. RUNS are the probe's matrix, which the
+activation terms were checked against; HELD_OUT were added after the estimator's last change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from megatron_memory_probe import RUNS, SHAPES, full_config, run_name  # noqa: E402
+
+from profiles.loader import resolve_run_profile  # noqa: E402
+from profiles.memory import GIB, estimate  # noqa: E402
+
+
+HELD_OUT = [
+    {"shape": "qwen3-4b", "micro_batch": 2, "seq_len": 4096, "recompute": False},
+    {"shape": "qwen3-0.6b", "micro_batch": 8, "seq_len": 2048, "recompute": False},
+    {"shape": "qwen3-moe-4l", "micro_batch": 2, "seq_len": 4096, "recompute": True},
+    {"shape": "qwen3-1.7b", "micro_batch": 4, "seq_len": 4096, "recompute": True},
+]
+
+
+def architecture(shape: dict) -> dict:
+    """The probe's megatron-core shape as `model.architecture`."""
+    arch = {"num_layers": shape["num_layers"], "num_attention_heads": shape["num_attention_heads"],
+            "num_kv_heads": shape["num_query_groups"], "hidden_size": shape["hidden_size"],
+            "vocab_size": shape["vocab_size"], "head_dim": shape["kv_channels"],
+            "tie_word_embeddings": shape["tied"], "qk_norm": shape["qk_layernorm"]}
+    if shape.get("num_experts"):
+        arch |= {"num_experts": shape["num_experts"], "moe_intermediate_size": shape["moe_ffn_hidden_size"],
+                 "num_experts_per_tok": shape["moe_router_topk"]}
+    else:
+        arch |= {"intermediate_size": shape["ffn_hidden_size"]}
+    return arch
+
+
+def estimated_bytes(config: dict) -> tuple[float, int]:
+    """(the actor's update-step estimate, the parameter count) for a probe config."""
+    cfg = full_config(config)
+    overrides = {
+        "model": {"architecture": architecture(cfg)},
+        "cluster": {"nnodes": 1, "devices_per_node": 1},
+        "engine": {"transformer_overrides": {"recompute_granularity": "full", "recompute_num_layers": 1}
+                   if cfg.get("recompute") else {}},
+        "data": {"max_prompt_length": cfg["seq_len"] - 1, "max_response_length": 1},
+        "actor": {"ppo_micro_batch_size_per_gpu": cfg["micro_batch"], "ppo_mini_batch_size": 1},
+        "algorithm": {"rollout_n": cfg["micro_batch"]},
+    }
+    profile, _ = resolve_run_profile("tiny", "gpu", "verl", overrides=overrides, validate=False)
+    plan = estimate(profile)
+    return next(r for r in plan.roles if r.role == "actor").total, plan.parameters
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", help="a stored list of probe results to compare instead of measuring")
+    parser.add_argument("--out", help="write the side-by-side rows here (JSON)")
+    args = parser.parse_args(argv)
+    if args.results:
+        measured = json.loads(Path(args.results).read_text())
+        if isinstance(measured, dict):
+            measured = measured["rows"]
+        measured = [row.get("measured", row) for row in measured]
+    else:
+        from megatron_memory_probe import measure_in_subprocess
+
+        measured = [measure_in_subprocess(run) for run in RUNS + HELD_OUT]
+    rows = []
+    print(f"{'run':42} {'params':>14} {'estimate GiB':>12} {'measured GiB':>12} {'ratio':>6}")
+    for result in measured:
+        config = result.get("config") or {}
+        if "error" in result or "peak_step_bytes" not in result:
+            print(f"{run_name(config) if config else '?':42} failed: {result.get('error')}")
+            continue
+        est, params = estimated_bytes(config)
+        ratio = est / result["peak_step_bytes"]
+        held_out = any(all(config.get(k) == v for k, v in run.items()) for run in HELD_OUT)
+        rows.append({"run": run_name(config), "held_out": held_out, "estimate_gib": round(est / GIB, 2),
+                     "measured_gib": round(result["peak_step_bytes"] / GIB, 2), "ratio": round(ratio, 3),
+                     "parameters_estimated": params, "parameters_measured": result.get("parameters"), "measured": result})
+        print(f"{run_name(config) + (' (held out)' if held_out else ''):42} {params:>14,} {est / GIB:12.2f} {result['peak_step_bytes'] / GIB:12.2f} {ratio:6.3f}"
+              + ("" if params == result.get("parameters") else f"  (model has {result.get('parameters'):,})"))
+    if rows:
+        worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
+        print(f"{len(rows)} runs; ratios {min(r['ratio'] for r in rows):.3f}..{max(r['ratio'] for r in rows):.3f}; "
+              f"worst {worst['run']} {worst['ratio']:.3f}; within +-15%: {sum(abs(r['ratio'] - 1) <= 0.15 for r in rows)}/{len(rows)}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows, "shapes": SHAPES}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
