@@ -135,6 +135,8 @@ def print_dry_run(plan, as_json: bool) -> None:
         print("# memory plan (profiles/memory.py)")
         for line in memory_table(plan.memory):
             print(f"#   {line}")
+    elif plan.profile.backend == "verl" and (missing := missing_size_fields(plan.profile.model.architecture)):
+        print(f"# memory plan: not estimated, the model's size needs {', '.join(missing)}")
     print("# training command")
     print(format_command(plan.command))
     if job := plan.submission:

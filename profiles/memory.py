@@ -379,13 +379,6 @@ def _actor_fix(p: RunProfile, lay: Layout, parts: dict[str, float]) -> str:
     return "raise engine.pp or engine.ep (more devices share the weights); --suggest-layout lists layouts that fit"
 
 
-def memory_problems(p: RunProfile) -> list[str]:
-    """Each role that cannot fit, one message each (verl backend; nothing when the size is unknown)."""
-    if missing_size_fields(p.model.architecture):
-        return []
-    return estimate(p).problems()
-
-
 def plan_for(p: RunProfile, detected_names: list[str] | None = None, detected_gib: list[float] | None = None) -> MemoryPlan | None:
     """The profile's memory plan, or None when its architecture lacks what a size needs."""
     if missing_size_fields(p.model.architecture):

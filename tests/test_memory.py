@@ -83,6 +83,9 @@ def test_the_dry_run_shows_the_table_and_json_carries_it(cli):
     actor = memory["roles"][0]
     assert actor["role"] == "actor" and 0 < actor["estimate_gib"] <= actor["capacity_gib"]
     assert set(actor["parts_gib"]) >= {"weights", "gradients", "optimizer", "activations", "logits"}
+    done = cli("--model", "qwen3.5-122b-a10b", "--device", "npu", "--dry-run",
+               "--set", "model.architecture.moe_intermediate_size=null")
+    assert "# memory plan: not estimated, the model's size needs model.architecture.moe_intermediate_size" in done.stdout
 
 
 def test_each_setting_moves_its_part_of_the_estimate():
@@ -172,3 +175,15 @@ def test_the_estimates_stay_within_15_percent_of_the_peaks_measured_on_the_h200(
         estimate_bytes, parameters = estimated_bytes(measured["config"])
         assert parameters == measured["parameters"], row["run"]
         assert 0.85 <= estimate_bytes / measured["peak_step_bytes"] <= 1.15, row["run"]
+
+
+def test_the_report_of_a_verl_run_shows_its_memory_plan(tmp_path):
+    from stages.report import write_report
+
+    profile = resolve_profile("qwen3.5-35b-a3b", "gpu").model_dump(mode="json")
+    device = {"kind": "gpu", "count": 8, "names": ["NVIDIA H200"] * 8, "memory_gib": [139.8] * 8,
+              "decided_by": "detected", "reason": "CUDA sees 8 GPU(s)"}
+    text = write_report(tmp_path, profile=profile, device=device).read_text()
+    assert "## Memory plan" in text and "device H200: 139.8 GiB" in text and "| reference | log-probs" in text
+    local = resolve_profile("tiny", "cpu").model_dump(mode="json")
+    assert "## Memory plan" not in write_report(tmp_path / "local", profile=local).read_text()
