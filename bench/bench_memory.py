@@ -7,8 +7,10 @@ megatron-core training steps (bench/megatron_memory_probe.py), side by side, con
 Each run is one device (TP = PP = 1, data parallel 1: Adam's state is not sharded), bf16, the
 distributed optimizer, fp32 gradients, micro batch x sequence length, with or without full recompute.
 The estimate is the actor role's update step for the same settings; the measurement is
-`torch.cuda.max_memory_allocated` over training steps 2..n. Prints estimate, measurement and their
-ratio; the goal is every ratio within 0.85..1.15. RUNS are the probe's matrix, which the
+`torch.cuda.max_memory_allocated` over training steps 2..n. Then the actor's log-prob pass (a no-grad
+forward of the same micro batch, beside the weights, gradients and optimizer state still allocated)
+against its measured peak. Prints estimate, measurement and their ratio; the goal is every ratio
+within 0.85..1.15. RUNS are the probe's matrix, which the
 activation terms were checked against; HELD_OUT were added after the estimator's last change.
 """
 
@@ -51,8 +53,8 @@ def architecture(shape: dict) -> dict:
     return arch
 
 
-def estimated_bytes(config: dict) -> tuple[float, int]:
-    """(the actor's update-step estimate, the parameter count) for a probe config."""
+def estimated_bytes(config: dict) -> tuple[float, float, int]:
+    """(the actor's update-step estimate, its log-prob pass estimate, the parameter count) for a probe config."""
     cfg = full_config(config)
     overrides = {
         "model": {"architecture": architecture(cfg)},
@@ -61,11 +63,13 @@ def estimated_bytes(config: dict) -> tuple[float, int]:
                    if cfg.get("recompute") else {}},
         "data": {"max_prompt_length": cfg["seq_len"] - 1, "max_response_length": 1},
         "actor": {"ppo_micro_batch_size_per_gpu": cfg["micro_batch"], "ppo_mini_batch_size": 1},
+        "log_prob": {"micro_batch_size_per_gpu": cfg["micro_batch"]},
         "algorithm": {"rollout_n": cfg["micro_batch"]},
     }
     profile, _ = resolve_run_profile("tiny", "gpu", "verl", overrides=overrides, validate=False)
     plan = estimate(profile)
-    return next(r for r in plan.roles if r.role == "actor").total, plan.parameters
+    update, log_probs = (r.total for r in plan.roles if r.role == "actor")
+    return update, log_probs, plan.parameters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,24 +87,32 @@ def main(argv: list[str] | None = None) -> int:
 
         measured = [measure_in_subprocess(run) for run in RUNS + HELD_OUT]
     rows = []
-    print(f"{'run':42} {'params':>14} {'estimate GiB':>12} {'measured GiB':>12} {'ratio':>6}")
+    print(f"{'run':42} {'params':>14} {'update: estimate':>16} {'measured GiB':>12} {'ratio':>6}"
+          f" {'log-probs: estimate':>20} {'measured':>9} {'ratio':>6}")
     for result in measured:
         config = result.get("config") or {}
         if "error" in result or "peak_step_bytes" not in result:
             print(f"{run_name(config) if config else '?':42} failed: {result.get('error')}")
             continue
-        est, params = estimated_bytes(config)
-        ratio = est / result["peak_step_bytes"]
+        update, log_probs, params = estimated_bytes(config)
         held_out = any(all(config.get(k) == v for k, v in run.items()) for run in HELD_OUT)
-        rows.append({"run": run_name(config), "held_out": held_out, "estimate_gib": round(est / GIB, 2),
-                     "measured_gib": round(result["peak_step_bytes"] / GIB, 2), "ratio": round(ratio, 3),
-                     "parameters_estimated": params, "parameters_measured": result.get("parameters"), "measured": result})
-        print(f"{run_name(config) + (' (held out)' if held_out else ''):42} {params:>14,} {est / GIB:12.2f} {result['peak_step_bytes'] / GIB:12.2f} {ratio:6.3f}"
+        row = {"run": run_name(config), "held_out": held_out, "parameters_estimated": params,
+               "parameters_measured": result.get("parameters"),
+               "estimate_gib": round(update / GIB, 2), "measured_gib": round(result["peak_step_bytes"] / GIB, 2),
+               "ratio": round(update / result["peak_step_bytes"], 3),
+               "log_probs_estimate_gib": round(log_probs / GIB, 2),
+               "log_probs_measured_gib": round(result["forward_only_peak_bytes"] / GIB, 2),
+               "log_probs_ratio": round(log_probs / result["forward_only_peak_bytes"], 3), "measured": result}
+        rows.append(row)
+        print(f"{row['run'] + (' (held out)' if held_out else ''):42} {params:>14,} {row['estimate_gib']:16.2f} "
+              f"{row['measured_gib']:12.2f} {row['ratio']:6.3f} {row['log_probs_estimate_gib']:20.2f} "
+              f"{row['log_probs_measured_gib']:9.2f} {row['log_probs_ratio']:6.3f}"
               + ("" if params == result.get("parameters") else f"  (model has {result.get('parameters'):,})"))
-    if rows:
-        worst = max(rows, key=lambda r: abs(r["ratio"] - 1))
-        print(f"{len(rows)} runs; ratios {min(r['ratio'] for r in rows):.3f}..{max(r['ratio'] for r in rows):.3f}; "
-              f"worst {worst['run']} {worst['ratio']:.3f}; within +-15%: {sum(abs(r['ratio'] - 1) <= 0.15 for r in rows)}/{len(rows)}")
+    for key in ("ratio", "log_probs_ratio"):
+        if rows:
+            ratios = [r[key] for r in rows]
+            print(f"{key}: {len(rows)} runs, {min(ratios):.3f}..{max(ratios):.3f}; within +-15%: "
+                  f"{sum(abs(x - 1) <= 0.15 for x in ratios)}/{len(rows)}")
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "shapes": SHAPES}, indent=2))
     return 0

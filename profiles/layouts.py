@@ -174,7 +174,7 @@ def _with_rollout(p: RunProfile, lay: Layout, rollout_tps: list[int]) -> tuple[L
     for rtp in rollout_tps:
         plan = estimate(p, replace(lay, rollout_tp=rtp))
         if plan.fits:
-            if not any("vLLM queues" in role.when for role in plan.roles):
+            if plan.kv_sequences >= p.rollout.max_num_seqs:
                 return replace(lay, rollout_tp=rtp), plan
             fitting.append((replace(lay, rollout_tp=rtp), plan))
     return fitting[0] if fitting else None

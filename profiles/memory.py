@@ -10,7 +10,8 @@ peak with what the other roles leave resident then:
   optimizer; the part `optimizer_cpu_offload` x `optimizer_offload_fraction` moves to the host stays
   there), and the activations of the micro batches in flight, under the recompute settings, with the
   logits of the vocabulary-parallel loss. verl loads offloaded parameters back for the update.
-- reference (when a KL term is on): a forward pass for log-probs, with its own bf16 weights.
+- log-probs: the actor's forward pass for the old policy's log-probs, and the reference's (when a KL
+  term is on) with its own bf16 weights, `log_prob.micro_batch_size_per_gpu` sequences at a time.
 - rollout: vLLM takes `gpu_memory_utilization` of the device, which must be free when it starts (what
   the trainer's roles leave resident: `param_offload` / `optimizer_offload` move it to the host);
   within that, the weights at the rollout TP and the engine's working memory leave the KV cache,
@@ -108,13 +109,19 @@ class MemoryPlan:
     active_parameters: int
     roles: list[RoleMemory] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    kv_sequences: int = 0  # full-length sequences the rollout's KV cache holds
 
     @property
     def fits(self) -> bool:
         return all(role.fits for role in self.roles)
 
     def problems(self) -> list[str]:
-        return [role.problem(self.device) for role in self.roles if not role.fits]
+        """One message per role that does not fit: its first phase that does not."""
+        failing: dict[str, RoleMemory] = {}
+        for role in self.roles:
+            if not role.fits:
+                failing.setdefault(role.role, role)
+        return [role.problem(self.device) for role in failing.values()]
 
     def summary(self) -> dict[str, Any]:
         """The plan as JSON: GiB, rounded."""
@@ -222,7 +229,7 @@ def recompute_layers(p: RunProfile) -> int | None:
     return int(o.get("recompute_num_layers") or 1)
 
 
-def activations(p: RunProfile, size: ModelSize, lay: Layout, tokens: float, in_flight: int) -> dict[str, float]:
+def activations(p: RunProfile, size: ModelSize, lay: Layout, tokens: float, in_flight: float) -> dict[str, float]:
     """Bytes of the activations of one device's update step: layers (worst stage) and logits."""
     arch = p.model.architecture
     tokens /= lay.cp
@@ -294,6 +301,8 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
     sequences = p.actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp_dense
     micro_batches = max(int(sequences // lay.micro_batch), 1)
     in_flight = min(lay.pp, micro_batches)
+    if p.engine.vpp:  # the interleaved schedule keeps (1 + (PP-1) / (PP x VPP)) times as many (Narayanan et al. 2021)
+        in_flight *= 1 + (lay.pp - 1) / (lay.pp * p.engine.vpp)
     tokens = sequence_tokens(p, lay.micro_batch, p.actor.use_dynamic_bsz, p.actor.ppo_max_token_len_per_gpu)
     act = activations(p, size, lay, tokens, in_flight)
     ref_resident = PARAM_BYTES * params if reference and not lay.param_offload else 0.0
@@ -304,22 +313,28 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
     when += f", {'full recompute' if recompute_layers(p) else 'no recompute'}"
     plan.roles.append(RoleMemory("actor", when, actor_parts, usable, _actor_fix(p, lay, actor_parts)))
 
-    # reference: a forward pass for log-probs, beside what the actor leaves resident
+    # log-probs: forward passes of log_prob.micro_batch_size_per_gpu, by the actor (the old policy's) and
+    # by the reference with its own weights, beside what the other keeps resident then
     actor_resident = 0.0 if lay.param_offload else weights + grads
     if not lay.optimizer_offload:
         actor_resident += optimizer * (1 - opt_host)
+    lp = p.log_prob
+    lp_logits = sequence_tokens(p, lp.micro_batch_size_per_gpu, lp.use_dynamic_bsz, lp.max_token_len_per_gpu) / lay.cp \
+        * arch.vocab_size / lay.tp * LOGIT_BYTES
+    old_policy = {"weights": weights, "gradients": grads, "optimizer": actor_parts["optimizer"] if not lay.optimizer_offload else 0.0,
+                  "logits": lp_logits, "reference weights": ref_resident}
+    old_policy = {k: v for k, v in old_policy.items() if v}
+    plan.roles.append(RoleMemory("actor", f"log-probs, micro batch {lp.micro_batch_size_per_gpu}", old_policy, usable,
+                                 _actor_fix(p, lay, old_policy, log_probs=True)))
     if reference:
-        lp_tokens = sequence_tokens(p, p.log_prob.micro_batch_size_per_gpu, p.log_prob.use_dynamic_bsz,
-                                    p.log_prob.max_token_len_per_gpu) / lay.cp
-        parts = {"weights": weights, "logits": lp_tokens * arch.vocab_size / lay.tp * LOGIT_BYTES,
-                 "actor resident": actor_resident}
-        fix = ("set engine.param_offload=true" if actor_resident else
-               "lower log_prob.micro_batch_size_per_gpu or raise engine.tp / engine.pp")
-        plan.roles.append(RoleMemory("reference", f"log-probs, micro batch {p.log_prob.micro_batch_size_per_gpu}",
+        parts = {"weights": weights, "logits": lp_logits, "actor resident": actor_resident}
+        fix = "set engine.param_offload=true" if actor_resident else _actor_fix(p, lay, parts, log_probs=True)
+        plan.roles.append(RoleMemory("reference", f"log-probs, micro batch {lp.micro_batch_size_per_gpu}",
                                      parts, usable, fix))
 
     # rollout: vLLM's share must be free when it starts, and must hold one full sequence's cache
-    plan.roles.extend(_rollout(p, size, lay, capacity, usable, actor_resident + ref_resident))
+    rollout_roles, plan.kv_sequences = _rollout(p, size, lay, capacity, usable, actor_resident + ref_resident)
+    plan.roles.extend(rollout_roles)
 
     # host: everything offloaded, for the node's devices
     per_device = (weights + grads if lay.param_offload else 0.0) + (PARAM_BYTES * params if reference and lay.param_offload else 0.0)
@@ -332,10 +347,11 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
 
 
 def _rollout(p: RunProfile, size: ModelSize, lay: Layout, capacity: float | None, usable: float | None,
-             resident: float) -> list[RoleMemory]:
+             resident: float) -> tuple[list[RoleMemory], int]:
+    """vLLM's rows, and how many full-length sequences its KV cache holds."""
     r, arch = p.rollout, p.model.architecture
     if capacity is None:
-        return []
+        return [], 0
     budget = r.gpu_memory_utilization * capacity
     rtp = lay.rollout_tp
     weights = PARAM_BYTES * size.total / rtp
@@ -358,16 +374,17 @@ def _rollout(p: RunProfile, size: ModelSize, lay: Layout, capacity: float | None
         "rollout", f"KV cache: {sequences} sequence(s) of {max_len} tokens fit (max_num_seqs {r.max_num_seqs})",
         {"weights": weights, "engine working memory": working, "one sequence's cache": per_sequence}, budget,
         "raise rollout.gpu_memory_utilization or rollout.tp, or lower rollout.max_model_len")
-    out = [start, cache]
     if 0 < sequences < r.max_num_seqs:
-        out[1].when += "; fewer than max_num_seqs: vLLM queues the rest"
-    return out
+        cache.when += "; fewer than max_num_seqs: vLLM queues the rest"
+    return [start, cache], sequences
 
 
-def _actor_fix(p: RunProfile, lay: Layout, parts: dict[str, float]) -> str:
-    """The change that frees most of the largest part."""
+def _actor_fix(p: RunProfile, lay: Layout, parts: dict[str, float], log_probs: bool = False) -> str:
+    """The change that frees most of the largest part (of the update step, or of a log-prob pass)."""
     largest = max(parts, key=parts.get)
     if largest in ("activations", "logits"):
+        if log_probs:
+            return "lower log_prob.micro_batch_size_per_gpu or raise engine.tp"
         if lay.micro_batch > 1:
             return "lower actor.ppo_micro_batch_size_per_gpu"
         if recompute_layers(p) is None:

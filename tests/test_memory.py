@@ -97,6 +97,8 @@ def test_each_setting_moves_its_part_of_the_estimate():
     no_recompute = resolve_profile("qwen3.5-122b-a10b", "gpu", overrides={"engine": {"transformer_overrides": {
         "recompute_granularity": None}}})
     assert estimate(no_recompute).roles[0].parts["activations"] > 5 * actor["activations"]
+    interleaved = resolve_profile("qwen3.5-122b-a10b", "gpu", overrides={"engine": {"vpp": 2}})
+    assert estimate(interleaved).roles[0].parts["activations"] > actor["activations"]
     kept = resolve_profile("qwen3.5-122b-a10b", "gpu", overrides={"engine": {"param_offload": False}})
     start = next(r for r in estimate(kept).roles if r.role == "rollout")
     assert start.parts["trainer resident"] > 0 and not start.fits
@@ -172,9 +174,10 @@ def test_the_estimates_stay_within_15_percent_of_the_peaks_measured_on_the_h200(
     assert len(rows) >= 17 and {r["held_out"] for r in rows} == {True, False}
     for row in rows:
         measured = row["measured"]
-        estimate_bytes, parameters = estimated_bytes(measured["config"])
+        update, log_probs, parameters = estimated_bytes(measured["config"])
         assert parameters == measured["parameters"], row["run"]
-        assert 0.85 <= estimate_bytes / measured["peak_step_bytes"] <= 1.15, row["run"]
+        assert 0.85 <= update / measured["peak_step_bytes"] <= 1.15, row["run"]
+        assert 0.85 <= log_probs / measured["forward_only_peak_bytes"] <= 1.15, row["run"]
 
 
 def test_the_report_of_a_verl_run_shows_its_memory_plan(tmp_path):
