@@ -19,6 +19,7 @@ from backends.base import TrainingRun
 from flows.request import RunRequest
 from profiles.errors import ProfileError, UserError
 from profiles.loader import resolve_run_profile
+from profiles.memory import MemoryPlan
 from profiles.schema import RunProfile
 from stages.dataset import DatasetFiles, DataSpec
 from stages.device import DeviceInfo, detect_device, requested_device
@@ -82,14 +83,16 @@ def profile_for(request: RunRequest, device_kind: str) -> tuple[RunProfile, str]
     return resolve_run_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
 
 
-def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> None:
+def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> MemoryPlan | None:
     """Refuse, before anything is fetched or started, what a later stage would fail on: what the
     backend cannot run here (a stage it cannot run from the flow, more training workers than the
     host has devices), a data or model source that is not there, and (for a real run) a Ray
-    cluster that does not answer."""
+    cluster that does not answer; a layout that cannot fit in memory (the plan it was checked against
+    is returned)."""
     stages = request.stages
     backend_for(profile.backend).check_run(profile, device.count, stages, dry_run, request.ray_address)
-    if (memory := device.memory_plan(profile)) is not None and not memory.fits:
+    memory = device.memory_plan(profile)
+    if memory is not None and not memory.fits:
         raise ProfileError("the layout does not fit in memory: " + "; ".join(memory.problems()))
     if {"fetch_dataset", "train", "evaluate"} & set(stages):
         DataSpec.from_profile(profile.data)
@@ -99,6 +102,7 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
     if not dry_run and address:
         if parsed := parse_ray_address(address, origin):
             check_reachable(parsed, origin)
+    return memory
 
 
 def check_run_dir(run_dir: Path, dry_run: bool) -> None:
@@ -134,7 +138,7 @@ def _exists(path: Path) -> bool:
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
     profile, backend_reason = profile_for(request, device.kind)
-    check_plan(request, profile, device, dry_run)
+    memory = check_plan(request, profile, device, dry_run)
     env = resolve_environment(profile, ray_address=request.ray_address)
     if not dry_run:
         env.check_references()
@@ -145,5 +149,5 @@ def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     return RunPlan(
         run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
         command=training_command(request, profile, run_dir), submission=backend_for(profile.backend).submission(profile, run),
-        memory=memory.summary() if (memory := device.memory_plan(profile)) else None,
+        memory=memory.summary() if memory else None,
     )
