@@ -31,8 +31,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from profiles.memory import GIB, Layout, MemoryPlan, accelerator_for, estimate, recompute_layers, \
-    stage_parameters
+from profiles.memory import GIB, Layout, MemoryPlan, estimate, recompute_layers, stage_parameters
 from profiles.model_size import ModelSize, model_size
 from profiles.validation import batch_problems, layout_problems, rollout_problems
 
@@ -138,7 +137,7 @@ def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
     """Every layout that fits, cheapest first, and what the search looked at."""
     started = time.perf_counter()
     size = model_size(p.model.architecture)
-    name, spec = accelerator_for(p.platform)
+    name, spec = p.platform.accelerator_for()
     if spec is None:
         raise ValueError(f"platform.accelerator {name!r} has no row in platform.accelerators; the cost model needs one")
     rollout_tps = [t for t in _divisors(p.cluster.devices_per_node)

@@ -31,7 +31,6 @@ from profiles.model_size import ModelSize, head_dim, kv_bytes_per_token, linear_
     linear_state_bytes_per_sequence, missing_size_fields, model_size
 
 if TYPE_CHECKING:
-    from profiles.platform import Accelerator, Platform
     from profiles.schema import ModelArchitecture, RunProfile
 
 GIB = 2**30
@@ -156,36 +155,6 @@ def gib(value: float | None) -> float | None:
     return None if value is None else round(value / GIB, 1)
 
 
-# --- the device -------------------------------------------------------------------------------------
-
-def accelerator_for(platform: Platform, detected_names: list[str] | None = None) -> tuple[str | None, Accelerator | None]:
-    """The row of `platform.accelerators` for a detected device's name (the longest name it contains:
-    'NVIDIA H200' is an H200, not an H20), else the profile's `platform.accelerator`."""
-    for name in detected_names or []:
-        known = [key for key in platform.accelerators if key.lower() in name.lower()]
-        if known:
-            key = max(known, key=len)
-            return key, platform.accelerators[key]
-    if platform.accelerator in platform.accelerators:
-        return platform.accelerator, platform.accelerators[platform.accelerator]
-    return platform.accelerator, None
-
-
-def device_memory(platform: Platform, detected_names: list[str] | None = None,
-                  detected_gib: list[float] | None = None) -> tuple[str, float | None, str]:
-    """(device, bytes of one device, where the number comes from): `platform.device_memory_gib`, else
-    what detection found on this host, else the accelerator's row."""
-    name, spec = accelerator_for(platform, detected_names)
-    device = name or platform.kind
-    if platform.device_memory_gib:
-        return device, platform.device_memory_gib * GIB, "platform.device_memory_gib"
-    if detected_gib:
-        return device, min(detected_gib) * GIB, "detected on this host"
-    if spec is not None:
-        return device, spec.memory_gib * GIB, f"platform.accelerator {name}"
-    return device, None, "unknown: set platform.device_memory_gib"
-
-
 # --- the parts ----------------------------------------------------------------------------------------
 
 def stage_parameters(size: ModelSize, lay: Layout) -> tuple[float, float]:
@@ -279,7 +248,8 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
     """The memory plan of a verl run's layout (the profile's own, or `lay`)."""
     lay = lay or Layout.of(p)
     arch, plat = p.model.architecture, p.platform
-    device, capacity, source = device_gib or device_memory(plat)
+    device, capacity_gib, source = device_gib or plat.device_memory()
+    capacity = None if capacity_gib is None else capacity_gib * GIB
     usable = None if capacity is None else capacity - plat.reserved_memory_gib * GIB
     size = model_size(arch)
     plan = MemoryPlan(device=device, device_memory=capacity, reserved=plat.reserved_memory_gib * GIB, source=source,
@@ -400,6 +370,6 @@ def plan_for(p: RunProfile, detected_names: list[str] | None = None, detected_gi
     """The profile's memory plan, or None when its architecture lacks what a size needs."""
     if missing_size_fields(p.model.architecture):
         return None
-    return estimate(p, device_gib=device_memory(p.platform, detected_names, detected_gib))
+    return estimate(p, device_gib=p.platform.device_memory(detected_names, detected_gib))
 
 

@@ -81,6 +81,29 @@ class Platform(Section):
         None, gt=0, description="Host memory per node, GiB, that offloaded parameters and optimizer states must fit "
         "in; empty: not checked (unless detected on the host that runs training).")
 
+    def accelerator_for(self, detected_names: list[str] | None = None) -> tuple[str | None, Accelerator | None]:
+        """The row of `accelerators` for a detected device's name (the longest name it contains: 'NVIDIA
+        H200' is an H200, not an H20), else `accelerator`'s."""
+        for name in detected_names or []:
+            if known := [key for key in self.accelerators if key.lower() in name.lower()]:
+                key = max(known, key=len)
+                return key, self.accelerators[key]
+        return self.accelerator, self.accelerators.get(self.accelerator or "")
+
+    def device_memory(self, detected_names: list[str] | None = None,
+                      detected_gib: list[float] | None = None) -> tuple[str, float | None, str]:
+        """(device, GiB of one device, where the number comes from): `device_memory_gib`, else what
+        detection found on this host, else the accelerator's row."""
+        name, spec = self.accelerator_for(detected_names)
+        device = name or self.kind
+        if self.device_memory_gib:
+            return device, self.device_memory_gib, "platform.device_memory_gib"
+        if detected_gib:
+            return device, min(detected_gib), "detected on this host"
+        if spec is not None:
+            return device, spec.memory_gib, f"platform.accelerator {name}"
+        return device, None, "unknown: set platform.device_memory_gib"
+
     @property
     def accelerated(self) -> bool:
         """A device other than the CPU does the work (vLLM and verl need one)."""

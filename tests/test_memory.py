@@ -9,7 +9,7 @@ import pytest
 
 from profiles.layouts import parallel_dims, suggest_layouts
 from profiles.loader import resolve_profile, resolve_run_profile
-from profiles.memory import GIB, Layout, device_memory, estimate
+from profiles.memory import Layout, estimate
 from profiles.model_size import model_size
 from stages.device import DeviceInfo
 from stages.model import verify_hf_dir
@@ -120,11 +120,11 @@ def test_host_memory_is_checked_when_known():
 
 def test_device_memory_comes_from_the_override_then_detection_then_the_accelerator():
     platform = resolve_profile("qwen3.5-122b-a10b", "gpu").platform
-    assert device_memory(platform) == ("H20", 95.6 * GIB, "platform.accelerator H20")
-    assert device_memory(platform, ["NVIDIA H200"], [139.7])[:2] == ("H200", 139.7 * GIB)
-    assert device_memory(platform, ["NVIDIA H20"], [95.0])[0] == "H20"
+    assert platform.device_memory() == ("H20", 95.6, "platform.accelerator H20")
+    assert platform.device_memory(["NVIDIA H200"], [139.7])[:2] == ("H200", 139.7)
+    assert platform.device_memory(["NVIDIA H20"], [95.0])[0] == "H20"
     fixed = platform.model_copy(update={"device_memory_gib": 80.0})
-    assert device_memory(fixed, ["NVIDIA H200"], [139.7])[1:] == (80.0 * GIB, "platform.device_memory_gib")
+    assert fixed.device_memory(["NVIDIA H200"], [139.7])[1:] == (80.0, "platform.device_memory_gib")
     # A detected H200 lets a layout an H20 refuses through.
     h200 = DeviceInfo(kind="gpu", count=8, names=["NVIDIA H200"] * 8, memory_gib=[139.7] * 8, decided_by="detected", reason="")
     profile = resolve_run_profile("qwen3.5-122b-a10b", "gpu", validate=False, overrides={
