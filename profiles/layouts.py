@@ -65,10 +65,9 @@ def _divisors(n: int) -> list[int]:
 
 def with_layout(p: RunProfile, lay: Layout) -> RunProfile:
     """The profile with `lay`'s settings (no validation: the rule functions check it)."""
-    overrides = dict(p.engine.optimizer_overrides)
-    overrides["optimizer_cpu_offload"] = lay.optimizer_cpu_offload
-    if lay.optimizer_cpu_offload:
-        overrides["optimizer_offload_fraction"] = 1
+    prefix = "engine.optimizer_overrides."
+    overrides = {**p.engine.optimizer_overrides,
+                 **{k.removeprefix(prefix): v for k, v in lay.settings().items() if k.startswith(prefix)}}
     engine = p.engine.model_copy(update={"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp,
                                          "param_offload": lay.param_offload, "optimizer_offload": lay.optimizer_offload,
                                          "optimizer_overrides": overrides})

@@ -133,9 +133,6 @@ class MemoryPlan:
             "notes": self.notes,
         }
 
-    def table(self) -> list[str]:
-        return memory_table(self.summary())
-
 
 def memory_table(summary: dict[str, Any]) -> list[str]:
     """A plan's summary as a small Markdown table, as the dry run and the report show it."""
