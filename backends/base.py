@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from backends.metrics import StepMetrics
     from profiles.memory import MemoryPlan
     from profiles.schema import RunProfile
+    from stages.evaluate import EvalSettings, Generate
 
 
 class TrainingInputs(BaseModel):
@@ -98,6 +99,20 @@ class Backend(ABC):
         """Device memory per role of this engine's layout (profiles/memory.py), with the devices detected
         here when there are any; None when this engine has no estimate or the architecture is incomplete."""
         return None
+
+    def memory_note(self, profile: RunProfile) -> str | None:
+        """Why `memory_plan` has no estimate for a profile this engine would plan (what the model's size
+        lacks), for the dry run; None when there is nothing to say."""
+        return None
+
+    def evaluation(self, profile: RunProfile, settings: EvalSettings, devices_here: int, ray_address: str | None,
+                   runtime_env: dict) -> tuple[EvalSettings, Generate]:
+        """Where and how the evaluation stage generates for this engine's runs: by default on this
+        host's devices, with the engine `generation.engine` resolves to (the same path as rollouts)."""
+        from stages.evaluate import choose_engine
+
+        engine = profile.generation.resolved_engine(profile.platform.accelerated)
+        return settings, choose_engine(profile.platform, devices_here, engine)
 
     def submission(self, profile: RunProfile, run: TrainingRun) -> dict | None:
         """What training submits to a cluster, for the dry run; None when it trains in the flow."""

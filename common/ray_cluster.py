@@ -147,13 +147,15 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
         _init_within(options, timeout_s, f"{origin}: the Ray cluster at {parsed}")
 
 
-def project_modules() -> list[str]:
-    """The packages this project's Ray tasks and workers import (all but the flow's own, `flows`)."""
-    import backends
-    import profiles
-    import stages
+# The packages this project's Ray tasks and workers import (all but the flow's own, `flows`), named
+# rather than imported: this module sits below them.
+PROJECT_PACKAGES = ("common", "backends", "profiles", "stages")
 
-    return [str(Path(__file__).resolve().parent), *(str(Path(m.__file__).parent) for m in (backends, profiles, stages))]
+
+def project_modules() -> list[str]:
+    """The folders of PROJECT_PACKAGES, for a job's `py_modules`."""
+    root = Path(__file__).resolve().parent.parent
+    return [str(root / package) for package in PROJECT_PACKAGES]
 
 
 def _init_within(options: dict, timeout_s: float, what: str) -> None:

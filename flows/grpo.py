@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import yaml
 from pydantic import ValidationError
 
+from backends import backend_for
 from flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
 from flows.request import STAGES, RunRequest
 from profiles.errors import EXIT_USER_ERROR, UserError
@@ -135,8 +136,8 @@ def print_dry_run(plan, as_json: bool) -> None:
         print("# memory plan (profiles/memory.py)")
         for line in memory_table(plan.memory):
             print(f"#   {line}")
-    elif plan.profile.backend == "verl" and (missing := missing_size_fields(plan.profile.model.architecture)):
-        print(f"# memory plan: not estimated, the model's size needs {', '.join(missing)}")
+    elif note := backend_for(plan.profile.backend).memory_note(plan.profile):
+        print(f"# memory plan: {note}")
     print("# training command")
     print(format_command(plan.command))
     if job := plan.submission:

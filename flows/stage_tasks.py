@@ -15,6 +15,7 @@ import yaml
 from prefect import get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from backends import backend_for
 from backends.base import TrainResult
 from backends.metrics import StepMetrics
 from common.files import write_json_atomic, write_text_atomic
@@ -28,7 +29,7 @@ from profiles.schema import ModelArchitecture, RunProfile
 from stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from stages.device import DeviceInfo, detect_device, requested_device
 from stages.environment import RuntimeEnv, resolve_environment
-from stages.evaluate import EvalReport, EvalSettings, choose_engine, evaluate, on_cluster
+from stages.evaluate import EvalReport, EvalSettings, evaluate
 from stages.export import ExportedPolicy, export_checkpoint
 from stages.model import DistCheckpoint, ModelCheckpoint, ModelSpec, prepare_dist_checkpoint, prepare_model
 from stages.report import metrics_table
@@ -165,22 +166,15 @@ def evaluate_task(
     profile: RunProfile, device: DeviceInfo, data: DatasetFiles, model: ModelCheckpoint,
     policy: ExportedPolicy | None, run_dir: Path, ray_address: str | None = None, runtime_env: dict | None = None,
 ) -> EvalReport:
-    """A run trained by verl evaluates on its cluster (its policy is too big for this host), one
-    engine per `rollout.tp` devices; any other run here, on this host's devices."""
+    """Where the models generate is the backend's choice (`Backend.evaluation`): a verl run's policy
+    is too big for this host and is evaluated on its cluster; any other run here, on this host's devices."""
     logger = get_run_logger()
     if profile.eval.models:
         models = {Path(path).name: Path(path).expanduser() for path in profile.eval.models}
     else:
         models = {"base": Path(model.path)} | ({"trained": Path(policy.path)} if policy else {})
-    settings = EvalSettings.from_profile(profile)
-    if profile.backend == "verl":
-        settings = settings.model_copy(update={"tensor_parallel_size": profile.rollout.tp})
-        devices = profile.cluster.nnodes * profile.cluster.devices_per_node
-        engine = on_cluster(profile.platform, max(1, devices // profile.rollout.tp), profile.rollout.tp, ray_address,
-                            runtime_env or {})
-    else:
-        engine = choose_engine(profile.platform, device.count,
-                               profile.generation.resolved_engine(profile.platform.accelerated))
+    settings, engine = backend_for(profile.backend).evaluation(
+        profile, EvalSettings.from_profile(profile), device.count, ray_address, runtime_env or {})
     with progress_artifact("evaluate", f"evaluate {', '.join(models)}"):
         logger.info("generation engine: %s", engine.__name__)
         report = evaluate(models, Path(data.val_files[0]), settings, run_dir / "eval", engine)

@@ -103,3 +103,24 @@ def test_a_one_gpu_host_is_refused_the_gpu_platforms_eight_workers_at_planning(t
         check_plan(request, profile, one_gpu, dry_run=False)
     fitted = resolve_profile(str(model), "gpu", overrides=["cluster.devices_per_node=1"])
     check_plan(request, fitted, one_gpu, dry_run=False)
+
+
+def test_where_a_run_evaluates_is_the_backends_answer():
+    """The evaluation stage asks the backend: a verl run generates on its cluster with the rollout's
+    tensor parallel size, a local run on this host's devices with the generation engine it trains with."""
+    from stages.evaluate import EvalSettings
+
+    verl = resolve_profile("qwen3.5-122b-a10b", "gpu")
+    settings, engine = backend_for("verl").evaluation(verl, EvalSettings.from_profile(verl), 0, "head:6379", {})
+    assert settings.tensor_parallel_size == verl.rollout.tp
+    assert engine.__name__ == f"the cluster's engine ({32 // verl.rollout.tp} Ray tasks)"
+    local = resolve_profile("tiny", "cpu")
+    settings, engine = backend_for("local").evaluation(local, EvalSettings.from_profile(local), 2, None, {})
+    assert settings == EvalSettings.from_profile(local) and engine.__name__ == "transformers_generate"
+
+
+def test_only_a_backend_that_plans_memory_says_why_it_has_no_plan():
+    verl = resolve_profile("qwen3.5-122b-a10b", "gpu", overrides=["model.architecture.moe_intermediate_size=null"])
+    assert backend_for("verl").memory_note(verl).startswith("not estimated, the model's size needs")
+    assert backend_for("verl").memory_note(resolve_profile("qwen3.5-122b-a10b", "gpu")) is None
+    assert backend_for("local").memory_note(resolve_profile("tiny", "cpu")) is None

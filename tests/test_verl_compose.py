@@ -102,13 +102,20 @@ def test_kl_on_npu_builds_reference_with_npu_engine_values():
     assert ref["override_transformer_config"]["use_naive_l2norm"] is True
 
 
-def test_npu_env_reaches_workers_and_visible_devices_stays_on_driver():
+def test_npu_env_reaches_workers_and_gpu_visibility_is_left_to_ray():
     job_env = render("qwen3.5-122b-a10b", "npu")[4].runtime_env["env_vars"]
     assert job_env["HCCL_CONNECT_TIMEOUT"] == "5400"
     assert job_env["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] == "1"
+    # Ray assigns each worker its GPUs: the profile names none (a fixed 0..7 was wrong on smaller hosts).
     _, gpu_env, _, _, gpu_spec = render("qwen3.5-122b-a10b", "gpu")
-    assert "CUDA_VISIBLE_DEVICES" in gpu_env.values
+    assert "CUDA_VISIBLE_DEVICES" not in gpu_env.values
     assert "CUDA_VISIBLE_DEVICES" not in gpu_spec.runtime_env["env_vars"]
+
+
+def test_visible_devices_set_in_a_profile_stay_on_the_driver():
+    _, env, _, _, spec = render("qwen3.5-122b-a10b", "gpu", ["env.CUDA_VISIBLE_DEVICES=0,1"])
+    assert env.values["CUDA_VISIBLE_DEVICES"].value == "0,1"
+    assert "CUDA_VISIBLE_DEVICES" not in spec.runtime_env["env_vars"]
 
 
 def test_upstream_recipe_as_written_no_longer_composes():

@@ -41,6 +41,7 @@ from common.ray_cluster import (
 )
 from profiles.errors import UserError
 from profiles.memory import MemoryPlan, plan_for
+from profiles.model_size import missing_size_fields
 from profiles.schema import RunProfile
 from profiles.validation import batch_problems, layout_problems, rollout_problems
 
@@ -60,6 +61,21 @@ class VerlBackend(Backend):
     def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
                     detected_gib: list[float] | None = None) -> MemoryPlan | None:
         return plan_for(profile, detected_names, detected_gib)
+
+    def memory_note(self, profile: RunProfile) -> str | None:
+        if missing := missing_size_fields(profile.model.architecture):
+            return f"not estimated, the model's size needs {', '.join(missing)}"
+        return None
+
+    def evaluation(self, profile, settings, devices_here, ray_address, runtime_env):
+        """On the run's cluster (the policy is too big for the flow's host): one engine per `rollout.tp`
+        devices, each a Ray task on the nodes."""
+        from stages.evaluate import on_cluster
+
+        devices = profile.cluster.nnodes * profile.cluster.devices_per_node
+        engine = on_cluster(profile.platform, max(1, devices // profile.rollout.tp), profile.rollout.tp, ray_address,
+                            runtime_env)
+        return settings.model_copy(update={"tensor_parallel_size": profile.rollout.tp}), engine
 
     def profile_problems(self, profile: RunProfile) -> list[str]:
         p = profile
