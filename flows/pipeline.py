@@ -17,9 +17,8 @@ from uuid import UUID
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 
-from common.files import write_json_atomic
 from common.ray_cluster import check_shared
-from flows import lease
+from flows import lease, run_lock
 from flows.plan import RunPlan, run_dir_for, training_command
 from flows.request import RunRequest
 from flows.run_record import RUNS, RunRecord, after_failure
@@ -57,7 +56,11 @@ def grpo_pipeline(request: RunRequest, plan: RunPlan | None = None) -> dict:
     with lease.held(database):
         lease.note_flow_run(flow_run_id)
         lease.end_leftovers(database, get_run_logger().warning)
-        record = _run_planning_and_stages(request, plan, flow_run_id)
+        try:
+            record = _run_planning_and_stages(request, plan, flow_run_id)
+        finally:
+            if flow_run_id in RUNS:  # the folder is free for the next run of it (the failure hooks only read it)
+                run_lock.release(RUNS[flow_run_id].run_dir)
     RUNS.pop(flow_run_id, None)
     return record.result
 
@@ -76,7 +79,7 @@ def _run_planning_and_stages(request: RunRequest, plan: RunPlan | None, flow_run
         record.env = record.run("prepare_environment", prepare_environment_task, record.profile, run_dir,
                                 request.ray_address, plan.env if plan else None)
         _run_stages(request, record)
-        write_json_atomic(run_dir / "timings.json", record.timings)
+        record.write("timings.json", record.timings)
     return record
 
 
@@ -90,7 +93,7 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
         data = record.run("fetch_dataset", fetch, spec, checked=checked)
         with record.step("fetch_dataset: check that every Ray node sees data.root"):
             _log_shared(check_shared(data.path, "data.root", request.ray_address, env.ray_runtime_env()), data.path)
-        write_json_atomic(run_dir / "data" / "dataset.json", data.model_dump(mode="json"))
+        record.write("data/dataset.json", data.model_dump(mode="json"))
         result["dataset"] = data.model_dump(mode="json")
     if "prepare_checkpoint" in request.stages:
         with record.step("prepare_checkpoint"):
@@ -105,10 +108,10 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
             model = model.model_copy(update={"dist_checkpoint": dist})
         with record.step("prepare_checkpoint: check that every Ray node sees model.root"):
             _log_shared(check_shared(model.path, "model.root", request.ray_address, env.ray_runtime_env()), model.path)
-        write_json_atomic(run_dir / "model.json", model.model_dump(mode="json"))
+        record.write("model.json", model.model_dump(mode="json"))
         result["model"] = model.model_dump(mode="json")
     command = training_command(request, profile, run_dir, data, model)
-    write_json_atomic(run_dir / "plan.json", {"backend": profile.backend, "command": command})
+    record.write("plan.json", {"backend": profile.backend, "command": command})
     result["command"] = command
     if "train" in request.stages:
         train = record.run("train", train_task, profile, record.device, env, data, model, run_dir, request.ray_address)

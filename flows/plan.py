@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 
 from backends import backend_for
 from backends.base import TrainingRun
+from flows import run_lock
 from flows.request import RunRequest
 from profiles.errors import ProfileError, UserError
 from profiles.loader import resolve_run_profile
@@ -107,7 +108,8 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
 
 def check_run_dir(run_dir: Path, dry_run: bool) -> None:
     """The run's folder can exist here: each name within the file system's limit and, for a run, the
-    folder made and written to now (a dry run writes nothing: it only checks the names)."""
+    folder made, written to, and held for this run alone (flows/run_lock.py); a dry run writes nothing:
+    it only checks the names."""
     ancestor = next(p for p in (run_dir, *run_dir.parents) if _exists(p))
     try:
         name_max = os.pathconf(ancestor, "PC_NAME_MAX")
@@ -126,6 +128,7 @@ def check_run_dir(run_dir: Path, dry_run: bool) -> None:
     except OSError as exc:
         raise UserError(f"--run-dir: cannot write the run's folder {run_dir} ({exc.strerror or exc}); choose a writable "
                         "--run-dir") from None
+    run_lock.claim(run_dir)
 
 
 def _exists(path: Path) -> bool:
