@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from profiles.section import Section
+from profiles.section import MAX_DEVICES_PER_NODE, MAX_EXPERTS, MAX_LAYERS, MAX_SEQUENCES, MAX_TOKENS, Section
 
 
 class EngineSection(Section):
@@ -21,12 +21,12 @@ class EngineSection(Section):
     (actor and reference), so the roles can never disagree."""
 
     strategy: Literal["megatron"] = Field("megatron", description="verl model engine.")
-    tp: int = Field(1, gt=0, description="Tensor parallel size.")
-    pp: int = Field(1, gt=0, description="Pipeline parallel size.")
-    vpp: int | None = Field(None, gt=0, description="Virtual pipeline stages per rank (null: off).")
-    cp: int = Field(1, gt=0, description="Context parallel size.")
-    ep: int = Field(1, gt=0, description="Expert parallel size.")
-    etp: int = Field(1, gt=0, description="Expert tensor parallel size.")
+    tp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Tensor parallel size.")
+    pp: int = Field(1, gt=0, le=MAX_LAYERS, description="Pipeline parallel size.")
+    vpp: int | None = Field(None, gt=0, le=MAX_LAYERS, description="Virtual pipeline stages per rank (null: off).")
+    cp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Context parallel size.")
+    ep: int = Field(1, gt=0, le=MAX_EXPERTS, description="Expert parallel size.")
+    etp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Expert tensor parallel size.")
     param_offload: bool = Field(False, description="Keep parameters (and grad buffers) on the host.")
     optimizer_offload: bool = Field(False, description="Keep optimizer state on the host.")
     dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Training dtype.")
@@ -53,15 +53,15 @@ class EngineSection(Section):
 
 class RolloutSection(Section):
     engine: Literal["vllm"] = Field("vllm", description="Inference engine that generates rollouts.")
-    tp: int = Field(1, gt=0, description="Tensor parallel size of the inference engine.")
+    tp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Tensor parallel size of the inference engine.")
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="Fraction of device memory the inference engine may take."
     )
     max_model_len: int | None = Field(
-        None, gt=0, description="Context length the inference engine reserves (prompt + response)."
+        None, gt=0, le=MAX_TOKENS, description="Context length the inference engine reserves (prompt + response)."
     )
     max_num_seqs: int = Field(
-        256, gt=0, description="Sequences vLLM runs at once (verl's default); the KV cache should hold this many.")
+        256, gt=0, le=MAX_SEQUENCES, description="Sequences vLLM runs at once (verl's default); the KV cache should hold this many.")
     dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Inference dtype.")
     update_weights_bucket_megabytes: int = Field(
         512, gt=0, description="Size of the buckets that carry new weights to the inference engine."
@@ -96,6 +96,7 @@ class GenerationSection(Section):
     steps_per_generation: int = Field(
         1,
         gt=0,
+        le=MAX_SEQUENCES,
         description="GRPO steps whose prompts are generated in one round (one large batch instead of several "
         "small ones); the later steps of a round update on responses of a slightly older policy, which GRPO's "
         "clipped importance ratio accounts for. 1: every step generates from the current policy, as verl does.",
@@ -128,9 +129,9 @@ class LogProbSection(Section):
     """Log-prob recomputation settings, shared by the rollout (old log-probs) and the reference."""
 
     micro_batch_size_per_gpu: int = Field(
-        1, gt=0, description="Sequences per device per log-prob forward pass."
+        1, gt=0, le=MAX_SEQUENCES, description="Sequences per device per log-prob forward pass."
     )
     max_token_len_per_gpu: int = Field(
-        8192, gt=0, description="Token budget per device when dynamic batch size is on."
+        8192, gt=0, le=MAX_TOKENS, description="Token budget per device when dynamic batch size is on."
     )
     use_dynamic_bsz: bool = Field(False, description="Pack log-prob batches by token count.")

@@ -230,7 +230,8 @@ def describe_validation_error(exc: ValidationError) -> str:
             value = error.get("input")
             # Never echo env values (they may hold secrets) or whole sections.
             if field.startswith("env") or isinstance(value, dict):
-                problems.append(f"{field}: {message}")
+                # A section's own rule names its fields itself.
+                problems.append(message if message.startswith(f"{field}.") else f"{field}: {message}")
             else:
                 problems.append(f"{field}={value!r}: {message}")
     return "invalid profile: " + "; ".join(problems)

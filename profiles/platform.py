@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from profiles.section import Section
+from profiles.section import MAX_GIB, MAX_RATE, Section
 
 DeviceKind = Literal["gpu", "npu", "cpu"]
 # Ray's own accelerator resource; any other device resource is a custom one (`ray start --resources`).
@@ -24,11 +24,11 @@ class Accelerator(Section):
     """One model of device: what the memory planner and its layout cost model know of it
     (profiles/memory.py, profiles/layouts.py). Bandwidths are per device, one direction."""
 
-    memory_gib: float = Field(..., gt=0, description="Device memory as torch reports it (total_memory), GiB.")
-    bf16_tflops: float = Field(..., gt=0, description="Dense bf16 peak, TFLOP/s.")
-    link_gb_s: float = Field(..., gt=0, description="Bandwidth to the other devices of its node (NVLink, HCCS), GB/s.")
-    network_gb_s: float = Field(..., gt=0, description="Bandwidth to other nodes (InfiniBand, RoCE), GB/s.")
-    host_gb_s: float = Field(..., gt=0, description="Bandwidth to host memory (PCIe), GB/s: what offloading moves over.")
+    memory_gib: float = Field(..., gt=0, le=MAX_GIB, description="Device memory as torch reports it (total_memory), GiB.")
+    bf16_tflops: float = Field(..., gt=0, le=MAX_RATE, description="Dense bf16 peak, TFLOP/s.")
+    link_gb_s: float = Field(..., gt=0, le=MAX_RATE, description="Bandwidth to the other devices of its node (NVLink, HCCS), GB/s.")
+    network_gb_s: float = Field(..., gt=0, le=MAX_RATE, description="Bandwidth to other nodes (InfiniBand, RoCE), GB/s.")
+    host_gb_s: float = Field(..., gt=0, le=MAX_RATE, description="Bandwidth to host memory (PCIe), GB/s: what offloading moves over.")
 
 
 class Platform(Section):
@@ -73,13 +73,23 @@ class Platform(Section):
     accelerators: dict[str, Accelerator] = Field(
         default_factory=dict, description="Known models of this kind of device, by name (memory, speed, links).")
     device_memory_gib: float | None = Field(
-        None, gt=0, description="Memory of one device, GiB, overriding the accelerator's and the detected value.")
+        None, gt=0, le=MAX_GIB, description="Memory of one device, GiB, overriding the accelerator's and the detected value.")
     reserved_memory_gib: float = Field(
-        0.0, ge=0, description="Device memory outside the framework's allocator, per device, GiB: the runtime's "
+        0.0, ge=0, le=MAX_GIB, description="Device memory outside the framework's allocator, per device, GiB: the runtime's "
         "context, communication buffers (NCCL/HCCL), allocator slack. The planner fits estimates into the rest.")
     host_memory_gib: float | None = Field(
-        None, gt=0, description="Host memory per node, GiB, that offloaded parameters and optimizer states must fit "
+        None, gt=0, le=64 * MAX_GIB, description="Host memory per node, GiB, that offloaded parameters and optimizer states must fit "
         "in; empty: not checked (unless detected on the host that runs training).")
+
+    @model_validator(mode="after")
+    def accelerator_is_known(self) -> Platform:
+        if self.accelerator is not None and self.accelerator not in self.accelerators:
+            known = ", ".join(self.accelerators) or "none"
+            raise ValueError(
+                f"platform.accelerator {self.accelerator!r} has no row in platform.accelerators (known: {known}); pick "
+                "one of them, or add its row (memory_gib, bf16_tflops, link_gb_s, network_gb_s, host_gb_s), or set "
+                "platform.device_memory_gib for the memory plan")
+        return self
 
     def accelerator_for(self, detected_names: list[str] | None = None) -> tuple[str | None, Accelerator | None]:
         """The row of `accelerators` for a detected device's name (the longest name it contains: 'NVIDIA

@@ -15,7 +15,10 @@ from pydantic import Field, field_validator
 
 from profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
 from profiles.platform import DeviceKind, Platform
-from profiles.section import Section
+from profiles.section import (
+    MAX_DEVICES_PER_NODE, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_NODES, MAX_SEQUENCES, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH,
+    Section,
+)
 
 __all__ = ["DeviceKind", "Platform", "RunProfile", "Section"]
 
@@ -27,37 +30,37 @@ ProxyPolicy = Literal["clear", "bypass-cluster", "keep"]
 class ModelArchitecture(Section):
     """The numbers of the model that decide which parallel layouts are possible."""
 
-    num_layers: int = Field(..., gt=0, description="Decoder layers (`num_hidden_layers`).")
-    num_attention_heads: int = Field(..., gt=0, description="Query heads of full attention.")
-    num_kv_heads: int = Field(..., gt=0, description="Key/value heads (`num_key_value_heads`).")
-    num_experts: int = Field(0, ge=0, description="Routed experts per MoE layer; 0 for a dense model.")
-    hidden_size: int = Field(..., gt=0, description="Hidden size of the decoder.")
-    vocab_size: int = Field(..., gt=0, description="Vocabulary size.")
+    num_layers: int = Field(..., gt=0, le=MAX_LAYERS, description="Decoder layers (`num_hidden_layers`).")
+    num_attention_heads: int = Field(..., gt=0, le=MAX_HEADS, description="Query heads of full attention.")
+    num_kv_heads: int = Field(..., gt=0, le=MAX_HEADS, description="Key/value heads (`num_key_value_heads`).")
+    num_experts: int = Field(0, ge=0, le=MAX_EXPERTS, description="Routed experts per MoE layer; 0 for a dense model.")
+    hidden_size: int = Field(..., gt=0, le=MAX_WIDTH, description="Hidden size of the decoder.")
+    vocab_size: int = Field(..., gt=0, le=MAX_VOCAB, description="Vocabulary size.")
     linear_num_key_heads: int | None = Field(
-        None, description="Key heads of the linear-attention (Gated DeltaNet) layers, if any."
+        None, gt=0, le=MAX_HEADS, description="Key heads of the linear-attention (Gated DeltaNet) layers, if any."
     )
     linear_num_value_heads: int | None = Field(
-        None, description="Value heads of the linear-attention (Gated DeltaNet) layers, if any."
+        None, gt=0, le=MAX_HEADS, description="Value heads of the linear-attention (Gated DeltaNet) layers, if any."
     )
     # The numbers below size the model (parameters, memory: profiles/model_size.py, profiles/memory.py);
     # a model directory's config.json gives them, a recipe records them.
-    head_dim: int | None = Field(None, gt=0, description="Width of one attention head; empty: hidden_size / num_attention_heads.")
-    intermediate_size: int | None = Field(None, gt=0, description="Width of a dense MLP (dense models).")
-    moe_intermediate_size: int | None = Field(None, gt=0, description="Width of one routed expert's MLP.")
+    head_dim: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Width of one attention head; empty: hidden_size / num_attention_heads.")
+    intermediate_size: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Width of a dense MLP (dense models).")
+    moe_intermediate_size: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Width of one routed expert's MLP.")
     shared_expert_intermediate_size: int | None = Field(
-        None, gt=0, description="Width of the shared expert of each MoE layer, if any.")
-    num_experts_per_tok: int | None = Field(None, gt=0, description="Experts each token is routed to (top-k).")
+        None, gt=0, le=MAX_WIDTH, description="Width of the shared expert of each MoE layer, if any.")
+    num_experts_per_tok: int | None = Field(None, gt=0, le=MAX_EXPERTS, description="Experts each token is routed to (top-k).")
     tie_word_embeddings: bool = Field(False, description="The output layer shares the input embedding's weights.")
     qk_norm: bool = Field(False, description="RMSNorm on queries and keys per head (Qwen3 and later).")
     attention_bias: bool = Field(False, description="Bias on the query, key and value projections (Qwen2).")
     attention_output_gate: bool = Field(
         False, description="A sigmoid gate on the attention output, projected with the queries (Qwen3.5).")
     full_attention_interval: int | None = Field(
-        None, gt=0, description="Hybrid models: every N-th layer is full attention, the others linear attention.")
-    linear_key_head_dim: int | None = Field(None, gt=0, description="Key head width of the linear-attention layers.")
-    linear_value_head_dim: int | None = Field(None, gt=0, description="Value head width of the linear-attention layers.")
+        None, gt=0, le=MAX_LAYERS, description="Hybrid models: every N-th layer is full attention, the others linear attention.")
+    linear_key_head_dim: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Key head width of the linear-attention layers.")
+    linear_value_head_dim: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Value head width of the linear-attention layers.")
     linear_conv_kernel_dim: int | None = Field(
-        None, gt=0, description="Width of the linear-attention layers' short convolution.")
+        None, gt=0, le=MAX_WIDTH, description="Width of the linear-attention layers' short convolution.")
 
 
 class ModelSection(Section):
@@ -92,9 +95,9 @@ class ModelSection(Section):
 
 
 class ClusterSection(Section):
-    nnodes: int = Field(1, gt=0, description="Number of machines in the run.")
+    nnodes: int = Field(1, gt=0, le=MAX_NODES, description="Number of machines in the run.")
     devices_per_node: int = Field(
-        1, gt=0, description="Accelerators per machine (on CPU: training worker processes)."
+        1, gt=0, le=MAX_DEVICES_PER_NODE, description="Accelerators per machine (on CPU: training worker processes)."
     )
     ready_timeout_s: int = Field(
         900, gt=0,
@@ -124,11 +127,11 @@ class DataSection(Section):
         "~/data", description="Directory (shared by all nodes on a cluster) that holds datasets."
     )
     seed: int = Field(0, description="Seed of the arith generator.")
-    arith_train_rows: int = Field(1024, gt=0, description="Training problems the arith generator makes.")
-    arith_test_rows: int = Field(128, gt=0, description="Held-out problems the arith generator makes.")
-    train_batch_size: int = Field(8, gt=0, description="Prompts per training step.")
-    max_prompt_length: int = Field(256, gt=0, description="Longest prompt in tokens.")
-    max_response_length: int = Field(256, gt=0, description="Longest generated response in tokens.")
+    arith_train_rows: int = Field(1024, gt=0, le=MAX_SEQUENCES, description="Training problems the arith generator makes.")
+    arith_test_rows: int = Field(128, gt=0, le=MAX_SEQUENCES, description="Held-out problems the arith generator makes.")
+    train_batch_size: int = Field(8, gt=0, le=MAX_SEQUENCES, description="Prompts per training step.")
+    max_prompt_length: int = Field(256, gt=0, le=MAX_TOKENS, description="Longest prompt in tokens.")
+    max_response_length: int = Field(256, gt=0, le=MAX_TOKENS, description="Longest generated response in tokens.")
     truncation: Literal["error", "left", "right", "middle"] = Field(
         "error", description="What to do with a prompt longer than `max_prompt_length`."
     )
@@ -145,7 +148,7 @@ class AlgorithmSection(Section):
 
     adv_estimator: Literal["grpo"] = Field("grpo", description="Advantage estimator.")
     rollout_n: int = Field(
-        4, gt=0, description="Group size: responses sampled per prompt (`rollout.n`)."
+        4, gt=0, le=MAX_HEADS, description="Group size: responses sampled per prompt (`rollout.n`)."
     )
     use_kl_in_reward: bool = Field(False, description="Subtract a KL penalty from the reward.")
     use_kl_loss: bool = Field(
@@ -170,13 +173,13 @@ class AlgorithmSection(Section):
 
 class ActorSection(Section):
     ppo_mini_batch_size: int = Field(
-        8, gt=0, description="Prompts per optimizer step (each with `rollout_n` responses)."
+        8, gt=0, le=MAX_SEQUENCES, description="Prompts per optimizer step (each with `rollout_n` responses)."
     )
     ppo_micro_batch_size_per_gpu: int = Field(
-        1, gt=0, description="Sequences per device per forward/backward pass."
+        1, gt=0, le=MAX_SEQUENCES, description="Sequences per device per forward/backward pass."
     )
     ppo_max_token_len_per_gpu: int = Field(
-        8192, gt=0, description="Token budget per device when dynamic batch size is on."
+        8192, gt=0, le=MAX_TOKENS, description="Token budget per device when dynamic batch size is on."
     )
     use_dynamic_bsz: bool = Field(False, description="Pack micro batches by token count.")
     use_torch_compile: bool = Field(True, description="Compile the actor's hot functions.")
@@ -195,15 +198,15 @@ class EvalSection(Section):
         "the trained policy of this run.",
     )
     samples_per_prompt: int = Field(
-        1, gt=0, description="Responses per validation prompt; pass@k is reported for k = this number."
+        1, gt=0, le=MAX_HEADS, description="Responses per validation prompt; pass@k is reported for k = this number."
     )
     temperature: float = Field(
         0.0, ge=0, description="Sampling temperature; 0 is greedy (only with one sample per prompt)."
     )
     max_new_tokens: int | None = Field(
-        None, gt=0, description="Longest response; empty: data.max_response_length."
+        None, gt=0, le=MAX_TOKENS, description="Longest response; empty: data.max_response_length."
     )
-    batch_size: int = Field(32, gt=0, description="Prompts generated together (transformers engine).")
+    batch_size: int = Field(32, gt=0, le=MAX_SEQUENCES, description="Prompts generated together (transformers engine).")
     max_prompts: int | None = Field(
         None, gt=0, description="Evaluate on the first N validation prompts only; empty: all."
     )
@@ -216,7 +219,7 @@ class TrainerSection(Section):
     logger: list[str] = Field(["console"], description="Where metrics go (`console`, `wandb`...).")
     total_epochs: int = Field(1, gt=0, description="Passes over the training data.")
     total_training_steps: int | None = Field(
-        None, gt=0, description="Stop after this many steps (null: run all epochs)."
+        None, gt=0, le=MAX_SEQUENCES, description="Stop after this many steps (null: run all epochs)."
     )
     save_freq: int = Field(10, description="Checkpoint every N steps (-1: never).")
     test_freq: int = Field(10, description="Validate every N steps (-1: never).")

@@ -1,8 +1,11 @@
 """`Section`: the base of every part of a profile.
 
 Unknown keys are rejected (`extra="forbid"`), so a typo in a profile or a `--set` is an error instead
-of a silently ignored setting; assignments are validated too; and `true` / `false` is never taken
-for a number (pydantic would read `engine.tp=true` as TP 1).
+of a silently ignored setting; assignments are validated too; `true` / `false` is never taken
+for a number (pydantic would read `engine.tp=true` as TP 1); infinities and NaN are refused.
+
+The upper bounds below (`le=`) are far above any real model or cluster: they keep the memory
+planner's arithmetic finite and the layout search short whatever a profile says.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ def _is_number(annotation: Any) -> bool:
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # `.inf` / `.nan` are YAML floats: never a size, a memory or a rate (the planner's arithmetic would
+    # end in NaN), so no section takes them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -28,3 +33,17 @@ class Section(BaseModel):
         if isinstance(value, bool) and _is_number(cls.model_fields[info.field_name].annotation):
             raise ValueError("expects a number, not true/false")
         return value
+
+
+# Upper bounds of the numbers the planner multiplies (each far above what exists today).
+MAX_DEVICES_PER_NODE = 256
+MAX_NODES = 16_384
+MAX_LAYERS = 1024
+MAX_HEADS = 4096
+MAX_EXPERTS = 4096
+MAX_WIDTH = 1 << 20  # hidden, MLP and expert widths
+MAX_VOCAB = 1 << 22
+MAX_TOKENS = 1 << 24  # one sequence's tokens, a token budget
+MAX_SEQUENCES = 1 << 20  # sequences in a batch
+MAX_GIB = 1 << 16  # one device's memory
+MAX_RATE = 1e6  # TFLOP/s, GB/s

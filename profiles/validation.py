@@ -9,6 +9,8 @@ of a profile are reported together, on one line.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from profiles.errors import ProfileError
@@ -160,11 +162,59 @@ def conversion_problems(p: RunProfile) -> list[str]:
     return []
 
 
+# A reward file is a module of a few functions; anything larger is not one.
+MAX_REWARD_FILE_BYTES = 1 << 20
+
+
+def reward_problems(p: RunProfile) -> list[str]:
+    """A custom reward that training would fail to load minutes in: the file is read and parsed (never
+    run: planning executes no user code) and must define the function at its top level."""
+    spec = p.algorithm.reward_function
+    if not spec:
+        return []
+    where = f"algorithm.reward_function={spec!r}"
+    path, _, name = spec.rpartition(":")
+    if not path or not name.isidentifier():
+        return [f"{where}: expected /path/to/file.py:function"]
+    file = Path(path).expanduser()
+    try:
+        if not file.is_file():
+            return [f"{where}: {path} is not a file; give the path of a Python file that every node can read"]
+        with open(file, "rb") as handle:
+            source = handle.read(MAX_REWARD_FILE_BYTES + 1)
+    except OSError as exc:
+        return [f"{where}: cannot read {path} ({exc.strerror or exc})"]
+    if len(source) > MAX_REWARD_FILE_BYTES:
+        return [f"{where}: {path} is larger than {MAX_REWARD_FILE_BYTES >> 10} KiB; a reward file is a small Python module"]
+    try:
+        tree = ast.parse(source, filename=path)
+    except (SyntaxError, ValueError) as exc:
+        line = f" line {exc.lineno}" if getattr(exc, "lineno", None) else ""
+        return [f"{where}: {path}{line} is not valid Python ({getattr(exc, 'msg', exc)}); fix it"]
+    if name not in _top_level_names(tree):
+        return [f"{where}: {path} defines no {name!r} at its top level; name a function of (response, ground_truth) it defines"]
+    return []
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
 def validate_profile(p: RunProfile) -> None:
     """Every rule at once: the backend's own (its layout, how batches split over its ranks, what it
     cannot run) and the ones that hold for any backend; all problems on one line."""
     from backends import backend_for
 
-    problems = backend_for(p.backend).profile_problems(p) + length_problems(p) + conversion_problems(p) + generation_problems(p)
+    problems = [*backend_for(p.backend).profile_problems(p), *length_problems(p), *conversion_problems(p),
+                *generation_problems(p), *reward_problems(p)]
     if problems:
         raise ProfileError("invalid profile: " + "; ".join(problems))

@@ -76,7 +76,11 @@ def load_yaml_mapping(path: Path, what: str) -> dict[str, Any]:
     if kind != "file":
         raise ProfileError(f"{what} {shown(path)} {'is a directory' if kind else 'does not exist'}; give the path of a YAML file")
     try:
-        raw = path.read_bytes()[: MAX_PROFILE_BYTES + 1]
+        # A device (/dev/zero) or a pipe never ends, or blocks: only regular files, and only the bytes the cap allows.
+        if not path.is_file():
+            raise ProfileError(f"{what} {shown(path)} is not a regular file (a device or a pipe); give the path of a YAML file")
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_PROFILE_BYTES + 1)
     except OSError as exc:
         raise ProfileError(f"{what} {shown(path)}: {exc.strerror or exc}") from None
     if len(raw) > MAX_PROFILE_BYTES:
