@@ -37,5 +37,35 @@ def write_text_atomic(path: Path, text: str, mode: int | None = None, private: b
     return path
 
 
+def current_umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc), else by the set-and-restore dance."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def share_tree(root: Path) -> Path:
+    """Give a folder a library wrote (safetensors 0.8 writes every file 0600) the run's modes: files
+    SHARED_MODE and folders 0777, each less the umask, so the team and Ray nodes running as other
+    users can read the policy as they read the rest of the run."""
+    mask = current_umask()
+    root = Path(root)
+    os.chmod(root, 0o777 & ~mask)
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, SHARED_MODE & ~mask)
+    return root
+
+
 def write_json_atomic(path: Path, data: Any, mode: int | None = None, private: bool = False) -> Path:
     return write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", mode=mode, private=private)

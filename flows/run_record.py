@@ -23,6 +23,7 @@ from prefect.logging import get_logger
 from backends import backend_for
 from common.files import write_json_atomic
 from common.ray_cluster import stop_ray_job
+from profiles.errors import UserError
 from profiles.schema import RunProfile
 from profiles.secrets import scrub
 from stages.device import DeviceInfo
@@ -56,6 +57,19 @@ class RunRecord:
             raise
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - started
+
+    def write(self, name: str, data) -> Path:
+        """One of the flow's own files of the run folder (plan.json, data/dataset.json, ...): a folder that
+        refuses it fails the run with one line naming the file, as a step of its own."""
+        path = self.run_dir / name
+        try:
+            return write_json_atomic(path, data)
+        except OSError as exc:
+            self.stage = f"write {name}"
+            error = UserError(f"cannot write the run's file {path} ({exc.strerror or exc}); make the run folder "
+                              "writable there, or choose another --run-name or --run-dir")
+            self.failure = f"Stage `{self.stage}`: {error}"
+            raise error from None
 
     def run(self, stage: str, task_fn, *args, checked: str | None = None):
         """Run one stage's task; a cache hit is said to be one, with what was checked to trust it."""

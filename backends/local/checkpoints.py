@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from common.files import write_text_atomic
+from common.files import share_tree, write_text_atomic
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -36,5 +36,5 @@ def publish_step(checkpoints: Path, step: int) -> None:
     if written.is_dir():
         if final.exists():
             os.replace(final, checkpoints / f".replaced-global_step_{step}-{time.time_ns()}")
-        os.replace(written, final)
+        os.replace(share_tree(written), final)
         write_text_atomic(checkpoints / LATEST, f"{step}\n")

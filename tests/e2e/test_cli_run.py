@@ -208,3 +208,16 @@ def test_a_run_killed_with_sigkill_leaves_nothing_a_later_run_does_not_end(tmp_p
     finally:
         api.stop()
     assert done.stdout.strip() == "CRASHED", done.stderr[-2000:]
+
+
+def test_a_run_file_the_folder_refuses_fails_the_run_in_one_line_naming_it(tmp_path):
+    blocked = tmp_path / "runs" / "blocked" / "plan.json"
+    blocked.mkdir(parents=True)  # what the flow's own file must replace is a folder: the rename fails
+    done = run_cli("--stages", "fetch_dataset", "--run-name", "blocked", tmp_path=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr + done.stdout
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert error == (f"error: cannot write the run's file {blocked} (Is a directory); make the run folder writable "
+                     "there, or choose another --run-name or --run-dir")
+    report = (blocked.parent / "report.md").read_text()
+    assert "Stage `write plan.json`: cannot write the run's file" in report
