@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 runs of the README's performance and "verified on" tables, on the lent GPU machine
+# The H200 runs of performance and "verified on" tables of docs/performance.md, on the lent GPU machine
 # (device tool): wheels from ../shared/tools/gpu_wheels.py installed into /tmp/site first.
 #   bash bench/h200.sh generation   # correctness of the fast path + evaluation eager vs fast
 #   bash bench/h200.sh training     # local backend vs bare TRL

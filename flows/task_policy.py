@@ -3,8 +3,8 @@ stages, progress artifacts, and what the run's log lines may carry.
 
     python -m flows.grpo --model tiny --device cpu    # a second run: both stages "skipped"
 
-The table `STAGE_SETTINGS` is the one place a stage's retries and limits are set (README: "stage
-settings"). A config error (`UserError`) is never retried, whatever the row says.
+The table `STAGE_SETTINGS` is the one place a stage's retries and limits are set (docs/running.md: the
+stage table). A config error (`UserError`) is never retried, whatever the row says.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ peak with what the other roles leave resident then:
 - host: per node, everything offloaded.
 Estimates are of the framework allocator's peak (`torch.cuda.max_memory_allocated`); the device's
 `platform.reserved_memory_gib` (context, communication buffers) is kept out of what they may use.
-The bench `bench/bench_memory.py` compares them with measured peaks (README, "Memory planner").
+The bench `bench/bench_memory.py` compares them with measured peaks (docs/memory-planner.md).
 """
 
 from __future__ import annotations
