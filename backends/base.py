@@ -76,7 +76,11 @@ class TrainingProgress(Protocol):
 
     def step(self, metrics: StepMetrics) -> None: ...
 
-    def note(self, message: str) -> None: ...
+    def note(self, message: str) -> None:
+        """What training does, for the record (INFO)."""
+
+    def warn(self, message: str) -> None:
+        """Something a person should act on or know is off (WARNING)."""
 
     def output(self, line: str) -> None:
         """A line the training program printed (a remote job's log)."""

@@ -16,12 +16,13 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.context import get_run_context
+from prefect.exceptions import TerminationSignal
 
 from common.ray_cluster import check_shared
 from flows import lease, run_lock
 from flows.plan import RunPlan, run_dir_for, training_command
 from flows.request import RunRequest
-from flows.run_record import RUNS, RunRecord, after_failure
+from flows.run_record import RUNS, RunRecord, after_failure, close_cancelled_run
 from flows.stage_tasks import (
     convert_checkpoint_task,
     detect_device_task,
@@ -39,8 +40,14 @@ from stages.dataset import DataSpec, dataset_dir
 from stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
 
 
-@flow(name="grpo_pipeline", log_prints=True, on_failure=[after_failure], on_crashed=[after_failure],
-      on_cancellation=[after_failure])
+# One flow, two doors: `grpo_pipeline` takes a typed request (the command line, with the plan it
+# checked; Python callers), `run_from_form` (flows/form.py) the fields a deployment's form shows.
+# Both are the flow `grpo_pipeline` in Prefect, with the same failure hooks.
+FLOW_OPTIONS = dict(name="grpo_pipeline", log_prints=True, on_failure=[after_failure], on_crashed=[after_failure],
+                    on_cancellation=[after_failure])
+
+
+@flow(**FLOW_OPTIONS)
 def grpo_pipeline(request: RunRequest, plan: RunPlan | None = None) -> dict:
     """GRPO post-training, from a bare machine to an evaluated checkpoint.
 
@@ -50,6 +57,11 @@ def grpo_pipeline(request: RunRequest, plan: RunPlan | None = None) -> dict:
         plan: Leave empty: the flow plans the run itself (device, profile, environment). The command
             line passes the plan it has already checked, so the flow runs exactly that plan.
     """
+    return run_pipeline(request, plan)
+
+
+def run_pipeline(request: RunRequest, plan: RunPlan | None) -> dict:
+    """The flow's body (inside a flow run of either door)."""
     filter_run_logs()
     flow_run_id = get_run_context().flow_run.id
     database = lease.database_of_this_run()
@@ -58,6 +70,9 @@ def grpo_pipeline(request: RunRequest, plan: RunPlan | None = None) -> dict:
         lease.end_leftovers(database, get_run_logger().warning)
         try:
             record = _run_planning_and_stages(request, plan, flow_run_id)
+        except TerminationSignal:
+            close_cancelled_run(flow_run_id)
+            raise
         finally:
             if flow_run_id in RUNS:  # the folder is free for the next run of it (the failure hooks only read it)
                 run_lock.release(RUNS[flow_run_id].run_dir)

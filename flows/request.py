@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from profiles.errors import ProfileError, UserError
 from profiles.loader import overrides_to_layer
-from profiles.secrets import secret_literal_problems
+from profiles.secrets import URL_CREDENTIALS_PATTERN, secret_literal_problems, secret_name_pattern
 from common.ray_cluster import parse_ray_address
 
 # The stages of the flow in order. `--stages` picks a subset.
@@ -22,6 +22,17 @@ INPUT_STAGES = {
     "export_checkpoint": ("train",),
     "evaluate": ("fetch_dataset", "prepare_checkpoint"),
 }
+
+
+# What the UI's form checks before a run is created (JSON-schema patterns the Prefect API enforces):
+# a run name is a folder's name; each override line is KEY=VALUE, a secret-named env entry holds only
+# a reference `${NAME}`, and no value carries a URL's credentials. The same rules hold at run time
+# (the validators below), for every other way a request arrives.
+RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_REFERENCE_ONLY = r"[ \t]*\$\{[A-Za-z_][A-Za-z0-9_]*\}[ \t]*(?:\r?\n|$)"
+_OVERRIDE_LINE = (rf"(?:[ \t]*|(?![ \t]*env\.{secret_name_pattern()}[ \t]*=(?!{_REFERENCE_ONLY}))"
+                  rf"(?![^\n]*{URL_CREDENTIALS_PATTERN})[ \t]*[A-Za-z_][^=\n]*=[^\n]*)")
+OVERRIDE_LINES = rf"^{_OVERRIDE_LINE}(?:\r?\n{_OVERRIDE_LINE})*$"
 
 
 class RunRequest(BaseModel):
@@ -76,6 +87,18 @@ class RunRequest(BaseModel):
         description="An existing Ray cluster (as RAY_ADDRESS; the verl backend needs one); empty starts a local Ray.",
     )
 
+    @classmethod
+    def from_form(cls, *, overrides: str, profile_file: str, run_name: str, ray_address: str, **fields) -> RunRequest:
+        """The request a deployment's form makes: text boxes, where empty means the default and the
+        overrides are one KEY=VALUE a line."""
+        lines = [line.strip() for line in overrides.splitlines() if line.strip()]
+        try:
+            return cls(overrides=lines, profile_file=profile_file.strip() or None, run_name=run_name.strip() or None,
+                       ray_address=ray_address.strip() or None, **fields)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            raise UserError(f"{'.'.join(map(str, error['loc']))}: {error['msg'].removeprefix('Value error, ')}") from None
+
     @field_validator("stages")
     @classmethod
     def known_stages(cls, stages: list[str]) -> list[str]:
@@ -120,6 +143,6 @@ class RunRequest(BaseModel):
     @field_validator("run_name")
     @classmethod
     def safe_run_name(cls, name: str | None) -> str | None:
-        if name is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        if name is not None and not re.fullmatch(RUN_NAME, name):
             raise ValueError(f"run name {name!r} must be letters, digits, '.', '_' or '-' (it names a directory)")
         return name

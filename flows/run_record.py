@@ -18,6 +18,7 @@ from pathlib import Path
 from uuid import UUID
 
 from prefect import get_run_logger
+from prefect.artifacts import MarkdownArtifact
 from prefect.logging import get_logger
 
 from backends import backend_for
@@ -28,7 +29,7 @@ from profiles.schema import RunProfile
 from profiles.secrets import scrub
 from stages.device import DeviceInfo
 from stages.environment import RuntimeEnv
-from stages.report import write_report
+from stages.report import ui_report, write_report
 
 
 @dataclass
@@ -87,32 +88,74 @@ class RunRecord:
 RUNS: dict[UUID, RunRecord] = {}
 
 
+# Flow runs of this process that were cancelled (flows/pipeline.py closes them itself).
+CANCELLED: set[UUID] = set()
+
+
 def after_failure(flow, flow_run, state) -> None:
-    """Prefect `on_failure` / `on_crashed` / `on_cancellation` (a cancel from the UI stops the
-    run's process): stop the Ray job the run started (its training workers hold devices), and write
-    where the run stopped into the report, next to what it did produce."""
-    record = RUNS.pop(flow_run.id, None)
+    """Prefect `on_failure` / `on_crashed` / `on_cancellation`: `close_failed_run`."""
+    how = "was cancelled" if state.is_cancelled() or state.is_cancelling() else "failed"
+    close_failed_run(flow_run.id, how, state.message)
+
+
+def close_failed_run(flow_run_id: UUID, how: str, message: str | None) -> None:
+    """Stop the Ray job the run started (its training workers hold devices), and write where the run
+    stopped into the report, next to what it did produce; publish that report to Prefect's UI too."""
+    record = RUNS.pop(flow_run_id, None)
     logger = get_logger("grpo_pipeline")
-    stopped = bool(record and record.profile) and backend_for(record.profile.backend).stop(record.run_dir)
-    if stop_ray_job() or stopped:  # this process's own Ray work (evaluation shards) too
-        logger.info("stopped this run's Ray job")
+    stopped = []
+    if record and record.profile and backend_for(record.profile.backend).stop(record.run_dir):
+        stopped.append(f"the {record.profile.backend} backend's training (its Ray job or workers)")
+    if stop_ray_job():  # this process's own Ray work (a local Ray, evaluation tasks)
+        stopped.append("the Ray work of the flow's process")
+    if stopped:
+        logger.info("stopped %s", " and ".join(stopped))
     if record is None:
         return  # the device could not be decided: no run directory; Prefect's state message says why
-    failure = record.failure or f"Stage `{record.stage}`: {scrub(state.message or '')}"
+    failure = record.failure or f"Stage `{record.stage}`: {scrub(message or '')}"
     try:
         write_json_atomic(record.run_dir / "timings.json", record.timings)
-        path = write_run_report(record, failure=failure)
+        path, markdown = write_run_report(record, failure=failure, stopped=stopped)
     except OSError as exc:  # the run's folder itself may be what failed
-        logger.error("the run failed in stage %s; no report (%s)", record.stage, exc.strerror or exc)
+        logger.error("the run %s in stage %s; no report (%s)", how, record.stage, exc.strerror or exc)
         return
-    logger.error("the run failed in stage %s; report: %s", record.stage, path)
+    try:  # the UI shows a failed run's report as it shows a finished one's
+        MarkdownArtifact(key="run-report", markdown=markdown, description=f"Report of run {record.run_dir.name} ({how})",
+                         flow_run_id=flow_run_id).create()
+    except Exception as exc:  # the API may be what went away; the file is written
+        logger.warning("the report could not be published to Prefect's API (%s); it is in %s", exc, path)
+    logger.error("the run %s in stage %s; report: %s", how, record.stage, path)
 
 
-def write_run_report(record: RunRecord, failure: str | None = None) -> Path:
-    """report.md from what the run did so far (stages/report.py)."""
-    return write_report(
-        record.run_dir, profile=record.profile.model_dump(mode="json") if record.profile else None,
+def close_cancelled_run(flow_run_id: UUID) -> bool:
+    """A cancel from the UI: the worker sends the flow's process SIGTERM and owns the run's final
+    state and its `on_cancellation` hooks, which it runs in its own process (where this run's record
+    is not). So the process closes the run itself: report, stopped work, and its task runs, which
+    Prefect's task engine marks Crashed on the signal, marked Cancelled. False when the run was not
+    cancelled (a plain SIGTERM: the on_crashed hook, in this process, closes it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+        if state is None or not (state.is_cancelling() or state.is_cancelled()):
+            return False
+        CANCELLED.add(flow_run_id)
+        close_failed_run(flow_run_id, "was cancelled", "cancelled from the UI or the API")
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        for task_run in runs:
+            if task_run.state and not task_run.state.is_completed() and not task_run.state.is_cancelled():
+                client.set_task_run_state(task_run.id, Cancelled(message="the flow run was cancelled"), force=True)
+    return True
+
+
+def write_run_report(record: RunRecord, failure: str | None = None, stopped: list[str] | None = None) -> tuple[Path, str]:
+    """report.md from what the run did so far, and the same for Prefect's UI (stages/report.py)."""
+    parts = dict(
+        profile=record.profile.model_dump(mode="json") if record.profile else None,
         device=record.device.model_dump(mode="json"), env=record.env.redacted() if record.env else None,
         train=record.result.get("train"), evaluation=record.result.get("eval"), timings=dict(record.timings),
-        failure=failure,
+        failure=failure, stopped=stopped,
     )
+    return write_report(record.run_dir, **parts), ui_report(record.run_dir, **parts)

@@ -39,12 +39,12 @@ def deployments_in(path: Path, names: list[str] | None) -> list[dict]:
 def to_runner_deployment(entry: dict):
     from prefect.schedules import Cron
 
-    from flows.pipeline import grpo_pipeline
+    from flows.form import run_from_form
 
     schedules = [
         Cron(s["cron"], timezone=s.get("timezone"), active=s.get("active", True)) for s in entry.get("schedules") or []
     ]
-    return grpo_pipeline.to_deployment(
+    return run_from_form.to_deployment(
         name=entry["name"],
         description=entry.get("description"),
         tags=entry.get("tags"),

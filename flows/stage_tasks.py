@@ -17,14 +17,14 @@ from prefect.artifacts import create_markdown_artifact
 
 from backends import backend_for
 from backends.base import TrainResult
-from backends.metrics import StepMetrics
+from backends.metrics import METRICS, StepMetrics
 from common.files import write_json_atomic, write_text_atomic
 from common.progress import Bar
 from common.ray_cluster import cluster_address
 from flows.plan import check_plan, check_run_dir, profile_for
 from flows.request import RunRequest
 from flows.run_record import RunRecord, write_run_report
-from flows.task_policy import CACHED_ACROSS_RUNS, progress_artifact, stage_task
+from flows.task_policy import CACHED_ACROSS_RUNS, StepTable, progress_artifact, stage_task
 from profiles.schema import ModelArchitecture, RunProfile
 from stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from stages.device import DeviceInfo, detect_device, requested_device
@@ -114,22 +114,29 @@ def convert_checkpoint_task(spec: ModelSpec, model_path: str, source: str) -> Di
 
 class StepLog:
     """The train stage's `TrainingProgress`: a log line per step, a terminal bar (and through it the
-    Prefect progress artifact `train`)."""
+    Prefect progress artifact `train`), and the Prefect table artifact `train-metrics`, one row per step,
+    updated in place as training goes."""
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: Path) -> None:
         self.logger, self.bar, self.max_steps = get_run_logger(), None, 0
+        self.table = StepTable(run_dir / METRICS)
 
     def started(self, max_steps: int, resumed_from: int | None) -> None:
         self.max_steps = max_steps
         if resumed_from:
             self.logger.info("resuming from checkpoint global_step_%d of %d", resumed_from, max_steps)
         self.bar = Bar(total=max_steps, initial=resumed_from or 0, desc="GRPO steps", unit="step")
+        self.table.show()
 
     def step(self, metrics: StepMetrics) -> None:
         self.bar.update(metrics.step - self.bar.n)
         self.logger.info(metrics.log_line(self.max_steps))
+        self.table.show()
 
     def note(self, message: str) -> None:
+        self.logger.info(message)
+
+    def warn(self, message: str) -> None:
         self.logger.warning(message)
 
     def output(self, line: str) -> None:
@@ -138,6 +145,7 @@ class StepLog:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+        self.table.show(final=True)
 
 
 @stage_task("train")
@@ -145,7 +153,7 @@ def train_task(
     profile: RunProfile, device: DeviceInfo, env: RuntimeEnv, data: DatasetFiles, model: ModelCheckpoint,
     run_dir: Path, ray_address: str | None,
 ) -> TrainResult:
-    progress = StepLog()
+    progress = StepLog(run_dir)
     try:
         with progress_artifact("train", f"GRPO {profile.model.name} ({profile.world_size} workers)"):
             return train(profile, device, env, data, model, run_dir, ray_address, progress)
@@ -191,8 +199,7 @@ def evaluate_task(
 
 @stage_task("report")
 def report_task(record: RunRecord) -> Path:
-    path = write_run_report(record)
-    create_markdown_artifact(key="run-report", markdown=path.read_text(),
-                             description=f"Report of run {record.run_dir.name}")
+    path, markdown = write_run_report(record)
+    create_markdown_artifact(key="run-report", markdown=markdown, description=f"Report of run {record.run_dir.name}")
     get_run_logger().info("report: %s", path)
     return path

@@ -9,6 +9,7 @@ stage table). A config error (`UserError`) is never retried, whatever the row sa
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -17,11 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
 from prefect.tasks import exponential_backoff
 
+from backends.metrics import StepMetrics, read_metrics
 from common.progress import reporting_to
+from flows.run_record import CANCELLED
 from common.store import fingerprint, verify_entry, what_is_checked
 from profiles.errors import UserError
 from profiles.secrets import scrub, secret_values
@@ -53,6 +56,7 @@ STAGE_SETTINGS: dict[str, dict] = {
     "report": dict(timeout_seconds=300),
 }
 PROGRESS_UPDATE_S = 1.0
+TABLE_UPDATE_S = 2.0
 
 
 class RunLogFilter(logging.Filter):
@@ -63,6 +67,9 @@ class RunLogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], UserError):
             record.exc_info, record.exc_text = None, None
+        if getattr(record, "flow_run_id", None) in CANCELLED and record.getMessage() == "Finished in state Running()":
+            # Prefect's engine leaves the state to the worker after a cancel and says so misleadingly.
+            record.msg, record.args = "Finished: cancelled (the worker records the Cancelled state)", ()
         values = secret_values()
         if values:
             record.msg, record.args = scrub(record.getMessage(), values), ()
@@ -72,7 +79,12 @@ class RunLogFilter(logging.Filter):
 
 
 def filter_run_logs() -> None:
-    for handler in {*logging.getLogger("prefect").handlers, *logging.getLogger().handlers}:
+    """RunLogFilter on every handler a run's line can reach: the terminal's (root, `prefect`) and the ones
+    that send lines to Prefect's API, which sit on `prefect.flow_runs`, `prefect.task_runs` and
+    `prefect.extra` (the UI's Logs tab shows what those stored)."""
+    names = [name for name in logging.Logger.manager.loggerDict if name == "prefect" or name.startswith("prefect.")]
+    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in names)]
+    for handler in {handler for logger in loggers for handler in logger.handlers}:
         if not any(isinstance(f, RunLogFilter) for f in handler.filters):
             handler.addFilter(RunLogFilter())
 
@@ -108,6 +120,43 @@ def progress_artifact(key: str, description: str) -> Iterator[None]:
     with reporting_to(update):
         yield
     update_progress_artifact(artifact_id, progress=100.0, description=f"{description}: done")
+
+
+class StepTable:
+    """The Prefect table artifact `train-metrics`: every step record of the run so far (earlier attempts'
+    too), patched in place through the API (at most every TABLE_UPDATE_S), so the run's page shows the
+    table growing as training goes, beside the `train` progress bar."""
+
+    def __init__(self, metrics_file: Path):
+        self.metrics_file, self.artifact_id, self.shown_at = metrics_file, None, 0.0
+
+    def show(self, final: bool = False) -> None:
+        now = time.monotonic()
+        if not final and now - self.shown_at < TABLE_UPDATE_S:
+            return
+        self.shown_at = now
+        rows = [_row(record) for record in read_metrics(self.metrics_file)]
+        try:
+            if self.artifact_id is None:
+                self.artifact_id = create_table_artifact(rows, key="train-metrics",
+                                                         description="GRPO step metrics, one row per step (live)")
+            else:
+                from prefect.client.orchestration import get_client
+                from prefect.client.schemas.actions import ArtifactUpdate
+
+                with get_client(sync_client=True) as client:
+                    client.update_artifact(self.artifact_id, ArtifactUpdate(data=json.dumps(rows)))
+        except Exception:  # the UI's table is not worth failing a training step for
+            pass
+
+
+def _row(record: StepMetrics) -> dict:
+    def rounded(value: float | None, digits: int) -> float | None:
+        return None if value is None else round(value, digits)
+
+    return {"step": record.step, "reward": rounded(record.reward_mean, 3), "reward std": rounded(record.reward_std, 3),
+            "KL": rounded(record.kl, 4), "loss": rounded(record.loss, 4), "response length": round(record.response_length, 1),
+            "tokens/s": rounded(record.tokens_per_s, 0), "step s": round(record.step_time_s, 2)}
 
 
 def stage_task(name: str, **options):

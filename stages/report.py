@@ -10,12 +10,14 @@ A failed run gets a report too, saying which stage failed and why.
 
 from __future__ import annotations
 
+import base64
+import socket
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from backends.metrics import read_metrics
+from backends.metrics import METRICS, read_metrics
 from common.files import write_text_atomic
 from profiles.memory import MemoryPlan, memory_table
 
@@ -126,8 +128,51 @@ def _memory_plan(profile: dict[str, Any], device: dict[str, Any]) -> MemoryPlan 
     return found.memory_plan(run_profile)
 
 
-def write_report(
+class _Files:
+    """report.md: plots and files by their path relative to the run folder (the report sits in it)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+
+    def image(self, name: str, alt: str) -> str:
+        return f"![{alt}]({name})"
+
+    def file(self, path: str | Path, label: str | None = None) -> str:
+        relative = Path(path).relative_to(self.run_dir).as_posix() if Path(path).is_absolute() else str(path)
+        return f"[{label or relative}]({relative})"
+
+
+class _Embedded(_Files):
+    """The Prefect artifact: the UI resolves relative links against its own URL (they 404), so the plots
+    are embedded as data URIs and files are named by their absolute path, as text."""
+
+    def image(self, name: str, alt: str) -> str:
+        data = base64.b64encode((self.run_dir / name).read_bytes()).decode()
+        return f"![{alt}](data:image/png;base64,{data})"
+
+    def file(self, path: str | Path, label: str | None = None) -> str:
+        full = Path(path) if Path(path).is_absolute() else self.run_dir / path
+        return f"{label + ': ' if label else ''}`{full}`"
+
+
+def write_report(run_dir: Path, **parts: Any) -> Path:
+    """Write report.md (and its plots) from what the run produced; every part may be missing (see `render`)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    models = (parts.get("evaluation") or {}).get("models") or []
+    plot_eval(models, run_dir / EVAL_PLOT)
+    if parts.get("train"):
+        plot_reward_curve(Path(parts["train"]["metrics_file"]), run_dir / REWARD_CURVE)
+    return write_text_atomic(run_dir / REPORT, render(run_dir, _Files(run_dir), **parts))
+
+
+def ui_report(run_dir: Path, **parts: Any) -> str:
+    """The same report for Prefect's UI (after `write_report` drew its plots): plots embedded, paths as text."""
+    return render(run_dir, _Embedded(run_dir), **parts)
+
+
+def render(
     run_dir: Path,
+    media: _Files,
     *,
     profile: dict[str, Any] | None = None,
     device: dict[str, Any] | None = None,
@@ -136,12 +181,14 @@ def write_report(
     evaluation: dict[str, Any] | None = None,
     timings: dict[str, float] | None = None,
     failure: str | None = None,
-) -> Path:
-    """Write report.md (and its plots) from what the run produced; every argument may be missing."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    parts = [f"# GRPO run `{run_dir.name}`", ""]
+    stopped: list[str] | None = None,
+) -> str:
+    parts = [f"# GRPO run `{run_dir.name}`", "", f"Run folder `{run_dir}` on host `{socket.gethostname()}`.", ""]
     if failure:
         parts += [f"> **The run failed.** {failure}", ""]
+        last = read_metrics(run_dir / METRICS)
+        parts += [f"- last completed training step: {last[-1].step if last else 'none'}",
+                  f"- stopped: {', '.join(stopped) if stopped else 'nothing was running'}", ""]
     if profile:
         model, data, algo = profile["model"], profile["data"], profile["algorithm"]
         parts += [f"Model **{model['name']}** (`{model['path']}`), dataset **{data['dataset']}**, backend "
@@ -152,10 +199,9 @@ def write_report(
         engine = f" Generated with {evaluation['engine']}." if evaluation.get("engine") else ""
         parts += ["## Evaluation", "", f"{models[0]['prompts']} validation prompts, {models[0]['k']} response(s) each, "
                   f"scored with the training reward.{engine}", "", metrics_table(models), "", _verdict(models), ""]
-        if plot_eval(models, run_dir / EVAL_PLOT):
-            parts += [f"![evaluation]({EVAL_PLOT})", ""]
-        parts += ["Per-sample results: " + ", ".join(f"[{m['name']}]({Path(m['samples_file']).relative_to(run_dir)})"
-                                                  for m in models), ""]
+        if (run_dir / EVAL_PLOT).is_file():
+            parts += [media.image(EVAL_PLOT, "evaluation"), ""]
+        parts += ["Per-sample results: " + ", ".join(media.file(m["samples_file"], m["name"]) for m in models), ""]
     if train:
         parts += ["## Training", ""]
         if train.get("already_complete"):
@@ -163,11 +209,11 @@ def write_report(
         else:
             resumed = f", resumed from step {train['resumed_from']}" if train.get("resumed_from") is not None else ""
             parts += [f"{train['steps_done']} of {train['max_steps']} steps{resumed}; policy in "
-                      f"[{Path(train['checkpoint_dir']).relative_to(run_dir)}]({Path(train['checkpoint_dir']).relative_to(run_dir)}).", ""]
+                      f"{media.file(train['checkpoint_dir'])}.", ""]
         if train.get("rollouts"):
             parts += [f"Rollouts: {train['rollouts']}.", ""]
-        if plot_reward_curve(Path(train["metrics_file"]), run_dir / REWARD_CURVE):
-            parts += [f"![reward curve]({REWARD_CURVE})", "", f"Step by step: [metrics.jsonl]({Path(train['metrics_file']).relative_to(run_dir)})", ""]
+        if (run_dir / REWARD_CURVE).is_file():
+            parts += [media.image(REWARD_CURVE, "reward curve"), "", f"Step by step: {media.file(train['metrics_file'])}", ""]
     if profile and (memory := _memory_plan(profile, device or {})):
         parts += ["## Memory plan", "", "Estimated device memory per role of the layout (profiles/memory.py):", ""]
         parts += memory_table(memory.summary()) + [""]
@@ -185,6 +231,7 @@ def write_report(
         parts.append("")
     if profile:
         parts += ["## Resolved profile", "", "```yaml", yaml.safe_dump(profile, sort_keys=False).rstrip(), "```", ""]
-    files = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.iterdir() if p.is_file() and p.name != REPORT)
-    parts += ["## Files", ""] + [f"- [{name}]({name})" for name in files] + [""]
-    return write_text_atomic(run_dir / REPORT, "\n".join(parts))
+    # Dot files are the run's bookkeeping (its lock), not results.
+    files = sorted(p.name for p in run_dir.iterdir() if p.is_file() and p.name != REPORT and not p.name.startswith("."))
+    parts += ["## Files", ""] + [f"- {media.file(name)}" for name in files] + [""]
+    return "\n".join(parts)

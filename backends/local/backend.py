@@ -31,7 +31,7 @@ class LocalBackend(Backend):
         settings = plan_local_training(profile, run.inputs.train_files, run.inputs.model_path, Path(run.run_dir),
                                        run.devices_here)
         if overlong := check_prompt_lengths(settings):
-            progress.note(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
+            progress.warn(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
         rollouts = profile.generation.describe(profile.platform.accelerated)
         progress.note(f"rollouts: {rollouts}")
         progress.started(settings.max_steps, latest_step(settings.checkpoints))

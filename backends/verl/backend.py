@@ -227,7 +227,7 @@ class VerlBackend(Backend):
             progress.note(f"the run was already complete at step {final} (verl's tracker file): nothing trained")
             return _result(run_dir, checkpoints, final, final, None, True)
         if final < max_steps:
-            progress.note(f"verl ended the run at step {final} of the {max_steps} planned (its own count of the data, "
+            progress.warn(f"verl ended the run at step {final} of the {max_steps} planned (its own count of the data, "
                           "after filtering overlong prompts)")
         return _result(run_dir, checkpoints, final, min(max_steps, final), done, False)
 
