@@ -65,6 +65,11 @@ def has_url_credentials(text: str) -> bool:
     return bool(_URL_CREDENTIALS.search(text))
 
 
+def is_secret_value(value: str, environ: Mapping[str, str] | None = None) -> bool:
+    """A value with credentials in a URL, or that holds a secret value of the environment (`secrets_of`)."""
+    return has_url_credentials(value) or _holder(value, secrets_of(environ)) is not None
+
+
 def secret_literal_problems(layer: Any, where: str, values: Mapping[str, str] | None = None) -> list[str]:
     """What in a profile layer would store a secret's value, each naming the setting, never the value:
     a secret env entry that is not a bare reference, credentials in a URL anywhere, and any of this

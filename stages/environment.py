@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from profiles.errors import ProfileError
 from profiles.schema import RunProfile
-from profiles.secrets import has_url_credentials, hold_by_reference, is_secret, is_secret_entry, parse_reference, redact
+from profiles.secrets import hold_by_reference, is_secret, is_secret_entry, is_secret_value, parse_reference, redact
 from common.ray_cluster import parse_ray_address
 
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
@@ -109,12 +109,12 @@ def profile_value(name: str, value: str, environ: dict[str, str]) -> tuple[EnvVa
     """A profile's env entry as the run uses it, or why it cannot be: the exported variable of the
     same name wins (as `${VAR:-default}` did upstream); a `${OTHER}` / `${OTHER:-default}` value is
     read from the environment. A secret (profiles/secrets.py: the entry or the variable it reads is
-    named like one, or the value read holds credentials in a URL) is held as the variable it is read
-    from, never as its value; it has no default (planning refuses one)."""
+    named like one, or the value read holds credentials in a URL or another secret's value) is held
+    as the variable it is read from, never as its value; it has no default (planning refuses one)."""
     reference = parse_reference(value)
     exported = name if name in environ else reference[0] if reference and reference[0] in environ else None
     if exported is not None:
-        if is_secret_entry(name, value) or has_url_credentials(environ[exported]):
+        if is_secret_entry(name, value) or is_secret_value(environ[exported], environ):
             return EnvValue(value=None, source="user", secret_from=exported), None
         return EnvValue(value=environ[exported], source="user"), None
     if reference is None:

@@ -101,8 +101,11 @@ SECRET = "test-secret-value-7f3a9c"
     ("entry", "environ", "source"),
     [("env.MIRROR_AUTH=${HF_TOKEN}", {"HF_TOKEN": SECRET}, "HF_TOKEN"),
      ("env.MY_DB_URL=${MY_DB_URL}", {"MY_DB_URL": f"postgres://user:{SECRET}@db/x"}, "MY_DB_URL"),
-     ("env.HTTPS_PROXY=http://proxy:3128", {"HTTPS_PROXY": f"http://{SECRET}@proxy:3128"}, "HTTPS_PROXY")],
-    ids=["reads-a-secret-variable", "reads-a-url-with-credentials", "exported-proxy-with-credentials-wins"],
+     ("env.HTTPS_PROXY=http://proxy:3128", {"HTTPS_PROXY": f"http://{SECRET}@proxy:3128"}, "HTTPS_PROXY"),
+     ("env.MIRROR_HEADER=${MIRROR_HEADER_SRC}", {"HF_TOKEN": SECRET, "MIRROR_HEADER_SRC": f"Bearer {SECRET}"},
+      "MIRROR_HEADER_SRC")],
+    ids=["reads-a-secret-variable", "reads-a-url-with-credentials", "exported-proxy-with-credentials-wins",
+         "reads-a-copy-of-a-secret"],
 )
 def test_an_entry_whose_value_is_a_secret_is_held_by_reference_and_reaches_the_driver_only(entry, environ, source):
     name = entry.split("=")[0].removeprefix("env.")
