@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from profiles.errors import ProfileError, UserError
 from profiles.loader import overrides_to_layer
-from profiles.secrets import URL_CREDENTIALS_PATTERN, secret_literal_problems, secret_name_pattern
+from profiles.secrets import (
+    URL_CREDENTIALS_PATTERN, has_url_credentials, secret_literal_problems, secret_name_pattern,
+)
 from common.ray_cluster import parse_ray_address
 
 # The stages of the flow in order. `--stages` picks a subset.
@@ -31,6 +33,7 @@ INPUT_STAGES = {
 RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 _REFERENCE_ONLY = r"[ \t]*\$\{[A-Za-z_][A-Za-z0-9_]*\}[ \t]*(?:\r?\n|$)"
 _OVERRIDE_LINE = (rf"(?:[ \t]*|(?![ \t]*env\.{secret_name_pattern()}[ \t]*=(?!{_REFERENCE_ONLY}))"
+                  rf"(?![^=\n]*=[ \t]*\$\{{{secret_name_pattern()}:-)"  # a secret's reference has no literal default
                   rf"(?![^\n]*{URL_CREDENTIALS_PATTERN})[ \t]*[A-Za-z_][^=\n]*=[^\n]*)")
 OVERRIDE_LINES = rf"^{_OVERRIDE_LINE}(?:\r?\n{_OVERRIDE_LINE})*$"
 
@@ -61,8 +64,8 @@ class RunRequest(BaseModel):
         default_factory=list,
         title="Overrides",
         description="Profile settings as KEY=VALUE, e.g. `engine.tp=4` or `algorithm.use_kl_loss=true`. Never a "
-        "secret's value (this form is stored): name it as `env.HF_TOKEN=${HF_TOKEN}` and export it in the "
-        "worker's environment.",
+        "secret's value nor credentials in a URL (this form is stored): name it by reference in an env entry, "
+        "`env.HF_TOKEN=${HF_TOKEN}` or `env.MY_DB_URL=${MY_DB_URL}`, and export it in the worker's environment.",
     )
     profile_file: str | None = Field(
         None, title="Profile file", description="A YAML file of profile settings, applied before the overrides."
@@ -126,9 +129,19 @@ class RunRequest(BaseModel):
             layer = overrides_to_layer(overrides)
         except ProfileError as exc:
             raise ValueError(str(exc)) from None
-        if problems := secret_literal_problems(layer.get("env"), "--set"):
+        if problems := secret_literal_problems(layer, "--set"):
             raise ValueError("; ".join(problems))
         return overrides
+
+    @field_validator("model", "profile_file", "run_root")
+    @classmethod
+    def no_url_credentials(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """Stored and shown as written, like the overrides; unlike an env value, never a reference."""
+        if value and has_url_credentials(value):
+            option = {"run_root": "--run-dir"}.get(info.field_name, f"--{info.field_name.replace('_', '-')}")
+            raise ValueError(f"{option} holds credentials in a URL; it is stored and shown as written: give a repo id or "
+                             "a path, and put a hub token in HF_TOKEN (export it; downloads send it)")
+        return value
 
     @field_validator("ray_address")
     @classmethod

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from profiles.errors import ProfileError
 from profiles.hf_config import architecture_from_hf_config
 from profiles.schema import DeviceKind, Platform, RunProfile
-from profiles.secrets import secret_literal_problems
+from profiles.secrets import secret_literal_problems, secrets_of
 from profiles.validation import validate_profile
 from profiles.yaml_files import load_yaml_mapping, load_yaml_text, path_kind
 
@@ -195,6 +195,7 @@ def resolve_run_profile(
         raise ProfileError(f"unknown device '{device}'; use one of {', '.join(DEVICE_KINDS)}")
     layers = [(f"device profile {device}", load_yaml_mapping(PROFILES_DIR / "devices" / f"{device}.yaml", "device profile"))]
     layers += model_layers(model, device)
+    given = len(layers)  # the layers from here on are the user's
     if profile_file:
         layers.append((f"profile file {profile_file}", load_yaml_mapping(Path(profile_file), "profile file")))
     if overrides:
@@ -203,10 +204,13 @@ def resolve_run_profile(
     layers.append(("--backend", {"backend": chosen}))
 
     merged: dict[str, Any] = {}
-    for origin, layer in layers:
-        check_keys(layer, origin)
-        if problems := secret_literal_problems(layer.get("env"), origin):
+    known = secrets_of()
+    for index, (origin, layer) in enumerate(layers):
+        # Before anything that may echo a setting (an unknown key, an invalid value). A built-in
+        # layer's words ("console") are not compared with the secrets' values: a weak one may match.
+        if problems := secret_literal_problems(layer, origin, known if index >= given else {}):
             raise ProfileError("; ".join(problems))
+        check_keys(layer, origin)
         merged = deep_merge(merged, layer)
     try:
         profile = RunProfile.model_validate(merged)

@@ -8,7 +8,8 @@ which source each value came from. One explicit proxy step, the same for every d
 profile's `proxy_policy`. The final values are applied to the driver and packed into the Ray
 `runtime_env` that every backend uses, because an `export` in one shell never reaches Ray workers
 on other nodes. A whole value `${NAME}` / `${NAME:-default}` is read from this process's
-environment. Secrets are the exception to all of this (profiles/secrets.py): named only by
+environment. Secrets are the exception to all of this (profiles/secrets.py: a secret-named entry,
+one that reads a secret-named variable, a value with credentials in a URL): named only by
 reference, never held in a `RuntimeEnv` (so it can be stored and shown as it is), applied to the
 driver alone and never put in the `runtime_env`.
 """
@@ -23,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from profiles.errors import ProfileError
 from profiles.schema import RunProfile
-from profiles.secrets import REDACTED, is_secret, parse_reference, redact
+from profiles.secrets import hold_by_reference, is_secret, is_secret_entry, is_secret_value, parse_reference, redact
 from common.ray_cluster import parse_ray_address
 
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
@@ -92,7 +93,7 @@ class RuntimeEnv(BaseModel):
 
     def redacted(self) -> dict[str, dict[str, str | None]]:
         return {
-            name: {"value": REDACTED if item.secret_from else redact(name, item.value), "source": item.source}
+            name: {"value": redact(name, item.value, secret=bool(item.secret_from)), "source": item.source}
             for name, item in sorted(self.values.items())
         }
 
@@ -107,24 +108,20 @@ def ray_head_host(ray_address: str | None) -> str | None:
 def profile_value(name: str, value: str, environ: dict[str, str]) -> tuple[EnvValue | None, str | None]:
     """A profile's env entry as the run uses it, or why it cannot be: the exported variable of the
     same name wins (as `${VAR:-default}` did upstream); a `${OTHER}` / `${OTHER:-default}` value is
-    read from the environment; a secret is only ever a reference (profiles/secrets.py)."""
-    if name in environ:
-        if is_secret(name):
-            return EnvValue(value=None, source="user", secret_from=name), None
-        return EnvValue(value=environ[name], source="user"), None
+    read from the environment. A secret (profiles/secrets.py: the entry or the variable it reads is
+    named like one, or the value read holds credentials in a URL or another secret's value) is held
+    as the variable it is read from, never as its value; it has no default (planning refuses one)."""
     reference = parse_reference(value)
+    exported = name if name in environ else reference[0] if reference and reference[0] in environ else None
+    if exported is not None:
+        if is_secret_entry(name, value) or is_secret_value(environ[exported], environ):
+            return EnvValue(value=None, source="user", secret_from=exported), None
+        return EnvValue(value=environ[exported], source="user"), None
     if reference is None:
         return EnvValue(value=value, source="profile"), None
-    other, default = reference
-    if is_secret(name):
-        if other in environ:
-            return EnvValue(value=None, source="user", secret_from=other), None
-        return None, f"{name} (${{{other}}})"
-    if other in environ:
-        return EnvValue(value=environ[other], source="user"), None
-    if default is not None:
-        return EnvValue(value=default, source="profile"), None
-    return None, f"{name} (${{{other}}})"
+    if reference[1] is not None and not is_secret_entry(name, value):
+        return EnvValue(value=reference[1], source="profile"), None
+    return None, f"{name} (${{{reference[0]}}})"
 
 
 def proxy_step(
@@ -163,6 +160,8 @@ def resolve_environment(
             unset.append(missing)
         else:
             values[name] = item
+    # From here on this process's messages are scrubbed of them too, whatever their names.
+    hold_by_reference(n for name, item in values.items() if item.secret_from for n in (name, item.secret_from))
     head = ray_head_host(ray_address or environ.get("RAY_ADDRESS"))
     proxy_values, actions = proxy_step(profile.proxy_policy, environ, [h for h in (head, *cluster_hosts) if h])
     values.update(proxy_values)

@@ -92,3 +92,27 @@ def test_env_references_are_read_from_the_environment_or_reported():
     env = resolve_environment(profile, environ={"MY_MIRROR": "http://m", "NODE_NAME": "n1", "HF_TOKEN": "hf_abcdef"})
     assert env.values["MIRROR"].value == "http://m" and env.values["NODE"].value == "n1" and not env.unset_references
     assert env.values["HF_TOKEN"].secret_from == "HF_TOKEN" and env.values["HF_TOKEN"].value is None
+
+
+SECRET = "test-secret-value-7f3a9c"
+
+
+@pytest.mark.parametrize(
+    ("entry", "environ", "source"),
+    [("env.MIRROR_AUTH=${HF_TOKEN}", {"HF_TOKEN": SECRET}, "HF_TOKEN"),
+     ("env.MY_DB_URL=${MY_DB_URL}", {"MY_DB_URL": f"postgres://user:{SECRET}@db/x"}, "MY_DB_URL"),
+     ("env.HTTPS_PROXY=http://proxy:3128", {"HTTPS_PROXY": f"http://{SECRET}@proxy:3128"}, "HTTPS_PROXY"),
+     ("env.MIRROR_HEADER=${MIRROR_HEADER_SRC}", {"HF_TOKEN": SECRET, "MIRROR_HEADER_SRC": f"Bearer {SECRET}"},
+      "MIRROR_HEADER_SRC")],
+    ids=["reads-a-secret-variable", "reads-a-url-with-credentials", "exported-proxy-with-credentials-wins",
+         "reads-a-copy-of-a-secret"],
+)
+def test_an_entry_whose_value_is_a_secret_is_held_by_reference_and_reaches_the_driver_only(entry, environ, source):
+    name = entry.split("=")[0].removeprefix("env.")
+    env = resolve_environment(resolve_profile("tiny", "cpu", overrides=[entry]), environ=dict(environ))
+    assert env.values[name].secret_from == source and env.values[name].value is None
+    assert env.redacted()[name] == {"value": "***", "source": "user"} and name not in env.worker_env
+    assert SECRET not in env.model_dump_json() + str(env.ray_runtime_env())
+    driver = dict(environ)
+    env.apply(driver)
+    assert driver[name] == environ[source]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -14,6 +16,8 @@ from profiles.secrets import is_secret, parse_reference, redact, scrub, secret_l
 from stages.environment import resolve_environment
 
 TOKEN = "hf_aB3dE5gH7jK9mN"
+DB_PASSWORD = "made-up-pass-4b81e2"
+DB_URL = f"postgres://user:{DB_PASSWORD}@db/x"
 
 
 @pytest.mark.parametrize(
@@ -27,9 +31,10 @@ def test_a_reference_is_a_whole_value(value, parsed):
 
 def test_only_a_bare_reference_may_name_a_secret():
     env = {"HF_TOKEN": "${HF_TOKEN}", "WANDB_API_KEY": "${MY_KEY}", "DB_PASSWORD": "${DB_PASSWORD:-x}", "API_KEY": 12,
-           "HCCL_BUFFSIZE": "300"}
-    problems = secret_literal_problems(env, "profile file p.yaml")
-    assert [p.split(" holds")[0] for p in problems] == ["profile file p.yaml: env.DB_PASSWORD", "profile file p.yaml: env.API_KEY"]
+           "HCCL_BUFFSIZE": "300", "MIRROR_AUTH": "${HF_TOKEN}", "MIRROR_LOGIN": "${HF_TOKEN:-x}"}
+    problems = secret_literal_problems({"env": env}, "profile file p.yaml")
+    assert [p.split(" holds")[0] for p in problems] == ["profile file p.yaml: env.DB_PASSWORD", "profile file p.yaml: env.API_KEY",
+                                                        "profile file p.yaml: env.MIRROR_LOGIN"]
 
 
 def test_scrub_hides_this_processes_secret_values_and_url_credentials(monkeypatch):
@@ -116,3 +121,69 @@ def test_a_profile_never_holds_a_secret_value(layer, tmp_path):
     profile_file.write_text("env:\n  HF_TOKEN: abc123456\n")
     with pytest.raises(ProfileError, match="profile file .*p.yaml: env.HF_TOKEN holds a literal value"):
         resolve_profile("tiny", "cpu", profile_file=profile_file)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "setting"),
+    [([f"env.MY_DB_URL={DB_URL}"], "env.MY_DB_URL holds credentials in a URL"),
+     ([f"env.MY_DB_URL=${{MY_DB_URL:-{DB_URL}}}"], "env.MY_DB_URL holds credentials in a URL"),
+     ([f"env={{MY_DB_URL: '{DB_URL}'}}"], "env.MY_DB_URL holds credentials in a URL"),
+     (["env.MIRROR_AUTH=${HF_TOKEN:-abc123456}"], "env.MIRROR_AUTH holds a default value in its reference"),
+     ([f"data.source=https://user:{DB_PASSWORD}@mirror/data"], "data.source holds credentials in a URL"),
+     ([f"model.path=https://{DB_PASSWORD}@mirror/model"], "model.path holds credentials in a URL"),
+     ([f"trainer.entrypoint=python3 -m trainer --db {DB_URL}"], "trainer.entrypoint holds credentials in a URL"),
+     ([f"eval.models=[/m, 'https://u:{DB_PASSWORD}@h/x']"], "eval.models[1] holds credentials in a URL"),
+     ([f"https://u:{DB_PASSWORD}@h=1"], "a key of the profile holds credentials in a URL")],
+    ids=["env-literal", "env-reference-default", "env-mapping", "secret-reference-default", "data-source", "model-path",
+         "entrypoint", "list-item", "key"],
+)
+def test_a_secret_literal_is_refused_in_any_setting_naming_the_setting_never_the_value(overrides, setting):
+    with pytest.raises(ProfileError) as refused:
+        resolve_profile("tiny", "cpu", overrides=overrides)
+    with pytest.raises(ValidationError) as refused_request:
+        RunRequest(overrides=overrides)
+    for message in (str(refused.value), str(refused_request.value)):
+        assert f"--set: {setting}" in message and DB_PASSWORD not in message and "abc123456" not in message
+
+
+def test_a_secret_value_the_shell_expanded_into_a_setting_is_refused_naming_its_variable(monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    for overrides, fragment in (
+        ([f"env.MIRROR_AUTH={TOKEN}"], "--set: env.MIRROR_AUTH holds the value of HF_TOKEN; write env.MIRROR_AUTH=${HF_TOKEN}"),
+        ([f"trainer.experiment_name=run-{TOKEN}"], "--set: trainer.experiment_name holds the value of HF_TOKEN"),
+    ):
+        with pytest.raises(ValidationError, match=re.escape(fragment)) as refused:
+            RunRequest(overrides=overrides)
+        assert TOKEN not in str(refused.value)
+    # The project's own layers are not compared with the values: a weak secret may be one of their words.
+    monkeypatch.setenv("DB_PASSWORD", "tiny-arith")
+    assert resolve_profile("tiny", "cpu").trainer.experiment_name == "tiny-arith"
+
+
+@pytest.mark.parametrize("field", ["model", "profile_file", "run_root"])
+def test_a_run_request_refuses_credentials_in_a_url_in_any_field_without_echoing_them(field):
+    with pytest.raises(ValidationError, match="holds credentials in a URL") as refused:
+        RunRequest(**{field: f"https://u:{DB_PASSWORD}@mirror/x"})
+    assert DB_PASSWORD not in str(refused.value)
+
+
+def test_scrub_hides_what_a_secret_entry_reads_and_the_credentials_in_any_url_value(monkeypatch):
+    monkeypatch.setenv("DEPLOY_PW_SOURCE", "pw-value-123")
+    monkeypatch.setenv("MY_DB_URL", "postgres://user:made-up%40pass@db/x")
+    assert scrub("login with pw-value-123 failed") == "login with pw-value-123 failed"  # nothing names it a secret yet
+    resolve_environment(resolve_profile("tiny", "cpu", overrides=["env.MY_PASSWORD=${DEPLOY_PW_SOURCE}"]))
+    assert scrub("login with pw-value-123 failed") == "login with *** failed"
+    assert scrub("password 'made-up@pass' rejected for user:made-up%40pass") == "password '***' rejected for ***"
+
+
+def test_the_run_plan_prefect_stores_as_a_flow_parameter_holds_no_secret_value(monkeypatch, tmp_path):
+    from flows.plan import plan_run
+
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    monkeypatch.setenv("MY_DB_URL", DB_URL)
+    request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path),
+                         overrides=["env.MIRROR_AUTH=${HF_TOKEN}", "env.MY_DB_URL=${MY_DB_URL}"])
+    plan = plan_run(request, dry_run=True)
+    stored = plan.model_dump_json() + request.model_dump_json() + json.dumps(plan.summary())
+    assert TOKEN not in stored and DB_PASSWORD not in stored
+    assert [plan.env.values[name].secret_from for name in ("MIRROR_AUTH", "MY_DB_URL")] == ["HF_TOKEN", "MY_DB_URL"]
