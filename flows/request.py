@@ -35,7 +35,7 @@ _REFERENCE_ONLY = r"[ \t]*\$\{[A-Za-z_][A-Za-z0-9_]*\}[ \t]*(?:\r?\n|$)"
 _OVERRIDE_LINE = (rf"(?:[ \t]*|(?![ \t]*env\.{secret_name_pattern()}[ \t]*=(?!{_REFERENCE_ONLY}))"
                   rf"(?![^=\n]*=[ \t]*\$\{{{secret_name_pattern()}:-)"  # a secret's reference has no literal default
                   rf"(?![^\n]*{URL_CREDENTIALS_PATTERN})[ \t]*[A-Za-z_][^=\n]*=[^\n]*)")
-OVERRIDE_LINES = rf"^{_OVERRIDE_LINE}(?:\r?\n{_OVERRIDE_LINE})*$"
+OVERRIDE_LINES = rf"^(?:{_OVERRIDE_LINE}(?:\r?\n|$))*$"
 
 
 class RunRequest(BaseModel):

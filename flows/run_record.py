@@ -88,10 +88,6 @@ class RunRecord:
 RUNS: dict[UUID, RunRecord] = {}
 
 
-# Flow runs of this process that were cancelled (flows/pipeline.py closes them itself).
-CANCELLED: set[UUID] = set()
-
-
 def after_failure(flow, flow_run, state) -> None:
     """Prefect `on_failure` / `on_crashed` / `on_cancellation`: `close_failed_run`."""
     how = "was cancelled" if state.is_cancelled() or state.is_cancelling() else "failed"
@@ -141,7 +137,6 @@ def close_cancelled_run(flow_run_id: UUID) -> bool:
         state = client.read_flow_run(flow_run_id).state
         if state is None or not (state.is_cancelling() or state.is_cancelled()):
             return False
-        CANCELLED.add(flow_run_id)
         close_failed_run(flow_run_id, "was cancelled", "cancelled from the UI or the API")
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         for task_run in runs:

@@ -9,6 +9,7 @@ stage table). A config error (`UserError`) is never retried, whatever the row sa
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -24,7 +25,6 @@ from prefect.tasks import exponential_backoff
 
 from backends.metrics import StepMetrics, read_metrics
 from common.progress import reporting_to
-from flows.run_record import CANCELLED
 from common.store import fingerprint, verify_entry, what_is_checked
 from profiles.errors import UserError
 from profiles.secrets import scrub, secret_values
@@ -67,15 +67,33 @@ class RunLogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], UserError):
             record.exc_info, record.exc_text = None, None
-        if getattr(record, "flow_run_id", None) in CANCELLED and record.getMessage() == "Finished in state Running()":
-            # Prefect's engine leaves the state to the worker after a cancel and says so misleadingly.
-            record.msg, record.args = "Finished: cancelled (the worker records the Cancelled state)", ()
+        if _cancelling() and (said := _CANCELLED_WORDING.get(record.getMessage().split("(")[0])):
+            # A cancel reaches the process as SIGTERM: Prefect's engines call the running task crashed (an
+            # ERROR) and the flow "Finished in state Running()" (the worker records Cancelled after).
+            record.msg, record.args, record.levelno, record.levelname = said, (), logging.INFO, "INFO"
         values = secret_values()
         if values:
             record.msg, record.args = scrub(record.getMessage(), values), ()
             if record.exc_info and not record.exc_text:
                 record.exc_text = scrub(logging.Formatter().formatException(record.exc_info), values)
         return True
+
+
+_CANCELLED_WORDING = {
+    "Crash detected! Execution was aborted by a termination signal.": "Stopped: the flow run was cancelled",
+    "Finished in state Crashed": "Finished: cancelled",
+    "Finished in state Running": "Finished: cancelled (the worker records the Cancelled state)",
+}
+
+
+def _cancelling() -> bool:
+    """The worker asked this process to stop because the run was cancelled (Prefect's control channel
+    says so before its SIGTERM; a plain SIGTERM is a crash and keeps Prefect's words)."""
+    try:
+        from prefect._internal.control_listener import get_intent
+    except ImportError:  # another Prefect: its own words stay
+        return False
+    return get_intent() == "cancel"
 
 
 def filter_run_logs() -> None:
@@ -161,7 +179,33 @@ def _row(record: StepMetrics) -> dict:
 
 def stage_task(name: str, **options):
     """A stage's Prefect task, with the settings of its row in STAGE_SETTINGS."""
-    return task(name=name, retry_condition_fn=retry_unless_user_error, **STAGE_SETTINGS[name], **options)
+
+    def decorate(fn):
+        return task(name=name, retry_condition_fn=retry_unless_user_error, **STAGE_SETTINGS[name], **options)(
+            errors_scrubbed(fn))
+
+    return decorate
+
+
+def errors_scrubbed(fn):
+    """A stage whose error would carry a secret value (a library's message quoting a URL with
+    credentials, say) raises it scrubbed: Prefect stores a failed task's message in its database and
+    pickles the exception into its result storage. The kind of error stays: a config error (UserError)
+    is still one, never retried; anything else is still retried. (functools.wraps: the task's cache key
+    is still its own source.)"""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            text = str(exc)
+            if (clean := scrub(text)) == text:
+                raise
+            kind = UserError if isinstance(exc, UserError) else RuntimeError
+            raise kind(f"{type(exc).__name__}: {clean}") from None
+
+    return run
 
 
 @dataclass

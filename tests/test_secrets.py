@@ -187,3 +187,22 @@ def test_the_run_plan_prefect_stores_as_a_flow_parameter_holds_no_secret_value(m
     stored = plan.model_dump_json() + request.model_dump_json() + json.dumps(plan.summary())
     assert TOKEN not in stored and DB_PASSWORD not in stored
     assert [plan.env.values[name].secret_from for name in ("MIRROR_AUTH", "MY_DB_URL")] == ["HF_TOKEN", "MY_DB_URL"]
+
+
+def test_a_stage_error_quoting_a_secret_is_raised_scrubbed_and_keeps_its_kind(monkeypatch):
+    """Prefect stores a failed task's message and pickles its exception: neither may hold the value."""
+    from flows.task_policy import errors_scrubbed
+    from profiles.errors import UserError
+
+    monkeypatch.setenv("HF_TOKEN", "made-up-token-value-5150")
+
+    def fails(kind):
+        raise kind("GET https://mirror/x?token=made-up-token-value-5150 returned 500")
+
+    for kind, raised in ((ConnectionError, RuntimeError), (UserError, UserError)):
+        with pytest.raises(raised) as caught:
+            errors_scrubbed(fails)(kind)
+        assert "made-up-token-value-5150" not in str(caught.value) and caught.value.__cause__ is None
+        assert str(caught.value) == f"{kind.__name__}: GET https://mirror/x?token=*** returned 500"
+    with pytest.raises(ValueError, match="nothing secret"):  # an error without a secret is raised as it is
+        errors_scrubbed(fails)(lambda message: ValueError("nothing secret"))

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import yaml
 
+from flows.form import run_from_form
 from flows.request import RunRequest
 from flows.serve import PREFECT_YAML, deployments_in, to_runner_deployment
 from profiles.errors import UserError
+
+
+FORM_DEFAULTS = {name: p.default for name, p in inspect.signature(run_from_form.fn).parameters.items()
+                 if p.default is not inspect.Parameter.empty}
 
 
 def test_served_deployments_carry_prefect_yaml_s_settings():
@@ -17,7 +24,8 @@ def test_served_deployments_carry_prefect_yaml_s_settings():
         assert deployment.name == entry["name"] and deployment.parameters == entry["parameters"]
         assert deployment.concurrency_limit == 1
         assert [s.active for s in deployment.schedules] == [s["active"] for s in entry["schedules"]]
-        RunRequest(**entry["parameters"]["request"])  # every deployment's parameters are a valid request
+        # Every deployment's parameters, with the form's defaults for the rest, make a valid request.
+        RunRequest.from_form(**{**FORM_DEFAULTS, **entry["parameters"]})
 
 
 def test_an_unknown_deployment_name_is_refused_with_the_known_ones():

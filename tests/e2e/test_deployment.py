@@ -82,16 +82,27 @@ def test_every_deployment_of_prefect_yaml_is_registered_with_its_settings(deploy
         assert schedule.schedule.cron
 
 
-def test_the_form_has_a_title_and_a_description_for_every_field(deployed):
+def test_the_form_is_the_fields_a_person_fills_each_described_and_checked(deployed):
+    from prefect.utilities.schema_tools import validate
+
     deployment = _api(deployed, lambda c: c.read_deployment_by_name("grpo_pipeline/local-smoke"))
     schema = deployment.parameter_openapi_schema
-    assert schema["properties"]["request"]["description"]
-    fields = schema["definitions"]["RunRequest"]["properties"]
-    assert {"model", "device", "backend", "overrides", "stages", "run_name", "ray_address"} <= set(fields)
+    fields = schema["properties"]
+    assert list(fields) == ["model", "device", "backend", "overrides", "stages", "run_name", "run_root", "ray_address",
+                            "profile_file"]
+    assert schema["required"] == ["model"]
     for name, field in fields.items():
-        assert field.get("title") and field.get("description"), name
+        assert field.get("description"), name
+        assert "anyOf" not in field, name  # no str/None toggle: an empty text box means the default
     assert fields["device"]["enum"] == ["auto", "gpu", "npu", "cpu"]
     assert "train" in fields["stages"]["items"]["enum"] and fields["stages"]["default"][-1] == "report"
+    ok = {**deployment.parameters, "overrides": "trainer.total_training_steps=2\nenv.HF_TOKEN=${HF_TOKEN}",
+          "run_name": "a-run"}
+    validate(ok, schema, raise_on_error=True)
+    for bad in ({"overrides": "env.HF_TOKEN=made-up-value-1234"}, {"overrides": "no equals sign"},
+                {"overrides": "data.source=https://user:made-up-pass@mirror/x"}, {"run_name": "has space"}):
+        with pytest.raises(Exception, match="does not match"):
+            validate({**deployment.parameters, **bad}, schema, raise_on_error=True)
 
 
 def test_a_run_created_from_the_form_is_run_by_a_process_worker(deployed, tmp_path):
@@ -99,13 +110,13 @@ def test_a_run_created_from_the_form_is_run_by_a_process_worker(deployed, tmp_pa
 
     deployment = _api(deployed, lambda c: c.read_deployment_by_name("grpo_pipeline/local-smoke"))
     # What the UI's form submits: the deployment's values, with the fields a person edited.
-    form = {"request": {
-        **deployment.parameters["request"],
+    form = {
+        **deployment.parameters,
         "run_root": str(tmp_path / "runs"),
         "run_name": "from-the-form",
-        "overrides": [f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
-                      "trainer.total_training_steps=2", "trainer.save_freq=2", "eval.max_prompts=8"],
-    }}
+        "overrides": "\n".join([f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
+                                "trainer.total_training_steps=2", "trainer.save_freq=2", "eval.max_prompts=8"]),
+    }
     validate(form, deployment.parameter_openapi_schema, raise_on_error=True)
     flow_run = _api(deployed, lambda c: c.create_flow_run_from_deployment(deployment.id, parameters=form))
 
