@@ -106,8 +106,8 @@ def test_a_run_from_the_form_shows_live_metrics_then_a_report_that_renders(ui, p
                       ["trainer.total_training_steps=6", "trainer.save_freq=3", "eval.max_prompts=8"])
     page.goto(f"{ui['base']}/runs/flow-run/{flow_run.id}", wait_until="networkidle")
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while "train-metrics" not in (found := artifacts_of(ui, flow_run.id)) or found["train-metrics"].data in ("[]", None):
-        assert time.monotonic() < deadline, "no step metrics appeared"
+    while "train-metrics" not in (found := artifacts_of(ui, flow_run.id)) or found["train-metrics"].data.count('"step"') < 3:
+        assert time.monotonic() < deadline, "the step metrics table did not grow"
         time.sleep(1)
     page.goto(f"{ui['base']}/artifacts/artifact/{found['train-metrics'].id}", wait_until="networkidle")
     page.get_by_text("reward std").first.wait_for()

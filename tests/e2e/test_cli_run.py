@@ -90,7 +90,7 @@ def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stoppe
     assert not list((tmp_path / "prefect" / "grpo-pipeline" / "leases").glob("*"))  # released, log removed
     report = (tmp_path / "runs" / "stopped" / "report.md").read_text()
     assert "**The run failed.** Stage `train`" in report, output[-3000:]
-    assert "stopped this run's Ray job" in output
+    assert "stopped the local backend's training (its Ray job or workers)" in output
     deadline = time.monotonic() + 30
     while _train_workers() and time.monotonic() < deadline:
         time.sleep(1)

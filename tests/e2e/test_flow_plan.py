@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import asyncio
 import json
 import os
@@ -189,7 +191,9 @@ def test_prefect_yaml_entrypoints_resolve():
     for deployment in spec["deployments"]:
         loaded = load_flow_from_entrypoint(deployment["entrypoint"])
         assert loaded.name == "grpo_pipeline"
-        RunRequest(**deployment["parameters"]["request"])
+        defaults = {name: p.default for name, p in inspect.signature(loaded.fn).parameters.items()
+                    if p.default is not inspect.Parameter.empty}
+        RunRequest.from_form(**{**defaults, **deployment["parameters"]})
 
 
 def _flip_middle_byte(path) -> None:
