@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import pickle
 import shutil
@@ -129,6 +130,14 @@ def tiny_dist_with_config(**changes):
     return to_hf(lambda p: p.sources.tiny_dist, lambda p: with_config(p.sources.tiny, p.tmp / "config", **changes))
 
 
+def _index_naming_a_missing_shard(place: Place) -> Path:
+    lost = copy(place.sources.llama, place.tmp / "m")
+    (lost / "model.safetensors").rename(lost / "model-00001-of-00002.safetensors")
+    index = {"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}
+    (lost / "model.safetensors.index.json").write_text(json.dumps(index))
+    return lost
+
+
 def _dangling(place: Place) -> Path:
     (place.tmp / "out").symlink_to(place.tmp / "nowhere")
     return place.tmp / "out"
@@ -208,6 +217,13 @@ BAD_INPUTS = [
     BadInput("heads-that-disagree-with-the-shapes", hf_config(num_attention_heads=4),
              "tensor model.layers.0.self_attn.q_proj.weight has shape [64, 64], but its config.json makes it [32, 64]"),
     BadInput("biases-on-every-linear-layer", hf_config(attention_bias=True), "attention_bias=true has no Megatron conversion"),
+    BadInput("architecture-without-a-conversion", hf_config(architectures=["MambaForCausalLM"]),
+             "architecture MambaForCausalLM has no Megatron conversion"),
+    BadInput("intermediate-size-that-disagrees", hf_config(intermediate_size=128),
+             "tensor model.layers.0.mlp.gate_proj.weight has shape [96, 64], but its config.json makes it [128, 64]"),
+    BadInput("index-naming-a-missing-shard", to_dist(_index_naming_a_missing_shard),
+             "tensor model.embed_tokens.weight is listed in model.safetensors.index.json in "
+             "model-00002-of-00002.safetensors, which is missing"),
     # the dist side (to-hf)
     BadInput("config-of-4-layers-over-a-2-layer-checkpoint", tiny_dist_with_config(num_hidden_layers=4),
              "holds 2 decoder layers, but the config.json says num_hidden_layers=4"),
