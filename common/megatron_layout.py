@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from common.dist_reader import DistCheckpointReader
-from common.hf_shards import INDEX, CheckpointError, HFTensors, read_json
 from common.dist_writer import DistCheckpointWriter
+from common.hf_shards import INDEX, CheckpointError, HFTensors, read_json
 from common.staged_output import StagedOutput, note
 
 # Bumped when the files written for the same weights change, so stored conversions are made again.
@@ -65,13 +65,14 @@ def model_shape(model_dir: Path) -> ModelShape:
         raise CheckpointError(f"{model_dir}: no such directory; give an HF model directory")
     path = Path(model_dir) / "config.json"
     config = read_json(path, "give an HF model directory with its config.json")
-    architecture = (config.get("architectures") or ["(none)"])[0]
+    architectures = config.get("architectures")
+    architecture = architectures[0] if isinstance(architectures, list) and architectures else "(none)"
     if architecture not in SUPPORTED:
         raise CheckpointError(f"{model_dir}: architecture {architecture} has no Megatron conversion (supported: "
                               f"{', '.join(SUPPORTED)}); let the engine load the HF weights (use_dist_checkpointing=false)")
 
     def size(name: str, default: int | None = None) -> int:
-        value = config.get(name, default)
+        value = default if config.get(name) is None else config[name]  # null: as if absent, as transformers reads it
         if type(value) is not int or value <= 0:
             raise CheckpointError(f"{path}: {name} is {'missing' if value is None else repr(value)}; it must be a "
                                   "positive integer: give the model's own config.json")
@@ -248,6 +249,7 @@ def dist_to_hf(dist_dir: Path, config_dir: Path, out: Path, packed_experts: bool
     tokenizer files are copied), written layer by layer. MoE experts are written packed
     (`mlp.experts.gate_up_proj`) when `packed_experts`, or, when it is None, when config_dir's own
     weights are packed; else one module each, as transformers saves them."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     with StagedOutput(out, log) as staged:
@@ -264,7 +266,10 @@ def dist_to_hf(dist_dir: Path, config_dir: Path, out: Path, packed_experts: bool
             wrong = [name for name, t in tensors.items() if name not in names or tuple(t.shape) != names[name][0]]
             if wrong:  # the layout's bug, not the input's
                 raise RuntimeError(f"{file}: {wrong} are not in the plan, or not of its shape")
-            save_file({k: v.contiguous() for k, v in tensors.items()}, staged.path / file, metadata={"format": "pt"})
+            try:
+                save_file({k: v.contiguous() for k, v in tensors.items()}, staged.path / file, metadata={"format": "pt"})
+            except SafetensorError as exc:  # its I/O errors (a full disk) are not OSErrors
+                raise OSError(f"writing {file}: {exc}") from None
             files.update(dict.fromkeys(tensors, file))
 
         shard("model-embeddings.safetensors", {name: reader.tensor(key) for name, (shape, key) in names.items()
