@@ -60,7 +60,11 @@ class StagedOutput:
                 self._made.append(parent)
             birth.mkdir()
             self._lock = os.open(birth / LOCK, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o666)
-            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX)
+            except OSError as exc:  # a filesystem without locks (Lustre without `-o flock`): no later run removes it
+                if exc.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK):
+                    raise
             os.rename(birth, self.path)
         except OSError as exc:
             shutil.rmtree(birth, ignore_errors=True)
@@ -147,7 +151,7 @@ def remove_dead_partials(out: Path) -> list[str]:
             continue
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # its writer is alive
+        except OSError:  # its writer is alive (or the filesystem has no locks to tell)
             os.close(lock)
             continue
         size = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file() and not f.is_symlink())
