@@ -6,13 +6,14 @@ conversion stopped mid-way (tests/e2e/test_converter_bad_input.py, tests/e2e/tes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,10 @@ def with_config(source: Path, to: Path, **changes) -> Path:
     """A copy of `source` whose config.json has `changes` (None: the key removed)."""
     config = json.loads((copy(source, to) / "config.json").read_text())
     for key, value in changes.items():
-        config.pop(key) if value is None else config.__setitem__(key, value)
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
     (to / "config.json").write_text(json.dumps(config))
     return to
 
@@ -125,9 +129,16 @@ raise SystemExit(main(sys.argv[1:]))
 """
 
 
-def stopped_mid_way(argv: list[str]) -> subprocess.Popen:
+@contextlib.contextmanager
+def stopped_mid_way(argv: list[str]) -> Iterator[subprocess.Popen]:
+    """The conversion of `argv`, stopped; killed at the end if the test left it running."""
     process = subprocess.Popen([sys.executable, "-c", STOPS_MID_WAY, *argv], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT)
-    _, status = os.waitpid(process.pid, os.WUNTRACED)
-    assert os.WIFSTOPPED(status), f"the conversion ended before its first tensor (status {status})"
-    return process
+    try:
+        _, status = os.waitpid(process.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), f"the conversion ended before its first tensor (status {status})"
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()

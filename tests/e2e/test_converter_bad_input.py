@@ -262,11 +262,11 @@ def run(case: BadInput, argv: list[str], place: Place) -> tuple[object, str, str
     """(exit code, stdout, stderr) of the converter on `argv`, and what was there (`snapshot`) as it ran."""
     out = Path(argv[-1])
     if case.run == "cli-stopped":
-        process = stopped_mid_way(argv)
-        case.meanwhile(out)
-        before = snapshot(place.tmp, out, under_way=True)
-        process.send_signal(signal.SIGCONT)
-        stdout, stderr = process.communicate(timeout=HANG_GUARD_S)
+        with stopped_mid_way(argv) as process:
+            case.meanwhile(out)
+            before = snapshot(place.tmp, out, under_way=True)
+            process.send_signal(signal.SIGCONT)
+            stdout, stderr = process.communicate(timeout=HANG_GUARD_S)
         return process.returncode, stdout, stderr, before
     before = snapshot(place.tmp, out)
     if case.run == "main":

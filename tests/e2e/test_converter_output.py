@@ -29,9 +29,9 @@ def test_a_conversion_killed_mid_way_leaves_a_partial_that_the_next_one_removes(
     the same OUT removes it, says so, and completes."""
     source = llama(tmp_path / "large-vocab", vocab=100_000)  # the first tensor written: 25.6 MB
     out = tmp_path / "out"
-    killed = stopped_mid_way(["to-dist", str(source), str(out)])
-    killed.kill()
-    assert killed.wait(timeout=HANG_GUARD_S) == -signal.SIGKILL
+    with stopped_mid_way(["to-dist", str(source), str(out)]) as killed:
+        killed.kill()
+        assert killed.wait(timeout=HANG_GUARD_S) == -signal.SIGKILL
     [partial] = tmp_path.glob("out.partial-*")
     assert (partial / "__0_0.distcp").stat().st_size > 25_000_000 and not out.exists()
     again = subprocess.run(cli("to-dist", str(source), str(out)), capture_output=True, text=True, env=env(), cwd=ROOT,
@@ -47,14 +47,14 @@ def test_a_live_writer_s_partial_is_left_alone_and_its_late_rename_refused(llama
     touching the first's partial (its lock is held); the first, resumed, finds OUT made meanwhile,
     leaves it as it is, removes its own partial and says so in one line."""
     out = tmp_path / "out"
-    first = stopped_mid_way(["to-dist", str(llama_dir), str(out)])
-    [partial] = tmp_path.glob("out.partial-*")
-    second = subprocess.run(cli("to-dist", str(llama_dir), str(out)), capture_output=True, text=True, env=env(),
-                            cwd=ROOT, timeout=HANG_GUARD_S)
-    assert (second.returncode, second.stderr) == (0, "") and partial.is_dir()
-    written = {p.name: p.read_bytes() for p in out.iterdir()}
-    first.send_signal(signal.SIGCONT)
-    _, stderr = first.communicate(timeout=HANG_GUARD_S)
+    with stopped_mid_way(["to-dist", str(llama_dir), str(out)]) as first:
+        [partial] = tmp_path.glob("out.partial-*")
+        second = subprocess.run(cli("to-dist", str(llama_dir), str(out)), capture_output=True, text=True, env=env(),
+                                cwd=ROOT, timeout=HANG_GUARD_S)
+        assert (second.returncode, second.stderr) == (0, "") and partial.is_dir()
+        written = {p.name: p.read_bytes() for p in out.iterdir()}
+        first.send_signal(signal.SIGCONT)
+        _, stderr = first.communicate(timeout=HANG_GUARD_S)
     assert first.returncode == 2 and len(stderr.splitlines()) == 1, stderr
     assert stderr.startswith(f"error: {out} was made by another process during the conversion")
     assert not partial.exists() and {p.name: p.read_bytes() for p in out.iterdir()} == written
