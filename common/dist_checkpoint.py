@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     to_hf.add_argument("config_dir", type=Path)
     to_hf.add_argument("out", type=Path)
     args = parser.parse_args(argv)
-    from common.megatron_layout import dist_to_hf, hf_to_dist
+    from common.megatron_layout import dist_to_hf, hf_to_dist  # torch, once the arguments parse
 
     try:
         # by hand OUT is new (the store gives hf_to_dist an empty directory of its own)
