@@ -165,7 +165,7 @@ def run_child(mode: str, model: Path, out: Path) -> None:
     import safetensors.torch  # noqa: F401
     import torch  # noqa: F401
 
-    from common import dist_checkpoint
+    from common import megatron_layout as dist_checkpoint
 
     started = time.perf_counter()
     if mode == "stream":
@@ -188,7 +188,7 @@ def save_whole(model: Path, out: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
-    from common.dist_checkpoint import _fused_qkv
+    from common.megatron_layout import fused_qkv as _fused_qkv
 
     config = json.loads((model / "config.json").read_text())
     where = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from common.dist_checkpoint import cpu_megatron, hf_to_dist
+from common.dist_writer import cpu_megatron
+from common.megatron_layout import hf_to_dist
 
 SHAPES = {
     "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,

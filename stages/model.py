@@ -142,7 +142,7 @@ def source_digest(model_path: Path) -> str:
 
 def dist_identity(model_path: Path) -> dict[str, Any]:
     """The dist checkpoint's store key: the source weights, the target layout, the converter."""
-    from common.dist_checkpoint import CONVERTER_VERSION, DIST_LAYOUT
+    from common.megatron_layout import CONVERTER_VERSION, DIST_LAYOUT
 
     return {"source": source_digest(model_path), "layout": DIST_LAYOUT, "converter": CONVERTER_VERSION}
 
@@ -155,12 +155,12 @@ def dist_checkpoint_dir(spec: ModelSpec, model_path: Path) -> Path:
 def prepare_dist_checkpoint(spec: ModelSpec, model_path: Path, log=print) -> DistCheckpoint:
     """The base model as a megatron-core dist checkpoint, converted once (streamed, on CPU) into the
     store next to the HF weights, so each rank of a large run reads only its shard."""
-    from common.dist_checkpoint import CONVERTER_VERSION, hf_to_dist
+    from common.megatron_layout import CONVERTER_VERSION, hf_to_dist
 
     identity = dist_identity(model_path)
 
     def convert(scratch: Path, out: Path) -> Built:
-        hf_to_dist(model_path, out)  # staged beside `out`, renamed over the store's empty `out`
+        hf_to_dist(model_path, out, log=log)  # staged beside `out`, renamed over the store's empty `out`
         return Built(details={"source_path": str(model_path)})
 
     entry = Store(spec.root).get_or_build(spec.dist_store_name, identity, convert, log)

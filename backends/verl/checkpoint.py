@@ -21,7 +21,7 @@ EXPORT_DIR = "huggingface-export"
 
 def verl_hf_dir(step_dir: Path) -> Path:
     """The step's policy as an HF directory: verl's own HF weights, else its dist checkpoint converted."""
-    from common.dist_checkpoint import dist_to_hf
+    from common.megatron_layout import dist_to_hf
 
     model = step_dir / "actor" / "model"
     exported = model / "huggingface"

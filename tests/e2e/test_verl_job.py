@@ -33,7 +33,7 @@ from backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
 from backends.metrics import read_metrics
 from backends.verl.backend import JobStopped, submit
 from backends.verl.job import JobRecord, job_spec, read_record, write_record
-from common.dist_checkpoint import HFTensors
+from common.hf_shards import HFTensors
 from flows.pipeline import grpo_pipeline
 from flows.plan import plan_run
 from flows.request import RunRequest
