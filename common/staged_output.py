@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from common.files import share_tree
 from profiles.errors import UserError
 
 LOCK = ".writer.lock"
@@ -73,8 +74,6 @@ class StagedOutput:
             what = f"write in {failed.parent}" if failed == birth else f"create {failed}"
             raise OutputError(f"{self.out}: cannot {what} ({exc.strerror}); give OUT in a directory you can write, "
                               "on a writable filesystem") from None
-        # what this process's files and directories get here (0666 / 0777 less the umask)
-        self.file_mode, self.dir_mode = os.fstat(self._lock).st_mode & 0o777, self.path.stat().st_mode & 0o777
 
     def _check_out(self) -> None:
         out = self.out
@@ -108,11 +107,7 @@ class StagedOutput:
     def commit(self) -> Path:
         """Rename the complete partial into place; OUT made meanwhile by another process is left as it
         is, and this partial removed."""
-        for folder, dirs, files in os.walk(self.path):
-            for name in dirs:
-                os.chmod(os.path.join(folder, name), self.dir_mode)
-            for name in files:
-                os.chmod(os.path.join(folder, name), self.file_mode)
+        share_tree(self.path)
         try:
             if self._in_the_way():
                 raise FileExistsError(errno.EEXIST, "it exists")
