@@ -9,7 +9,8 @@ mean / p95, truncation rate) are computed from exactly those records.
 
 Generation happens at one boundary, `Generate(model_dir, prompts, settings) -> responses`, so the
 engine can change and tests can stand in a known model. Engines: vLLM (`vllm` / `vllm-ascend`) when
-it is importable and the device is a GPU or NPU; otherwise batched transformers `generate`. With
+it is importable and the device is a GPU or NPU; otherwise the transformers model, batched, decoded by
+the rollouts' native decoder or by `generate` (`generation.decoder`, stages/generation_batches.py). With
 several accelerators the prompts are split into contiguous shards, one Ray task per device, and the
 results are put back in prompt order.
 """
@@ -20,16 +21,19 @@ import json
 import math
 import random
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from profiles.engine import transformers_path
+from profiles.engine import native_path, transformers_path
 from profiles.errors import UserError
 from profiles.platform import Platform
 from profiles.schema import RunProfile
+from backends.metrics import METRICS
+from common.decoding import compile_cache_dir
 from common.files import write_text_atomic
 from common.progress import Bar
 
@@ -50,6 +54,10 @@ class EvalSettings(BaseModel):
     cache: str = Field("dynamic", description="KV cache of transformers' generate (`generation.cache`).")
     compile: bool = Field(False, description="Compiled decode step (`generation.compile`).")
     attn_implementation: str = Field("sdpa", description="Attention kernels (`generation.attn_implementation`).")
+    decoder: str = Field("generate", description="`native` or `generate` (`generation.decoder` on this device).")
+    max_prompt_length: int | None = Field(None, description="Longest prompt expected (`data.max_prompt_length`): "
+                                          "the native decoder's cache is sized for it once.")
+    compile_cache_dir: str | None = Field(None, description="Where compiled decode steps are kept between runs.")
 
     @classmethod
     def from_profile(cls, profile: RunProfile) -> EvalSettings:
@@ -66,9 +74,14 @@ class EvalSettings(BaseModel):
             torch_device=profile.platform.torch_device, dtype=profile.platform.run_dtype(profile.engine.dtype),
             cache=profile.generation.cache, compile=profile.generation.compile,
             attn_implementation=profile.generation.attn_implementation,
+            decoder=profile.generation.resolved_decoder(profile.platform.torch_device),
+            max_prompt_length=profile.data.max_prompt_length,
+            compile_cache_dir=str(compile_cache_dir(profile.model.root)),
         )
 
     def transformers_path(self) -> str:
+        if self.decoder == "native":
+            return native_path(self.compile, self.torch_device)
         return transformers_path(self.cache, self.compile, self.attn_implementation)
 
 
@@ -97,19 +110,28 @@ class ModelMetrics(BaseModel):
     response_length_p95: float
     truncation_rate: float
     samples_file: str
+    generation_s: float | None = Field(None, description="Seconds spent generating the responses (model load included).")
+    generated_tokens: int | None = Field(None, description="Tokens generated, end-of-sequence excluded.")
 
     def summary_line(self) -> str:
         """The model's results in one line, as the flow logs them and the command line prints them."""
+        generated = "" if self.generation_s is None else \
+            f", generated {self.generated_tokens} tokens in {self.generation_s:.1f} s ({self.tokens_per_s():,.0f} tokens/s)"
         return (f"{self.name}: mean reward {self.mean_reward:.3f} [{self.reward_ci95[0]:.3f}, {self.reward_ci95[1]:.3f}], "
                 f"accuracy {self.accuracy:.3f}, format {self.format_rate:.3f}, pass@{self.k} {self.pass_at_k:.3f}, "
                 f"length {self.response_length_mean:.1f} (p95 {self.response_length_p95:.0f}), truncated "
-                f"{self.truncation_rate:.3f} on {self.prompts} prompts ({self.samples_file})")
+                f"{self.truncation_rate:.3f} on {self.prompts} prompts{generated} ({self.samples_file})")
+
+    def tokens_per_s(self) -> float:
+        return (self.generated_tokens or 0) / self.generation_s if self.generation_s else 0.0
 
 
 class EvalReport(BaseModel):
     val_file: str
     engine: str
     models: list[ModelMetrics]
+    generation: str | None = Field(None, description="Generation time of each model, beside the rollouts' when the "
+                                   "run trained (its metrics file).")
 
 
 def load_validation(val_file: Path, max_prompts: int | None) -> list[dict]:
@@ -136,45 +158,29 @@ def load_validation(val_file: Path, max_prompts: int | None) -> list[dict]:
 
 
 def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
-    """Batched `generate`: left padding, `eval.batch_size` prompts at a time, inference mode."""
+    """Batched generation with the transformers model, `eval.batch_size` prompts at a time: the
+    native decoder (`generation.decoder: native`, a Llama-family model), else `generate`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.decoding import unsupported
+    from stages.generation_batches import generate_batches, native_batches
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    device = settings.torch_device
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype),
-                                                 attn_implementation=settings.attn_implementation).to(device).eval()
-    fast = {"cache_implementation": "static"} if settings.cache == "static" else {}
-    if settings.compile:
-        from common.generation import compiled_decoding
-
-        compiled_decoding(model.generation_config, device != "cpu")
-    else:
-        fast["disable_compile"] = True
-    # A compiled decode step is specialised to its shapes: prompts padded to a multiple of 64 tokens
-    # reuse a few compiled graphs instead of one per batch.
-    pad_to = 64 if settings.compile else None
+                                                 attn_implementation=settings.attn_implementation)
+    model = model.to(settings.torch_device).eval()
     stop_ids = set(_as_list(model.generation_config.eos_token_id) + [tokenizer.eos_token_id]) - {None}
     texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
+    native = settings.decoder == "native" and unsupported(model) is None
+    batches = native_batches(model, tokenizer, texts, settings, sorted(stop_ids)) if native else \
+        generate_batches(model, tokenizer, texts, settings)
     torch.manual_seed(settings.seed)
     responses: list[list[Response]] = []
-    with Bar(total=len(texts), desc=f"generate {model_dir.name}", unit="prompt") as bar, torch.inference_mode():
-        for start in range(0, len(texts), settings.batch_size):
-            batch = tokenizer(texts[start : start + settings.batch_size], return_tensors="pt", padding=True,
-                              pad_to_multiple_of=pad_to, add_special_tokens=False).to(device)
-            output = model.generate(
-                **batch,
-                max_new_tokens=settings.max_new_tokens,
-                do_sample=settings.temperature > 0,
-                temperature=settings.temperature if settings.temperature > 0 else None,
-                top_p=None, top_k=None,
-                num_return_sequences=settings.samples_per_prompt,
-                pad_token_id=tokenizer.pad_token_id,
-                **fast,
-            )
-            new = output[:, batch["input_ids"].shape[1] :].tolist()
+    with Bar(total=len(texts), desc=f"generate {model_dir.name}", unit="prompt") as bar:
+        for new in batches:
             for offset in range(0, len(new), settings.samples_per_prompt):
                 group = []
                 for ids in new[offset : offset + settings.samples_per_prompt]:
@@ -183,7 +189,7 @@ def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: 
                     group.append(Response(text=tokenizer.decode(kept, skip_special_tokens=True), tokens=len(kept),
                                           truncated=ended is None))
                 responses.append(group)
-            bar.update(len(batch["input_ids"]))
+            bar.update(len(new) // settings.samples_per_prompt)
     return responses
 
 
@@ -291,7 +297,9 @@ def evaluate_model(
 ) -> ModelMetrics:
     from common.rewards import score
 
+    started = time.perf_counter()
     responses = generate(model_dir, [row["prompt"] for row in rows], settings)
+    generation_s = time.perf_counter() - started
     if len(responses) != len(rows) or any(len(r) != settings.samples_per_prompt for r in responses):
         raise RuntimeError(f"the engine returned {len(responses)} groups for {len(rows)} prompts")
     samples = []
@@ -306,7 +314,8 @@ def evaluate_model(
             })
     samples_file = out_dir / f"{name}.jsonl"
     write_text_atomic(samples_file, "".join(json.dumps(s) + "\n" for s in samples))
-    return ModelMetrics(name=name, path=str(model_dir), samples_file=str(samples_file),
+    return ModelMetrics(name=name, path=str(model_dir), samples_file=str(samples_file), generation_s=round(generation_s, 2),
+                        generated_tokens=sum(s["response_tokens"] for s in samples),
                         **metrics_from_samples(samples, settings.samples_per_prompt, settings.seed))
 
 
@@ -360,4 +369,19 @@ def evaluate(
     engine = getattr(generate, "__name__", "custom")
     if "transformers" in engine:
         engine += f" ({settings.transformers_path()})"
-    return EvalReport(val_file=str(val_file), engine=engine, models=results)
+    return EvalReport(val_file=str(val_file), engine=engine, models=results,
+                      generation=generation_summary(results, out_dir.parent / METRICS))
+
+
+def generation_summary(models: list[ModelMetrics], metrics_file: Path) -> str | None:
+    """The evaluation's generation time per model beside the rollouts' (generation_s of the steps in
+    the run's metrics file, when it trained), for the log and the report."""
+    from backends.metrics import read_metrics
+
+    parts = [f"evaluation of {m.name} {m.generation_s:.1f} s ({m.tokens_per_s():,.0f} tokens/s)"
+             for m in models if m.generation_s is not None]
+    rounds = [r.generation_s for r in read_metrics(metrics_file) if r.generation_s]
+    if rounds:
+        parts.insert(0, f"rollouts {sum(rounds):.1f} s in {len(rounds)} generation rounds "
+                        f"({sum(rounds) / len(rounds):.1f} s a round)")
+    return "; ".join(parts) or None

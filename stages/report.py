@@ -199,6 +199,7 @@ def render(
         engine = f" Generated with {evaluation['engine']}." if evaluation.get("engine") else ""
         parts += ["## Evaluation", "", f"{models[0]['prompts']} validation prompts, {models[0]['k']} response(s) each, "
                   f"scored with the training reward.{engine}", "", metrics_table(models), "", _verdict(models), ""]
+        parts += [f"Generation time: {evaluation['generation']}.", ""] if evaluation.get("generation") else []
         if (run_dir / EVAL_PLOT).is_file():
             parts += [media.image(EVAL_PLOT, "evaluation"), ""]
         parts += ["Per-sample results: " + ", ".join(media.file(m["samples_file"], m["name"]) for m in models), ""]

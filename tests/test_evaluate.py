@@ -185,3 +185,32 @@ def test_the_vllm_engine_translates_settings_and_outputs(tiny_model_dir, monkeyp
     from profiles.platform import Platform
 
     assert choose_engine(Platform(), 4) is transformers_generate  # the CPU: transformers, not sharded
+
+
+def test_the_native_decoder_evaluates_as_generate_does(tiny_model_dir):
+    from stages.evaluate import transformers_generate
+
+    prompts = [row["prompt"] for row in arith_splits(8, 6, seed=3)["test"].to_pylist()]
+    greedy = [transformers_generate(tiny_model_dir, prompts, EvalSettings(max_new_tokens=8, batch_size=4, decoder=decoder))
+              for decoder in ("generate", "native")]  # batches of 4 and 2: the second in the first one's cache
+    assert greedy[0] == greedy[1] and len(greedy[1]) == 6
+    sampled = transformers_generate(tiny_model_dir, prompts, EvalSettings(max_new_tokens=8, batch_size=4, decoder="native",
+                                                                           samples_per_prompt=3, temperature=1.0))
+    assert [len(group) for group in sampled] == [3] * 6
+    assert all(r.tokens <= 8 and r.truncated == (r.tokens == 8) for group in sampled for r in group)
+
+
+def test_generation_time_is_reported_beside_the_rollouts(tiny_model_dir, tmp_path):
+    from backends.metrics import StepMetrics, append_metrics
+
+    for step, seconds in ((1, 2.5), (2, 0.0), (3, 1.5)):  # two generation rounds, the second step reused one
+        append_metrics(tmp_path / "metrics.jsonl", StepMetrics(step=step, reward_mean=0.0, step_time_s=3.0,
+                                                               generation_s=seconds, time=0.0))
+    rows = arith_splits(8, 4, seed=0)["test"]
+    answers = {row["prompt"][-1]["content"]: "the answer is 4" for row in rows.to_pylist()}
+    report = evaluate({"base": tiny_model_dir}, write(rows, tmp_path / "val.parquet"), EvalSettings(), tmp_path / "eval",
+                      echo_engine(answers))
+    (metrics,) = report.models
+    assert metrics.generated_tokens == 4 * 4 and metrics.generation_s is not None
+    assert f"generated 16 tokens in {metrics.generation_s:.1f} s" in metrics.summary_line()
+    assert report.generation.startswith("rollouts 4.0 s in 2 generation rounds (2.0 s a round); evaluation of base ")

@@ -32,7 +32,7 @@ class LocalBackend(Backend):
                                        run.devices_here)
         if overlong := check_prompt_lengths(settings):
             progress.warn(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
-        rollouts = profile.generation.describe(profile.platform.accelerated)
+        rollouts = profile.generation.describe(profile.platform.accelerated, profile.platform.torch_device)
         progress.note(f"rollouts: {rollouts}")
         progress.started(settings.max_steps, latest_step(settings.checkpoints))
         result = train_local(settings, run.runtime_env, run.ray_address, progress.step, run_name=run.run_name)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field
 from backends.local.checkpoints import CHECKPOINTS
 from backends.local.mapping import grpo_fields
 from backends.metrics import METRICS
+from common.decoding import compile_cache_dir
 from profiles.engine import GenerationSection
 from profiles.errors import ProfileError, UserError
 from profiles.platform import Platform
@@ -43,6 +44,8 @@ class LocalTrainSettings(BaseModel):
     grpo: dict[str, Any] = Field(..., description="GRPOConfig fields derived from the profile.")
     generation: GenerationSection = Field(default_factory=GenerationSection,
                                           description="How rollouts are generated (what GRPOConfig has no field for).")
+    compile_cache_dir: str | None = Field(None, description="Where torch keeps compiled decode steps between runs "
+                                          "(under model.root).")
 
     @property
     def checkpoints(self) -> Path:
@@ -97,6 +100,7 @@ def plan_local_training(
         reward_function=profile.algorithm.reward_function,
         grpo=grpo,
         generation=profile.generation,
+        compile_cache_dir=str(compile_cache_dir(profile.model.root)),
     )
 
 

@@ -10,9 +10,11 @@ follows both.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
@@ -20,6 +22,7 @@ from transformers import TrainerCallback
 from backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
 from backends.local.settings import LocalTrainSettings, prompt_length
 from backends.metrics import StepMetrics, append_metrics, keep_metrics_up_to
+from common.decoding import use_compile_cache
 from common.generation import compiled_decoding
 
 
@@ -47,6 +50,8 @@ def worker_loop(config: dict[str, Any]) -> None:
                                                  attn_implementation=settings.generation.attn_implementation)
     timer = GenerationTimer(model)
     train = training_rows(settings, tokenizer, datasets)
+    native = (settings.generation.resolved_decoder(settings.platform.torch_device) == "native"
+              and not settings.grpo.get("use_vllm"))
     args = GRPOConfig(
         output_dir=str(settings.checkpoints / TRAINER_DIR),
         max_steps=settings.max_steps,
@@ -61,35 +66,54 @@ def worker_loop(config: dict[str, Any]) -> None:
         disable_tqdm=True,
         **settings.grpo,
     )
-    trainer = GRPOTrainer(
+    trainer_class, native_options = GRPOTrainer, {}
+    if native:
+        from backends.local.rollouts import NativeRolloutTrainer
+
+        if settings.compile_cache_dir:
+            use_compile_cache(Path(settings.compile_cache_dir))
+        trainer_class = NativeRolloutTrainer
+        native_options = dict(max_prompt_tokens=settings.max_prompt_length, compile=settings.generation.compile,
+                              timer=timer)
+    trainer = trainer_class(
         model=model,
         reward_funcs=_reward_function(settings.reward_function),
         args=args,
         train_dataset=train,
         processing_class=tokenizer,
         callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
+        **native_options,
     )
-    if settings.generation.compile and not settings.grpo.get("use_vllm"):
+    native_rollouts = native and trainer.native_refusal is None
+    if native and not native_rollouts:
+        print(f"rollouts: transformers generate, not native decoding: {trainer.native_refusal}", flush=True)
+    if settings.generation.compile and not settings.grpo.get("use_vllm") and not native_rollouts:
         compiled_decoding(trainer.generation_config, settings.platform.accelerated)
     checkpoint = settings.checkpoints / f"global_step_{resume}" if resume is not None else None
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
 
 
 class GenerationTimer:
-    """Seconds spent in the model's `generate` since the last `take()`: TRL generates through the
-    unwrapped model, so wrapping this instance's method sees every rollout."""
+    """Seconds spent generating since the last `take()`: in the model's `generate` (TRL generates
+    through the unwrapped model, so wrapping this instance's method sees every rollout) and inside
+    `timing()` (the native decoder's rollouts)."""
 
     def __init__(self, model):
         self.seconds, generate = 0.0, model.generate
 
         def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
+            with self.timing():
                 return generate(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - started
 
         model.generate = timed
+
+    @contextlib.contextmanager
+    def timing(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - started
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0
