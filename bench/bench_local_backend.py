@@ -8,11 +8,12 @@ Both sides train the same model on the same arith prompts with the same GRPOConf
 from the profile) except for generation, the arith reward, and a fixed completion length (min = max
 new tokens), in one process / one Ray Train worker with the same cores. The bare side is what a
 person would write: load, GRPOTrainer, train. The local backend side is `train_local` with the
-profile's `generation` section (on a GPU: static cache, compiled decoding, 4 steps' prompts per
-generation): Ray Train worker, metrics file, checkpoint publishing. After `--warmup` steps (keep it a
-multiple of the steps per generation: the first round compiles), per side: mean step time (a round
-generates on one step and reuses on the others, so the mean, not the median), generated tokens/s,
-and decode time per token (time in `generate` / tokens per sequence); the ratio of tokens/s.
+profile's `generation` section (on a GPU: the native decoder, its step compiled and captured in a
+CUDA graph, 4 steps' prompts per generation): Ray Train worker, metrics file, checkpoint publishing.
+After `--warmup` steps (keep it a multiple of the steps per generation: the first round compiles),
+per side: mean step time (a round generates on one step and reuses on the others, so the mean, not
+the median), generated tokens/s, and decode time per token (time generating / tokens per sequence);
+the ratio of tokens/s.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def main() -> None:
         sides[name] = plan_local_training(profile, [str(train_file)], str(model_dir), work / "run", devices_here)
         sides[name].grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
     fast = sides["local_backend"].generation
-    print(f"local backend generation: {fast.describe(args.device != 'cpu')}", flush=True)
+    described = fast.describe(args.device != "cpu", sides["local_backend"].platform.torch_device)
+    print(f"local backend generation: {described}", flush=True)
 
     timed: dict[str, list[tuple[float, float]]] = {"bare_trl": [], "local_backend": []}
     for round_index in range(args.rounds):
@@ -158,7 +160,7 @@ def main() -> None:
     tokens_per_step = completions * args.completion_length
     result = {"model": args.model, "device": args.device, "steps": args.steps, "warmup": args.warmup,
               "rounds": args.rounds, "completions_per_step": completions, "completion_length": args.completion_length,
-              "local_generation": fast.describe(args.device != "cpu")}
+              "local_generation": described}
     for name, steps in timed.items():
         step_s = statistics.fmean(t for t, _ in steps)
         generating = sum(g for _, g in steps)
