@@ -65,6 +65,9 @@ def unsupported(model) -> str | None:
     inner = getattr(model, "model", None)
     if not hasattr(inner, "layers") or not hasattr(getattr(inner, "rotary_emb", None), "inv_freq"):
         return "a module layout other than transformers' Llama family"
+    attention = inner.layers[0].self_attn
+    if len({getattr(attention, name).bias is None for name in ("q_proj", "k_proj", "v_proj")}) > 1:
+        return "biases on some of the q/k/v projections only"
     return None
 
 

@@ -124,6 +124,15 @@ def test_a_smaller_batch_decodes_in_a_larger_cache_as_alone(tokenizer):
     assert shared.generate(prompts[:2], 10, Sampling(temperature=0)).completions == alone.completions
 
 
+def test_a_prefill_in_chunks_of_rows_gives_the_same_tokens(tokenizer, monkeypatch):
+    model = random_model("llama", tokenizer)
+    prompts = chat_ids(tokenizer)
+    whole = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(prompts, 8, Sampling(temperature=0))
+    monkeypatch.setattr("common.decoding.PREFILL_TOKENS", 2 * max(len(p) for p in prompts))  # two rows at a time
+    chunked = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(prompts, 8, Sampling(temperature=0))
+    assert chunked.completions == whole.completions
+
+
 def test_weights_changed_in_place_reach_the_next_generate(tokenizer):
     model = random_model("qwen2", tokenizer)
     prompts = chat_ids(tokenizer)
