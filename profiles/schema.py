@@ -15,6 +15,7 @@ from pydantic import Field, field_validator
 
 from profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
 from profiles.platform import DeviceKind, Platform
+from profiles.requirements import NodeRequirement
 from profiles.section import (
     MAX_DEVICES_PER_NODE, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_NODES, MAX_SEQUENCES, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH,
     Section,
@@ -271,6 +272,13 @@ class RunProfile(Section):
         "already exported wins over the value here; a whole value `${NAME}` or `${NAME:-default}` is read from "
         "the environment where the flow runs. A secret (a name like *TOKEN, *KEY, *PASSWORD) is only ever "
         "`${NAME}`: its value stays in that environment, reaches the driver only, and is never stored or shown.",
+    )
+    requires: dict[str, NodeRequirement | None] = Field(
+        default_factory=dict,
+        description="What every node of a cluster run must have installed, by distribution name (and `python`, "
+        "`cann`, `nvidia-driver`, `devices`): checked on each node before the job is submitted "
+        "(profiles/requirements.py). The device profile, the model recipe and the backend add theirs; "
+        "`requires.<name>: null` drops one.",
     )
 
     @field_validator("env", mode="before")

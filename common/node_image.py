@@ -1,0 +1,213 @@
+"""What each node's image can run, asked of every node before a cluster job is submitted.
+
+    python -m flows.grpo --model qwen3.5-122b-a10b --device npu --ray-address head:6379   # the preflight
+
+One small Ray task per alive node, pinned to it, holding nothing (no CPU, no device: a job may run
+beside it), in the run's runtime env, so it sees what the job's workers will see. It answers in two
+tiers: what the files say (versions from package metadata, torch's build from torch/version.py,
+NVML's driver and device count, the CANN version file, /dev/davinci*), in well under a second; then,
+for the packages a requirement asks to import or whose registry must know the model, a child
+process that imports them (seconds; a native library that crashes or hangs takes the child down,
+not the task, and is reported). Nothing here imports torch or initialises a device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import importlib.metadata as metadata
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+from profiles.requirements import NodeFacts, NodeRequirement
+
+PROBE_TIMEOUT_S = 120
+IMPORT_TIMEOUT_S = 180
+# Always reported, whatever the profile asks: the stack a person needs to see to tell two images apart.
+STACK = ("torch", "torch-npu", "transformers", "ray", "verl", "megatron-core", "mbridge", "megatron-bridge",
+         "transformer-engine", "flash-linear-attention", "vllm", "vllm-ascend")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.distribution(name).version
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _torch_build() -> str | None:
+    """cuda/rocm/cpu from torch/version.py, read, not imported (importing torch takes seconds)."""
+    try:
+        text = Path(metadata.distribution("torch").locate_file("torch/version.py")).read_text()
+    except (metadata.PackageNotFoundError, OSError):
+        return None
+    fields = {}
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        key = key.split(":")[0].strip()
+        if key in ("cuda", "hip"):
+            fields[key] = value.strip().strip("'\"")
+    if fields.get("cuda") not in (None, "None"):
+        return f"cuda {fields['cuda']}"
+    if fields.get("hip") not in (None, "None"):
+        return f"rocm {fields['hip']}"
+    return "cpu"
+
+
+def _nvidia() -> tuple[str | None, int]:
+    """The driver's version and the node's GPUs, from NVML (no CUDA context, all GPUs of the node)."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return None, 0
+    if nvml.nvmlInit_v2() != 0:
+        return None, 0
+    try:
+        count, version = ctypes.c_uint(0), ctypes.create_string_buffer(96)
+        nvml.nvmlDeviceGetCount_v2(ctypes.byref(count))
+        driver = version.value.decode() if nvml.nvmlSystemGetDriverVersion(version, 96) == 0 else None
+        return driver, count.value
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _cann_version() -> str | None:
+    """The Ascend toolkit's version from its install file (the layouts of CANN <= 8.3 and 8.5)."""
+    homes = [os.environ.get(v) for v in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")]
+    homes += ["/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann"]
+    for home in filter(None, homes):
+        for info in glob.glob(os.path.join(home, "*-linux", "ascend_toolkit_install.info")):
+            for line in Path(info).read_text(errors="replace").splitlines():
+                if line.startswith("version="):
+                    return line.split("=", 1)[1].strip()
+    return None
+
+
+def _installed(name: str, need: NodeRequirement | None) -> tuple[str | None, str]:
+    for dist in (name, *(need.also_named if need else ())):
+        if (found := _version(dist)) is not None:
+            return found, dist
+    return None, name
+
+
+def look(requirements: dict[str, dict | None]) -> dict:
+    """On a node: the facts the requirements ask about (NodeFacts, as a dict without the node's name)."""
+    needs = {name: NodeRequirement.model_validate(spec) for name, spec in requirements.items() if spec is not None}
+    driver, gpus = _nvidia()
+    versions: dict[str, str | None] = {"python": platform.python_version(), "cann": _cann_version(),
+                                       "nvidia-driver": driver}
+    installed_as = {}
+    for name in (*STACK, *needs):
+        if name not in versions:
+            versions[name], found_as = _installed(name, needs.get(name))
+            if found_as != name:
+                installed_as[name] = found_as
+    npus = len(glob.glob("/dev/davinci[0-9]*"))
+    deep = {"imports": sorted({m for n, need in needs.items() if versions.get(n) for m in need.imports}),
+            "registries": sorted({need.registry for n, need in needs.items() if versions.get(n) and need.registry})}
+    answers = _import_in_child(deep) if deep["imports"] or deep["registries"] else {"imports": {}, "registries": {}}
+    return {"versions": versions, "installed_as": installed_as, "torch_build": _torch_build(),
+            "devices": max(gpus, npus), **answers}
+
+
+# The child: import each module, read each registry, one JSON line per answer (what a crash leaves
+# unanswered is the step it died in).
+_CHILD = r"""
+import importlib, json, sys
+asked = json.loads(sys.argv[1])
+for module in asked["imports"]:
+    print(json.dumps(["import", module, None]), flush=True)
+    try:
+        importlib.import_module(module)
+        print(json.dumps(["import", module, "ok"]), flush=True)
+    except BaseException as exc:
+        print(json.dumps(["import", module, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]]), flush=True)
+for registry in asked["registries"]:
+    print(json.dumps(["registry", registry, None]), flush=True)
+    module, _, attribute = registry.partition(":")
+    try:
+        found = importlib.import_module(module)
+        for part in attribute.split("."):
+            found = getattr(found, part)
+        names = found() if callable(found) else found
+        print(json.dumps(["registry", registry, sorted(map(str, names))]), flush=True)
+    except BaseException as exc:
+        print(json.dumps(["registry", registry, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]]), flush=True)
+"""
+
+
+def _import_in_child(asked: dict) -> dict:
+    answers: dict[str, dict] = {"imports": {}, "registries": {}}
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(asked)], capture_output=True, text=True,
+                              timeout=IMPORT_TIMEOUT_S)
+        output, ended = done.stdout, f"the importing process ended with exit code {done.returncode}"
+    except subprocess.TimeoutExpired as exc:
+        output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        ended = f"the import did not finish in {IMPORT_TIMEOUT_S} s"
+    started = None
+    for line in output.splitlines():
+        kind, name, answer = json.loads(line)
+        if answer is None:
+            started = (kind, name)
+            continue
+        started = None
+        if kind == "import":
+            answers["imports"][name] = None if answer == "ok" else answer
+        else:
+            answers["registries"][name] = answer
+    for module in asked["imports"]:
+        answers["imports"].setdefault(module, ended if started == ("import", module) else "not reached: " + ended)
+    for registry in asked["registries"]:
+        answers["registries"].setdefault(registry, ended if started == ("registry", registry) else "not reached: " + ended)
+    return answers
+
+
+def probe_nodes(requirements: dict[str, NodeRequirement | None], resource: str | None,
+                timeout_s: float = PROBE_TIMEOUT_S) -> tuple[list[NodeFacts], list[str]]:
+    """Every alive node's facts, and a line for each node that did not answer within `timeout_s`. Ray
+    must already be initialised with the run's runtime env (the caller owns the connection)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from common.ray_cluster import node_label
+
+    specs = {name: (need.model_dump() if need is not None else None) for name, need in requirements.items()}
+    remote = ray.remote(num_cpus=0, max_retries=0)(look)
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    pending = {remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+               .remote(specs): node for node in nodes}
+    ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+    facts, silent = [], []
+    for ref in ready:
+        node = pending[ref]
+        offered = node["Resources"].get(resource, 0) if resource else 0
+        try:
+            answer = ray.get(ref)
+        except Exception as exc:  # the task itself failed on that node: it cannot run the job either
+            silent.append(f"node {node_label(node)}: the check did not run ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200]})")
+            continue
+        facts.append(NodeFacts(node=node_label(node), devices_offered=offered, **answer))
+    for ref in late:
+        ray.cancel(ref, force=True)
+        silent.append(f"node {node_label(pending[ref])}: no answer in {timeout_s:.0f} s (is its raylet overloaded or "
+                      "hung?)")
+    return sorted(facts, key=lambda f: f.node), silent
+
+
+def summarise(facts: Iterable[NodeFacts], shown: Iterable[str]) -> list[tuple[list[str], NodeFacts]]:
+    """Nodes with the same image (the same answers for `shown` names, torch's build and device count)
+    grouped, so 64 identical nodes are one row."""
+    groups: dict[str, tuple[list[str], NodeFacts]] = {}
+    names = list(shown)
+    for fact in facts:
+        key = json.dumps([[fact.versions.get(n) for n in names], fact.torch_build, fact.devices, fact.devices_offered,
+                          fact.imports, fact.registries], sort_keys=True, default=str)
+        groups.setdefault(key, ([], fact))[0].append(fact.node)
+    return list(groups.values())
