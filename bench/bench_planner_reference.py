@@ -10,19 +10,24 @@ A point's verdict, by its outcome:
 - ran: the planner agrees when it does not refuse the layout;
 - oom: it agrees when it does not call the layout a fit (the OOM's phase must be one the planner
   models: update, optimizer step, log-probs, rollout start or KV cache; an unknown phase counts as any);
-- peak: it agrees when its figure for the published phase is within +-20% of the published peak (a verl
-  trainer's `perf/max_memory_allocated_gb` is the trainer process's lifetime peak: the largest of the
-  actor's and the reference's rows; a Megatron-only training step's peak: the actor's update rows) and,
-  for a run that also ran, it does not refuse it.
-Out of scope (kept in the table, no verdict): FSDP runs (the planner models Megatron), vLLM-only
-profiles (the rollout row is the `gpu_memory_utilization` budget by construction), and points whose
-settings were not published.
+- peak: it agrees when its figure for the published phase is within +-20% of the published peak and,
+  for a run that also ran, it does not refuse it. A verl run's peak (`perf/max_memory_allocated_gb`) is
+  the trainer process's lifetime peak: the largest of the actor's and the reference's rows, and, up to
+  verl 0.6 (rollout mode `sync`, vLLM inside the trainer process), the vLLM start row too.
+Not asserted (in the table with the planner's figure): Megatron-only and Megatron-Bridge training steps
+(not verl: their loss kernel, gradient dtype and optimizer precision are not published, and the
+planner's logits are verl's), and the points in NOT_ASSERTED. Out of scope (no figure): FSDP runs (the
+planner models Megatron), vLLM-only profiles (the rollout row is the `gpu_memory_utilization` budget by
+construction), and points whose settings were not published.
+A rollout that uses vLLM's expert or data parallelism (not a profile setting) is judged on the trainer's
+rows only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
@@ -141,7 +146,7 @@ def overrides_for(point: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                                   "optimizer_cpu_offload": bool(e.get("optimizer_cpu_offload")),
                                   "optimizer_offload_fraction": e.get("optimizer_offload_fraction") or 0,
                                   "use_precision_aware_optimizer": bool(e.get("use_precision_aware_optimizer"))}}
-    engine["transformer_overrides"].update(_uneven(e))
+    engine.update(_uneven(e))
     if megatron_only:  # one training step: micro batch x seq_len, global batch over the data-parallel ranks
         sequences, length = e["global_batch_size"], e["seq_len"]
         data = {"train_batch_size": sequences, "max_prompt_length": length - 1, "max_response_length": 1}
@@ -189,12 +194,34 @@ def _gib(value: float) -> str:
     return f"{value / GIB:.1f}"
 
 
+def rollout_in_trainer(point: dict[str, Any]) -> bool:
+    """vLLM runs inside the trainer process: rollout mode `sync`, verl's default up to 0.6."""
+    if mode := (point.get("rollout") or {}).get("mode"):
+        return mode == "sync"
+    minor = re.search(r"0\.(\d+)", str(point.get("verl_version")))
+    return bool(minor) and int(minor.group(1)) < 7
+
+
+def rollout_expressible(point: dict[str, Any]) -> bool:
+    return not {"ep", "dp"} & set(point.get("rollout") or {})
+
+
 def compared_rows(point: dict[str, Any], plan: MemoryPlan):
     """The planner's rows for the phase a published peak covers."""
-    trainer = [r for r in plan.roles if r.role in ("actor", "reference")]
+    if point["harness"] != "verl":  # one Megatron training step
+        return [r for r in plan.roles if r.role == "actor" and r.when.startswith(("update", "optimizer step"))]
+    rows = [r for r in plan.roles if r.role in ("actor", "reference")]
+    if rollout_in_trainer(point):
+        rows += [r for r in plan.roles if r.role == "rollout" and r.when.startswith("vLLM start")]
+    return rows
+
+
+def judged_rows(point: dict[str, Any], plan: MemoryPlan):
+    """The rows whose fit decides the verdict: every row of a verl run (the trainer's alone when its
+    rollout cannot be expressed), the update rows of a Megatron-only step."""
     if point["harness"] != "verl":
-        trainer = [r for r in plan.roles if r.role == "actor" and r.when.startswith(("update", "optimizer step"))]
-    return trainer
+        return compared_rows(point, plan)
+    return [r for r in plan.roles if rollout_expressible(point) or r.role != "rollout"]
 
 
 def evaluate(point: dict[str, Any], scratch: Path) -> Row:
@@ -213,8 +240,7 @@ def evaluate(point: dict[str, Any], scratch: Path) -> Row:
     if plan is None:
         return _judge(point, base, "not estimated (the size model does not know the model)", refused=False,
                       ratio=None, estimated=False)
-    # A Megatron-only training step is judged on the actor's update rows alone (no rollout, no host).
-    judged = plan.roles if point["harness"] == "verl" else compared_rows(point, plan)
+    judged = judged_rows(point, plan)
     fits = all(r.fits for r in judged)
     worst = max(judged, key=lambda r: (not r.fits, r.total / r.capacity if r.capacity else 0))
     summary = (f"fits (tightest: {worst.role} {_gib(worst.total)} of {_gib(worst.capacity)} GiB)" if fits
@@ -230,8 +256,10 @@ def evaluate(point: dict[str, Any], scratch: Path) -> Row:
 
 def _judge(point, base, planner: str, refused: bool, ratio: float | None, estimated: bool = True) -> Row:
     outcome = point["outcome"]
-    if point["id"] in NOT_ASSERTED:
-        return Row(**base, planner=planner, ratio=ratio, verdict=f"not asserted: {NOT_ASSERTED[point['id']]}", agrees=None)
+    if reason := NOT_ASSERTED.get(point["id"]) or (None if point["harness"] == "verl" else
+                                                    f"a {point['harness']} training step, not a verl run"):
+        return Row(**base, planner=planner, ratio=None if ratio is None else round(ratio, 3),
+                   verdict=f"not asserted: {reason}", agrees=None)
     if outcome == "ran":
         agrees = not refused
         verdict = "agrees: not refused" if agrees else "DISAGREES: a documented working run is refused"
