@@ -54,27 +54,27 @@ def _mixer_elements(arch: ModelArchitecture, linear: bool) -> float:
 
 def layer_bytes(p: RunProfile, linear: bool, moe: bool, tp: int, etp: int) -> float:
     """Bytes one token of a micro batch keeps in one decoder layer for the backward pass, per device
-    (tensor and sequence parallel split them by TP)."""
+    (tensor and sequence parallel split them by TP): the mixer with its input norm, and the MLP."""
+    arch = p.model.architecture
+    return (4 * arch.hidden_size + 2 * _mixer_elements(arch, linear) + mlp_bytes(p, moe, etp)) / tp
+
+
+def mlp_bytes(p: RunProfile, moe: bool, etp: int) -> float:
+    """Bytes one token keeps in a layer's MLP with its norm (to be divided by TP)."""
     arch, h = p.model.architecture, p.model.architecture.hidden_size
-    mixer = 2 * _mixer_elements(arch, linear)
     k, f, shared = arch.num_experts_per_tok or 1, arch.moe_intermediate_size or 0, arch.shared_expert_intermediate_size or 0
-    if p.planner.layer_spec == "local":
+    if p.planner.layer_spec == "local":  # the norm's input and output, then:
         if moe:  # router logits and probs in fp32, each routed copy's input, fc1 output, activations
-            mlp = 2 * (4 * arch.num_experts + k * (2 * h + 4 * f / etp) + 4 * shared)
-        else:  # fc1's gate and up outputs, silu(gate), their product (fc2's input)
-            mlp = 8 * (arch.intermediate_size or 0)
-        return (8 * h + mixer + mlp) / tp
+            return 4 * h + 2 * (4 * arch.num_experts + k * (2 * h + 4 * f / etp) + 4 * shared)
+        return 4 * h + 8 * (arch.intermediate_size or 0)  # fc1's gate and up outputs, silu(gate), their product
     fam, overrides = family(arch), p.engine.transformer_overrides
     fused = bool(overrides.get("bias_activation_fusion", fam.fused_swiglu))
-    per_width = 6 if fused else 10
-    if moe:
-        e = arch.num_experts
-        router = 4 * e + 8 * k if fam.sigmoid_router else 12 * k
-        permute = 8 * e + 4 if overrides.get("moe_permute_fusion", fam.permute_fusion) else 8 * k + e
-        mlp = 4 * h + router + permute + 5 * e + k * etp * (2 * h + 4) + per_width * (k * f + shared)
-    else:
-        mlp = 4 * h + (6 if fused else 8) * (arch.intermediate_size or 0)
-    return (4 * h + mixer + mlp) / tp
+    if not moe:
+        return 4 * h + (6 if fused else 8) * (arch.intermediate_size or 0)
+    e = arch.num_experts
+    router = 4 * e + 8 * k if fam.sigmoid_router else 12 * k
+    permute = 8 * e + 4 if overrides.get("moe_permute_fusion", fam.permute_fusion) else 8 * k + e
+    return 4 * h + router + permute + 5 * e + k * etp * (2 * h + 4) + (6 if fused else 10) * (k * f + shared)
 
 
 def logits_bytes(p: RunProfile, tokens: float, tp: int, coefficient: int) -> float:

@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from profiles.activations import recompute
-from profiles.memory import GIB, Layout, MemoryPlan, estimate, stage_parameters
+from profiles.memory import GIB, MemoryPlan, estimate
+from profiles.parallel import Layout, stage_parameters
 from profiles.model_size import ModelSize, model_size
 from profiles.validation import UNEVEN_PIPELINE_FIELDS, batch_problems, layout_problems, rollout_problems, uneven_split
 

@@ -40,7 +40,7 @@ from profiles.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE, layer_byte
     recompute, stage_activations, update_logits_coefficient
 from profiles.model_size import ModelSize, head_dim, kv_bytes_per_token, linear_state_bytes_per_sequence, \
     model_size, size_problems
-from profiles.validation import pipeline_split
+from profiles.parallel import Layout, Stage, stages
 
 if TYPE_CHECKING:
     from profiles.schema import RunProfile
@@ -52,52 +52,6 @@ MASTER_BYTES = 4  # fp32 master weights
 HOST_GRAD_BYTES = 4  # the CPU optimizer's pinned fp32 copy of each offloaded gradient
 FOREACH_ADAM_BYTES = 4  # torch AdamW foreach: sqrt(exp_avg_sq) of the whole shard, fp32
 VLLM_OVERHEAD = 2 * GIB  # CUDA graphs, sampler and profiling buffers of one vLLM engine (approximate)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What a layout search varies; the rest of a run comes from its profile."""
-
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    rollout_tp: int
-    param_offload: bool
-    optimizer_offload: bool
-    optimizer_cpu_offload: bool  # megatron-core's CPU optimizer (engine.optimizer_overrides)
-    micro_batch: int
-    first_stage_layers: int | None = None  # uneven pipeline stages (engine.num_layers_in_*_pipeline_stage)
-    last_stage_layers: int | None = None
-    embedding_in_split: bool = False  # engine.account_for_embedding/loss_in_pipeline_split
-    loss_in_split: bool = False
-
-    @classmethod
-    def of(cls, p: RunProfile) -> Layout:
-        e = p.engine
-        return cls(tp=e.tp, pp=e.pp, cp=e.cp, ep=e.ep, etp=e.etp, rollout_tp=p.rollout.tp,
-                   param_offload=e.param_offload, optimizer_offload=e.optimizer_offload,
-                   optimizer_cpu_offload=bool(e.optimizer_overrides.get("optimizer_cpu_offload")),
-                   micro_batch=p.actor.ppo_micro_batch_size_per_gpu,
-                   first_stage_layers=e.num_layers_in_first_pipeline_stage,
-                   last_stage_layers=e.num_layers_in_last_pipeline_stage,
-                   embedding_in_split=e.account_for_embedding_in_pipeline_split,
-                   loss_in_split=e.account_for_loss_in_pipeline_split)
-
-    def settings(self) -> dict[str, Any]:
-        """The profile keys that make this layout (`--set` them)."""
-        return {"engine.tp": self.tp, "engine.pp": self.pp, "engine.cp": self.cp, "engine.ep": self.ep,
-                "engine.etp": self.etp, "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
-                "engine.optimizer_offload": self.optimizer_offload,
-                "engine.optimizer_overrides.optimizer_cpu_offload": self.optimizer_cpu_offload,
-                **({"engine.optimizer_overrides.optimizer_offload_fraction": 1} if self.optimizer_cpu_offload else {}),
-                "actor.ppo_micro_batch_size_per_gpu": self.micro_batch,
-                **{f"engine.{name}": value for name, value in (
-                    ("num_layers_in_first_pipeline_stage", self.first_stage_layers),
-                    ("num_layers_in_last_pipeline_stage", self.last_stage_layers),
-                    ("account_for_embedding_in_pipeline_split", self.embedding_in_split),
-                    ("account_for_loss_in_pipeline_split", self.loss_in_split)) if value}}
 
 
 @dataclass
@@ -192,54 +146,9 @@ def gib(value: float | None) -> float | None:
 
 # --- the parts ----------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Stage:
-    """One pipeline stage on one device: its decoder layers, and its parameters split by TP (dense)
-    and by EP x ETP (routed experts)."""
-
-    index: int
-    layers: range
-    dense: float
-    experts: float
-    mtp: bool  # holds the multi-token-prediction layers (the last stage, when trained)
-
-
-def stages(p: RunProfile, size: ModelSize, lay: Layout) -> list[Stage]:
-    """Every pipeline stage of the layout (an invalid split, which validation refuses, is taken as even)."""
-    split, _ = pipeline_split(size.num_layers, lay.pp, p.engine.vpp, lay.first_stage_layers, lay.last_stage_layers,
-                              lay.embedding_in_split, lay.loss_in_split)
-    if not split:
-        split = [size.num_layers // lay.pp + (r < size.num_layers % lay.pp) for r in range(lay.pp)]
-    mtp = p.engine.mtp and size.mtp_layers > 0
-    out, start = [], 0
-    for r, count in enumerate(split):
-        split_by_tp = whole = experts = 0.0
-        for i in range(start, start + count):
-            layer_split, layer_whole, layer_experts = size.layer(i)
-            split_by_tp, whole, experts = split_by_tp + layer_split, whole + layer_whole, experts + layer_experts
-        last = r == lay.pp - 1
-        if r == 0:
-            split_by_tp += size.embedding + size.vision  # the vision tower is built with the first stage (taken as split by TP)
-        if last:  # a tied output layer is a copy of the embedding on the last stage
-            split_by_tp += size.output or (size.embedding if lay.pp > 1 else 0)
-            whole += size.final_norm
-            if mtp:  # the MTP block: its layer split as the others (a few norms counted with the split part)
-                split_by_tp += size.mtp_layers * (size.mtp_layer - size.experts)
-                experts += size.mtp_layers * size.experts
-        out.append(Stage(r, range(start, start + count), split_by_tp / lay.tp + whole, experts / (lay.ep * lay.etp),
-                         mtp and last))
-        start += count
-    return out
-
-
-def stage_parameters(size: ModelSize, lay: Layout, p: RunProfile) -> tuple[float, float]:
-    """(dense, expert) parameters on one device of the stage that holds the most."""
-    fullest = max(stages(p, size, lay), key=lambda s: s.dense + s.experts)
-    return fullest.dense, fullest.experts
-
-
-def _optimizer_bytes(p: RunProfile, lay: Layout) -> tuple[float, float]:
-    """(bytes per parameter of Adam's state on the device, on the host) with megatron-core's CPU optimizer."""
+def _optimizer_bytes(p: RunProfile, lay: Layout) -> tuple[float, float, float]:
+    """(bytes per parameter of Adam's state on the device, on the host, the share of parameters Adam
+    updates on the device) with megatron-core's CPU optimizer."""
     o = p.engine.optimizer_overrides
     per_param = 12.0
     precision_aware = bool(o.get("use_precision_aware_optimizer"))
@@ -248,13 +157,13 @@ def _optimizer_bytes(p: RunProfile, lay: Layout) -> tuple[float, float]:
         per_param = sum(sizes.get(str(o.get(name, "fp32")), 4)
                         for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"))
     if not lay.optimizer_cpu_offload:
-        return per_param, 0.0
+        return per_param, 0.0, 1.0
     # megatron-core's default fraction is 0 (nothing moves); a layout search that turns the CPU optimizer
     # on sets the fraction to 1 with it (Layout.settings).
     fraction = float(o.get("optimizer_offload_fraction", 0.0 if o.get("optimizer_cpu_offload") else 1.0))
     # Without the precision-aware optimizer the distributed optimizer's fp32 master shard stays on the device.
     kept = 0.0 if precision_aware else MASTER_BYTES
-    return kept + (per_param - kept) * (1 - fraction), (per_param + HOST_GRAD_BYTES) * fraction
+    return kept + (per_param - kept) * (1 - fraction), (per_param + HOST_GRAD_BYTES) * fraction, 1 - fraction
 
 
 def _grad_bytes(p: RunProfile) -> int:
@@ -280,18 +189,21 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
     world, max_length = p.world_size, p.data.max_prompt_length + p.data.max_response_length
     dp_dense = max(world // (lay.tp * lay.pp * lay.cp), 1)
     dp_expert = max(world // (lay.ep * lay.etp * lay.pp), 1)
-    opt_device, opt_host = _optimizer_bytes(p, lay)
+    opt_device, opt_host, updated_on_device = _optimizer_bytes(p, lay)
     if lay.optimizer_offload and not lay.optimizer_cpu_offload:
         plan.notes.append("engine.optimizer_offload moves Adam's state to the host between updates; verl loads it back for each")
     reference = p.uses_reference_model
     kinds = {kind: layer_bytes(p, *kind, lay.tp, lay.etp) for kind in set(size.layer_kinds)}
 
+    def shard(s: Stage) -> float:  # parameters of the distributed optimizer's shard on the device
+        return s.dense / dp_dense + s.experts / dp_expert
+
     def static(s: Stage) -> dict[str, float]:
         params = s.dense + s.experts
-        return {"weights": PARAM_BYTES * params, "gradients": _grad_bytes(p) * params,
-                "optimizer": opt_device * (s.dense / dp_dense + s.experts / dp_expert)}
+        return {"weights": PARAM_BYTES * params, "gradients": _grad_bytes(p) * params, "optimizer": opt_device * shard(s)}
 
     all_stages = stages(p, size, lay)
+    heaviest = max(all_stages, key=lambda s: sum(static(s).values()))
     # actor, update step: the stage whose stored activations, logits and state add up to the most
     sequences = actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp_dense
     tokens, micro_batches = micro_batch(sequences, max_length, lay.cp, actor.use_dynamic_bsz, lay.micro_batch,
@@ -325,10 +237,8 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
 
     # actor, optimizer step: its temporaries beside the state (none for a fused Adam)
     if p.planner.adam == "foreach":
-        heaviest = max(all_stages, key=lambda s: sum(static(s).values()))
-        resident = (1 - opt_host / (opt_host + opt_device)) if opt_host else 1.0
-        step = {**static(heaviest), "optimizer step temporaries": FOREACH_ADAM_BYTES * resident * (
-            heaviest.dense / dp_dense + heaviest.experts / dp_expert), "reference weights": ref_resident[heaviest.index]}
+        step = {**static(heaviest), "optimizer step temporaries": FOREACH_ADAM_BYTES * updated_on_device * shard(heaviest),
+                "reference weights": ref_resident[heaviest.index]}
         plan.roles.append(RoleMemory(
             "actor", f"optimizer step, torch AdamW foreach (planner.adam){_stage_label(heaviest, lay)}",
             {k: v for k, v in step.items() if v}, usable,
@@ -371,13 +281,10 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
     plan.roles.extend(rollout_roles)
 
     # host: everything offloaded, for the node's devices
-    heaviest = max(all_stages, key=lambda s: sum(static(s).values()))
     state = static(heaviest)
-    params = heaviest.dense + heaviest.experts
     per_device = (state["weights"] + state["gradients"] if lay.param_offload else 0.0)
-    per_device += PARAM_BYTES * params if reference and lay.param_offload else 0.0
-    per_device += (state["optimizer"] if lay.optimizer_offload else 0.0) + opt_host * (
-        heaviest.dense / dp_dense + heaviest.experts / dp_expert)
+    per_device += state["weights"] if reference and lay.param_offload else 0.0
+    per_device += (state["optimizer"] if lay.optimizer_offload else 0.0) + opt_host * shard(heaviest)
     host_capacity = plat.host_memory_gib * GIB if plat.host_memory_gib else None
     plan.roles.append(RoleMemory(
         "host", f"offloaded, {p.cluster.devices_per_node} devices a node", {"offloaded": per_device * p.cluster.devices_per_node},
