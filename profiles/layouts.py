@@ -5,7 +5,8 @@ validation and the memory plan, ranked by a simple cost model.
 
 Searched: TP (within a node, dividing the heads), PP (dividing the world; where it does not divide the
 layers, uneven first and last stages as megatron-core allows, the fullest stage as small as it can be:
-94 layers over 8 stages as 11 + 6 x 12 + 11), CP 1, 2, 4 or 8, EP (dividing the experts and a stage's ranks),
+94 layers over 8 stages as 11 + 6 x 12 + 11), CP 1 or 2 (4 and 8 where a sequence leaves each CP rank
+4096 tokens or more), EP (dividing the experts and a stage's ranks),
 ETP 1 or TP, and for each such layout the least offloading (none;
 parameters; parameters and optimizer; and megatron-core's CPU optimizer) under which every role fits
 with some micro batch of 4, 2 or 1, and of those the cheapest, with the smallest rollout TP whose KV cache holds
@@ -48,6 +49,7 @@ MFU = 0.4
 OFFLOAD_LEVELS = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
 MICRO_BATCHES = (4, 2, 1)
 CONTEXT_PARALLEL = (1, 2, 4, 8)
+LONG_CONTEXT_CHUNK = 4096  # CP 4 and 8 only where each rank keeps a chunk of at least this many tokens
 
 
 @dataclass
@@ -132,7 +134,9 @@ def candidate_layouts(p: RunProfile) -> list[Layout]:
     arch, world, per_node = p.model.architecture, p.world_size, p.cluster.devices_per_node
     out = []
     pipelines = [pp for pp in _divisors(world) if pp <= arch.num_layers]
-    for tp, pp, cp in itertools.product(_divisors(per_node), pipelines, CONTEXT_PARALLEL):
+    length = p.data.max_prompt_length + p.data.max_response_length
+    contexts = [cp for cp in CONTEXT_PARALLEL if cp <= 2 or length / cp >= LONG_CONTEXT_CHUNK]
+    for tp, pp, cp in itertools.product(_divisors(per_node), pipelines, contexts):
         if world % (tp * pp * cp):
             continue
         first, last = (None, None) if arch.num_layers % pp == 0 else (uneven_split(arch.num_layers, pp) or (None, None))
@@ -167,9 +171,9 @@ def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
                 if batch_problems(with_layout(p, lay), p.world_size // (lay.tp * lay.pp * lay.cp)):
                     continue
                 estimates += 1
-                if not all(role.fits for role in estimate(p, lay).roles if role.role != "rollout"):
+                if not all(role.fits for role in estimate(p, lay, size=size).roles if role.role != "rollout"):
                     continue
-                if (chosen := _with_rollout(p, lay, rollout_tps)) is not None:
+                if (chosen := _with_rollout(p, lay, rollout_tps, size)) is not None:
                     fitting.append(Suggestion(chosen[0], chosen[1], step_cost(p, size, chosen[0], spec)))
             if fitting:
                 found.append(min(fitting, key=lambda s: s.seconds))
@@ -180,14 +184,14 @@ def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
     return found, facts
 
 
-def _with_rollout(p: RunProfile, lay: Layout, rollout_tps: list[int]) -> tuple[Layout, MemoryPlan] | None:
+def _with_rollout(p: RunProfile, lay: Layout, rollout_tps: list[int], size: ModelSize) -> tuple[Layout, MemoryPlan] | None:
     """The smallest rollout TP within a node whose KV cache holds max_num_seqs sequences, else the smallest
     within a node that fits; an engine over several nodes only when none within one fits."""
     per_node = p.cluster.devices_per_node
     for tier in ([t for t in rollout_tps if t <= per_node], [t for t in rollout_tps if t > per_node]):
         fitting = []
         for rtp in tier:
-            plan = estimate(p, replace(lay, rollout_tp=rtp))
+            plan = estimate(p, replace(lay, rollout_tp=rtp), size=size)
             if plan.fits:
                 if plan.kv_sequences >= p.rollout.max_num_seqs:
                     return replace(lay, rollout_tp=rtp), plan

@@ -176,14 +176,15 @@ def _stage_label(stage: Stage, lay: Layout) -> str:
     return f", pipeline stage {stage.index + 1} of {lay.pp} ({len(stage.layers)} layers)" if lay.pp > 1 else ""
 
 
-def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, float | None, str] | None = None) -> MemoryPlan:
-    """The memory plan of a verl run's layout (the profile's own, or `lay`)."""
+def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, float | None, str] | None = None,
+             size: ModelSize | None = None) -> MemoryPlan:
+    """The memory plan of a verl run's layout (the profile's own, or `lay`; `size`: the model's, when known)."""
     lay = lay or Layout.of(p)
     arch, plat, actor, lp = p.model.architecture, p.platform, p.actor, p.log_prob
     device, capacity_gib, source = device_gib or plat.device_memory()
     capacity = None if capacity_gib is None else capacity_gib * GIB
     usable = None if capacity is None else capacity - plat.reserved_memory_gib * GIB
-    size = model_size(arch)
+    size = size or model_size(arch)
     plan = MemoryPlan(device=device, device_memory=capacity, reserved=plat.reserved_memory_gib * GIB, source=source,
                       parameters=size.total, active_parameters=size.active, enforced=p.planner.enforce)
     world, max_length = p.world_size, p.data.max_prompt_length + p.data.max_response_length
@@ -198,12 +199,15 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
     def shard(s: Stage) -> float:  # parameters of the distributed optimizer's shard on the device
         return s.dense / dp_dense + s.experts / dp_expert
 
+    grad_bytes = _grad_bytes(p)
+
     def static(s: Stage) -> dict[str, float]:
         params = s.dense + s.experts
-        return {"weights": PARAM_BYTES * params, "gradients": _grad_bytes(p) * params, "optimizer": opt_device * shard(s)}
+        return {"weights": PARAM_BYTES * params, "gradients": grad_bytes * params, "optimizer": opt_device * shard(s)}
 
     all_stages = stages(p, size, lay)
-    heaviest = max(all_stages, key=lambda s: sum(static(s).values()))
+    state = {s.index: static(s) for s in all_stages}
+    heaviest = max(all_stages, key=lambda s: sum(state[s.index].values()))
     # actor, update step: the stage whose stored activations, logits and state add up to the most
     sequences = actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp_dense
     tokens, micro_batches = micro_batch(sequences, max_length, lay.cp, actor.use_dynamic_bsz, lay.micro_batch,
@@ -215,7 +219,7 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
         if s.mtp:
             per_layer += [kinds[(False, bool(arch.num_experts))]] * size.mtp_layers
         in_flight = min(lay.pp - s.index, micro_batches) * interleaved
-        parts = {**static(s), "activations": stage_activations(p, per_layer, tokens, in_flight, lay.tp)}
+        parts = {**state[s.index], "activations": stage_activations(p, per_layer, tokens, in_flight, lay.tp)}
         if s.index == lay.pp - 1:  # one micro batch's logits (and the MTP layers' own)
             parts["logits"] = logits_bytes(p, tokens, lay.tp, update_logits_coefficient(p)) * (1 + s.mtp * size.mtp_layers)
         return parts
@@ -237,7 +241,7 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
 
     # actor, optimizer step: its temporaries beside the state (none for a fused Adam)
     if p.planner.adam == "foreach":
-        step = {**static(heaviest), "optimizer step temporaries": FOREACH_ADAM_BYTES * updated_on_device * shard(heaviest),
+        step = {**state[heaviest.index], "optimizer step temporaries": FOREACH_ADAM_BYTES * updated_on_device * shard(heaviest),
                 "reference weights": ref_resident[heaviest.index]}
         plan.roles.append(RoleMemory(
             "actor", f"optimizer step, torch AdamW foreach (planner.adam){_stage_label(heaviest, lay)}",
@@ -252,17 +256,17 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
                                lp.max_token_len_per_gpu)
 
     def actor_resident(s: Stage) -> dict[str, float]:
-        state = static(s)
-        kept = {} if lay.param_offload else {"weights": state["weights"], "gradients": state["gradients"]}
-        return kept | ({} if lay.optimizer_offload else {"optimizer": state["optimizer"]})
+        own = state[s.index]
+        kept = {} if lay.param_offload else {"weights": own["weights"], "gradients": own["gradients"]}
+        return kept | ({} if lay.optimizer_offload else {"optimizer": own["optimizer"]})
 
     def log_probs(s: Stage, coefficient: int, own_weights: bool) -> dict[str, float]:
         last = s.index == lay.pp - 1
         parts = {"logits": logits_bytes(p, lp_tokens, lay.tp, coefficient) if last else 0.0}
         if own_weights:  # the reference: its weights, beside the actor's resident state
-            return {"weights": static(s)["weights"], **parts, "actor resident": sum(actor_resident(s).values())}
+            return {"weights": state[s.index]["weights"], **parts, "actor resident": sum(actor_resident(s).values())}
         # the actor in eval mode: verl loads its weights (not its gradients) back for the pass
-        return {"weights": static(s)["weights"], **actor_resident(s), **parts, "reference weights": ref_resident[s.index]}
+        return {"weights": state[s.index]["weights"], **actor_resident(s), **parts, "reference weights": ref_resident[s.index]}
 
     lp_when = (f"log-probs, token budget {int(lp_tokens)} per micro batch (log_prob.max_token_len_per_gpu)"
                if lp.use_dynamic_bsz else f"log-probs, micro batch {lp.micro_batch_size_per_gpu}")
@@ -281,10 +285,10 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
     plan.roles.extend(rollout_roles)
 
     # host: everything offloaded, for the node's devices
-    state = static(heaviest)
-    per_device = (state["weights"] + state["gradients"] if lay.param_offload else 0.0)
-    per_device += state["weights"] if reference and lay.param_offload else 0.0
-    per_device += (state["optimizer"] if lay.optimizer_offload else 0.0) + opt_host * shard(heaviest)
+    most = state[heaviest.index]
+    per_device = (most["weights"] + most["gradients"] if lay.param_offload else 0.0)
+    per_device += most["weights"] if reference and lay.param_offload else 0.0
+    per_device += (most["optimizer"] if lay.optimizer_offload else 0.0) + opt_host * shard(heaviest)
     host_capacity = plat.host_memory_gib * GIB if plat.host_memory_gib else None
     plan.roles.append(RoleMemory(
         "host", f"offloaded, {p.cluster.devices_per_node} devices a node", {"offloaded": per_device * p.cluster.devices_per_node},

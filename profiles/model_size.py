@@ -95,9 +95,30 @@ class ModelSize:
         return mixer[0] - mixer[1] + mlp[0] - mlp[1], mixer[1] + mlp[1], self.experts if moe else 0
 
     @cached_property
+    def _kind_counts(self) -> dict[tuple[bool, bool], list[int]]:
+        """Per kind of layer, how many of the first i layers are of it (i = 0..num_layers)."""
+        counts = {kind: [0] for kind in set(self.layer_kinds)}
+        for kind in self.layer_kinds:
+            for other, prefix in counts.items():
+                prefix.append(prefix[-1] + (other == kind))
+        return counts
+
+    @cached_property
+    def _kind_parts(self) -> dict[tuple[bool, bool], tuple[int, int, int]]:
+        return {kind: self.layer(self.layer_kinds.index(kind)) for kind in set(self.layer_kinds)}
+
+    def layers_in(self, start: int, end: int) -> tuple[int, int, int]:
+        """`layer`'s three parts summed over layers start..end-1."""
+        totals = (0, 0, 0)
+        for kind, prefix in self._kind_counts.items():
+            if count := prefix[end] - prefix[start]:
+                totals = tuple(t + count * part for t, part in zip(totals, self._kind_parts[kind]))
+        return totals
+
+    @cached_property
     def layers_dense(self) -> int:
         """Every layer's parameters except routed experts, summed over the layers."""
-        return sum(sum(self.layer(i)[:2]) for i in range(self.num_layers))
+        return sum(self.layers_in(0, self.num_layers)[:2])
 
     @property
     def total(self) -> int:
@@ -154,7 +175,10 @@ def layer_kinds(arch: ModelArchitecture) -> tuple[tuple[bool, bool], ...]:
 
 
 def attention_layer_count(arch: ModelArchitecture) -> int:
-    return sum(not linear for linear, _ in layer_kinds(arch))
+    """The full-attention layers (`layer_kinds`'s rule: every `full_attention_interval`-th in a hybrid)."""
+    if arch.linear_num_key_heads and arch.full_attention_interval:
+        return arch.num_layers // arch.full_attention_interval
+    return arch.num_layers
 
 
 def linear_attention_dims(arch: ModelArchitecture) -> tuple[int, int, int]:

@@ -88,10 +88,7 @@ def stages(p: RunProfile, size: ModelSize, lay: Layout) -> list[Stage]:
     mtp = p.engine.mtp and size.mtp_layers > 0
     out, start = [], 0
     for r, count in enumerate(split):
-        split_by_tp = whole = experts = 0.0
-        for i in range(start, start + count):
-            layer_split, layer_whole, layer_experts = size.layer(i)
-            split_by_tp, whole, experts = split_by_tp + layer_split, whole + layer_whole, experts + layer_experts
+        split_by_tp, whole, experts = size.layers_in(start, start + count)
         last = r == lay.pp - 1
         if r == 0:
             split_by_tp += size.embedding + size.vision  # the vision tower is built with the first stage (taken as split by TP)
