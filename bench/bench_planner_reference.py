@@ -67,8 +67,8 @@ RECORDED_DISAGREEMENTS = {
     "fits only if activations are <= 0.84x the estimate; exact: false (no log of this version)",
     "qwen2.5-32b-grpo-8xh20-issue3124": "the same script ran four months earlier (the device-tuning point); with a fused "
     "Adam the step adds nothing and the static state is 68.7 GiB: the OOM is not explained by the layout",
-    "qwen3-30b-a3b-gspo-16xa3-nightly": "sized at the 30720-token budget (the bound verl keeps); the CI data's short "
-    "responses never fill it",
+    "qwen3-30b-a3b-gspo-16xa3-nightly": "sized at the 30720-token budget, the bound verl keeps (66.3 GiB on 58.0); it "
+    "fits up to about 17k tokens a micro batch, which the CI data's responses (not recorded) may never reach",
     "qwen2.5-7b-grpo-8xh100-tp2-offload-static": "static micro batches sized at max_prompt + max_response (10240 "
     "tokens a sequence); the run's responses were shorter (not recorded); exact: false",
 }

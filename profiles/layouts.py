@@ -6,11 +6,11 @@ validation and the memory plan, ranked by a simple cost model.
 Searched: TP (within a node, dividing the heads), PP (dividing the world; where it does not divide the
 layers, uneven first and last stages as megatron-core allows, the fullest stage as small as it can be:
 94 layers over 8 stages as 11 + 6 x 12 + 11), CP 1 or 2 (4 and 8 where a sequence leaves each CP rank
-4096 tokens or more), EP (dividing the experts and a stage's ranks),
-ETP 1 or TP, and for each such layout the least offloading (none;
-parameters; parameters and optimizer; and megatron-core's CPU optimizer) under which every role fits
-with some micro batch of 4, 2 or 1, and of those the cheapest, with the smallest rollout TP whose KV cache holds
-`rollout.max_num_seqs` sequences (else the smallest that fits at all).
+4096 tokens or more), EP (dividing the experts and a stage's ranks), ETP 1 or TP, and for each such
+layout the least offloading (none; parameters; parameters and optimizer; and megatron-core's CPU
+optimizer) under which every role fits with some micro batch of 4, 2 or 1, and of those the cheapest,
+with the smallest rollout TP within a node whose KV cache holds `rollout.max_num_seqs` sequences (else
+the smallest that fits at all; an engine over whole nodes only when none within one fits).
 
 The cost model, seconds per training step on the fullest device, is deliberately simple:
 - compute: (6, or 8 with full recompute) x active parameters x tokens of a step, over the world's

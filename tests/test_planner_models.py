@@ -22,15 +22,8 @@ from profiles.validation import layout_problems
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-QWEN3_30B_A3B = {"model_type": "qwen3_moe", "num_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
-                 "num_kv_heads": 4, "head_dim": 128, "num_experts": 128, "num_experts_per_tok": 8,
-                 "moe_intermediate_size": 768, "vocab_size": 151936, "qk_norm": True}
-QWEN3_235B = {**QWEN3_30B_A3B, "num_layers": 94, "hidden_size": 4096, "num_attention_heads": 64, "moe_intermediate_size": 1536}
-DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
-               "num_kv_heads": 128, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
-               "shared_expert_intermediate_size": 2048, "intermediate_size": 18432, "first_k_dense_replace": 3,
-               "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-               "v_head_dim": 128, "vocab_size": 129280}
+from bench_megatron_static import DEEPSEEK_V3, QWEN3_235B, QWEN3_30B_A3B, rows  # noqa: E402
+
 UNSET = {name: field.default for name, field in ModelArchitecture.model_fields.items() if not field.is_required()}
 
 
@@ -336,8 +329,6 @@ def test_a_model_type_outside_the_size_model_is_not_estimated_and_says_why(cli, 
 def test_weights_gradients_and_optimizer_agree_with_megatron_lms_estimator():
     """bench/bench_megatron_static.py: Megatron-LM's compute_weight_and_optimizer_memory (main and
     core_v0.16.1, transcribed) on 13 layouts, dense and MoE with EP, MLA included."""
-    from bench_megatron_static import rows
-
     found = rows()
     assert len(found) >= 12 and any(r["ep"] > 1 for r in found) and any(r["model"] == "DeepSeek-V3" for r in found)
     for r in found:
