@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from megatron_memory_probe import RUNS, SHAPES, full_config, run_name  # noqa: E402
 
+from profiles.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE  # noqa: E402
 from profiles.loader import resolve_run_profile  # noqa: E402
 from profiles.memory import GIB, estimate  # noqa: E402
 
@@ -54,9 +55,13 @@ def architecture(shape: dict) -> dict:
 
 
 def estimated_bytes(config: dict) -> tuple[float, float, int]:
-    """(the actor's update-step estimate, its log-prob pass estimate, the parameter count) for a probe config."""
+    """(the actor's update-step estimate, its log-prob pass estimate, the parameter count) for a probe config.
+    The probe builds megatron-core's local layers (planner.layer_spec=local) and its optimizer is the
+    config's (`optimizer_impl`: fused, or torch AdamW's foreach); its no-grad forward computes a plain
+    cross entropy, as verl's reference pass does (logits x 6, not the old policy's x 8 with entropy)."""
     cfg = full_config(config)
     overrides = {
+        "planner": {"layer_spec": "local", "adam": cfg.get("optimizer_impl", "fused")},
         "model": {"architecture": architecture(cfg)},
         "cluster": {"nnodes": 1, "devices_per_node": 1},
         "engine": {"transformer_overrides": {"recompute_granularity": "full", "recompute_num_layers": 1}
@@ -68,8 +73,9 @@ def estimated_bytes(config: dict) -> tuple[float, float, int]:
     }
     profile, _ = resolve_run_profile("tiny", "gpu", "verl", overrides=overrides, validate=False)
     plan = estimate(profile)
-    update, log_probs = (r.total for r in plan.roles if r.role == "actor")
-    return update, log_probs, plan.parameters
+    *steps, log_probs = (r for r in plan.roles if r.role == "actor")  # update (and optimizer step), log-probs
+    without_entropy = log_probs.total - log_probs.parts["logits"] * (1 - LOGITS_REFERENCE / LOGITS_OLD_POLICY)
+    return max(step.total for step in steps), without_entropy, plan.parameters
 
 
 def main(argv: list[str] | None = None) -> int:

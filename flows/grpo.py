@@ -28,7 +28,7 @@ from flows.request import STAGES, RunRequest
 from profiles.errors import EXIT_USER_ERROR, UserError
 from profiles.loader import builtin_models
 from profiles.memory import memory_table
-from profiles.model_size import missing_size_fields
+from profiles.model_size import size_problems
 from profiles.secrets import scrub
 
 if TYPE_CHECKING:
@@ -159,8 +159,8 @@ def print_layouts(request: RunRequest, as_json: bool) -> int:
                         "pass --device gpu or --device npu")
     # The profile's own layout may not be valid for this cluster size: the search does not start from it.
     profile, _ = resolve_run_profile(request.model, kind, "verl", request.profile_file, request.overrides, validate=False)
-    if missing := missing_size_fields(profile.model.architecture):
-        raise UserError(f"--suggest-layout needs the model's size: set {', '.join(missing)}")
+    if problems := size_problems(profile.model.architecture):
+        raise UserError(f"--suggest-layout needs the model's size: {'; '.join(problems)}")
     suggestions, facts = suggest_layouts(profile)
     if as_json:
         print(json.dumps({"facts": facts, "layouts": [

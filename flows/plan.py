@@ -6,6 +6,7 @@ directly, so rendering a cluster's command on a laptop needs no Prefect server a
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -28,6 +29,8 @@ from stages.environment import RuntimeEnv, resolve_environment
 from stages.model import ModelCheckpoint, ModelSpec
 from stages.train import training_inputs
 from common.ray_cluster import check_reachable, cluster_address, parse_ray_address
+
+log = logging.getLogger(__name__)
 
 
 class RunPlan(BaseModel):
@@ -89,12 +92,14 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
     backend cannot run here (a stage it cannot run from the flow, more training workers than the
     host has devices), a data or model source that is not there, and (for a real run) a Ray
     cluster that does not answer; a layout that cannot fit in memory (the plan it was checked against
-    is returned)."""
+    is returned; under planner.enforce=false it is logged as a warning instead)."""
     stages = request.stages
     backend_for(profile.backend).check_run(profile, device.count, stages, dry_run, request.ray_address)
     memory = device.memory_plan(profile)
     if memory is not None and not memory.fits:
-        raise ProfileError("the layout does not fit in memory: " + "; ".join(memory.problems()))
+        if memory.enforced:
+            raise ProfileError(memory.refusal())
+        log.warning("%s", memory.warning())  # planner.enforce=false: the dry run and the report show it too
     if {"fetch_dataset", "train", "evaluate"} & set(stages):
         DataSpec.from_profile(profile.data)
     if {"prepare_checkpoint", "train", "evaluate"} & set(stages):

@@ -27,6 +27,21 @@ class EngineSection(Section):
     cp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Context parallel size.")
     ep: int = Field(1, gt=0, le=MAX_EXPERTS, description="Expert parallel size.")
     etp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Expert tensor parallel size.")
+    num_layers_in_first_pipeline_stage: int | None = Field(
+        None, gt=0, le=MAX_LAYERS,
+        description="Uneven pipeline: decoder layers of the first stage (megatron-core's field, rendered through "
+        "`override_transformer_config`); empty: an even split. The middle stages share the rest evenly.")
+    num_layers_in_last_pipeline_stage: int | None = Field(
+        None, gt=0, le=MAX_LAYERS, description="Uneven pipeline: decoder layers of the last stage; empty: an even split.")
+    account_for_embedding_in_pipeline_split: bool = Field(
+        False, description="Count the embedding as one layer of the first stage when the layers are split over "
+        "the pipeline (it then builds one decoder layer fewer); not with the first/last stage counts.")
+    account_for_loss_in_pipeline_split: bool = Field(
+        False, description="Count the output layer and loss as one layer of the last stage when the layers are "
+        "split over the pipeline; not with the first/last stage counts.")
+    mtp: bool = Field(
+        False, description="Train the checkpoint's multi-token-prediction layers too (verl's "
+        "`actor_rollout_ref.model.mtp.enable`; off: verl builds none).")
     param_offload: bool = Field(False, description="Keep parameters (and grad buffers) on the host.")
     optimizer_offload: bool = Field(False, description="Keep optimizer state on the host.")
     dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Training dtype.")

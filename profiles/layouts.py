@@ -3,11 +3,14 @@ validation and the memory plan, ranked by a simple cost model.
 
     python -m flows.grpo --model qwen3.5-122b-a10b --device npu --suggest-layout --set cluster.nnodes=2
 
-Searched: TP (within a node, dividing the heads), PP (dividing the layers), CP 1 or 2, EP (dividing the
-experts and a stage's ranks), ETP 1 or TP, and for each such layout the least offloading (none;
-parameters; parameters and optimizer; and megatron-core's CPU optimizer) under which every role fits
-with some micro batch of 4, 2 or 1, and of those the cheapest, with the smallest rollout TP whose KV cache holds
-`rollout.max_num_seqs` sequences (else the smallest that fits at all).
+Searched: TP (within a node, dividing the heads), PP (dividing the world; where it does not divide the
+layers, uneven first and last stages as megatron-core allows, the fullest stage as small as it can be:
+94 layers over 8 stages as 11 + 6 x 12 + 11), CP 1 or 2 (4 and 8 where a sequence leaves each CP rank
+4096 tokens or more), EP (dividing the experts and a stage's ranks), ETP 1 or TP, and for each such
+layout the least offloading (none; parameters; parameters and optimizer; and megatron-core's CPU
+optimizer) under which every role fits with some micro batch of 4, 2 or 1, and of those the cheapest,
+with the smallest rollout TP within a node whose KV cache holds `rollout.max_num_seqs` sequences (else
+the smallest that fits at all; an engine over whole nodes only when none within one fits).
 
 The cost model, seconds per training step on the fullest device, is deliberately simple:
 - compute: (6, or 8 with full recompute) x active parameters x tokens of a step, over the world's
@@ -31,9 +34,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from profiles.memory import GIB, Layout, MemoryPlan, estimate, recompute_layers, stage_parameters
+from profiles.activations import recompute
+from profiles.memory import GIB, MemoryPlan, estimate
+from profiles.parallel import Layout, stage_parameters
 from profiles.model_size import ModelSize, model_size
-from profiles.validation import batch_problems, layout_problems, rollout_problems
+from profiles.validation import UNEVEN_PIPELINE_FIELDS, batch_problems, layout_problems, rollout_problems, uneven_split
 
 if TYPE_CHECKING:
     from profiles.platform import Accelerator
@@ -43,6 +48,8 @@ MFU = 0.4
 # Offload levels, least first: (param_offload, optimizer_offload, megatron-core CPU optimizer).
 OFFLOAD_LEVELS = ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
 MICRO_BATCHES = (4, 2, 1)
+CONTEXT_PARALLEL = (1, 2, 4, 8)
+LONG_CONTEXT_CHUNK = 4096  # CP 4 and 8 only where each rank keeps a chunk of at least this many tokens
 
 
 @dataclass
@@ -70,7 +77,11 @@ def with_layout(p: RunProfile, lay: Layout) -> RunProfile:
                  **{k.removeprefix(prefix): v for k, v in lay.settings().items() if k.startswith(prefix)}}
     engine = p.engine.model_copy(update={"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp,
                                          "param_offload": lay.param_offload, "optimizer_offload": lay.optimizer_offload,
-                                         "optimizer_overrides": overrides})
+                                         "optimizer_overrides": overrides,
+                                         "num_layers_in_first_pipeline_stage": lay.first_stage_layers,
+                                         "num_layers_in_last_pipeline_stage": lay.last_stage_layers,
+                                         "account_for_embedding_in_pipeline_split": lay.embedding_in_split,
+                                         "account_for_loss_in_pipeline_split": lay.loss_in_split})
     return p.model_copy(update={"engine": engine, "rollout": p.rollout.model_copy(update={"tp": lay.rollout_tp}),
                                 "actor": p.actor.model_copy(update={"ppo_micro_batch_size_per_gpu": lay.micro_batch})})
 
@@ -82,15 +93,15 @@ def step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) ->
     tokens = p.data.train_batch_size * p.algorithm.rollout_n * (p.data.max_prompt_length + p.data.max_response_length)
     dp = world // (lay.tp * lay.pp * lay.cp)
     edp = world // (lay.ep * lay.etp * lay.pp)
-    recompute = recompute_layers(p) is not None
+    recomputed = recompute(p) is not None
     sequences = p.actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp
     m = max(sequences / lay.micro_batch, 1)
-    compute = (8 if recompute else 6) * size.active * tokens / (world * spec.bf16_tflops * 1e12 * MFU)
+    compute = (8 if recomputed else 6) * size.active * tokens / (world * spec.bf16_tflops * 1e12 * MFU)
     cost = {"compute": compute, "bubble": compute * (lay.pp - 1) / m}
     link, network, host = spec.link_gb_s * 1e9, spec.network_gb_s * 1e9, spec.host_gb_s * 1e9
     replica_tokens = tokens / dp
     layers = arch.num_layers / lay.pp
-    cost["tensor parallel"] = (replica_tokens * layers * (12 if recompute else 8) * 2 * arch.hidden_size
+    cost["tensor parallel"] = (replica_tokens * layers * (12 if recomputed else 8) * 2 * arch.hidden_size
                                * (lay.tp - 1) / lay.tp / link)
     if arch.num_experts:
         device_tokens = replica_tokens / (lay.tp * lay.cp)
@@ -101,7 +112,7 @@ def step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) ->
         kv = 2 * arch.num_kv_heads * (arch.head_dim or arch.hidden_size // arch.num_attention_heads) * 2
         cost["context parallel"] = (replica_tokens / lay.tp * size.attention_layers / lay.pp * 3 * kv
                                     * (lay.cp - 1) / lay.cp / link)
-    dense, experts = stage_parameters(size, lay)
+    dense, experts = stage_parameters(size, lay, p)
     stage_ranks = world // lay.pp
     dp_bandwidth = network if stage_ranks > per_node else link
     cost["data parallel"] = 6 * (dense * (dp - 1) / dp + experts * (edp - 1) / edp) / dp_bandwidth
@@ -117,18 +128,23 @@ def step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) ->
     return cost
 
 
-def candidate_layouts(p: RunProfile) -> list[tuple[int, int, int, int, int]]:
-    """(TP, PP, CP, EP, ETP) that pass the layout rules (rollout and batches are checked per layout)."""
+def candidate_layouts(p: RunProfile) -> list[Layout]:
+    """Layouts (TP, PP with its stage split, CP, EP, ETP) that pass the layout rules (rollout and batches
+    are checked per layout)."""
     arch, world, per_node = p.model.architecture, p.world_size, p.cluster.devices_per_node
     out = []
-    for tp, pp, cp in itertools.product(_divisors(per_node), _divisors(arch.num_layers), (1, 2)):
+    pipelines = [pp for pp in _divisors(world) if pp <= arch.num_layers]
+    length = p.data.max_prompt_length + p.data.max_response_length
+    contexts = [cp for cp in CONTEXT_PARALLEL if cp <= 2 or length / cp >= LONG_CONTEXT_CHUNK]
+    for tp, pp, cp in itertools.product(_divisors(per_node), pipelines, contexts):
         if world % (tp * pp * cp):
             continue
+        first, last = (None, None) if arch.num_layers % pp == 0 else (uneven_split(arch.num_layers, pp) or (None, None))
         for ep in (_divisors(arch.num_experts) if arch.num_experts else [1]):
             for etp in sorted({1, tp}) if arch.num_experts else [1]:
-                probe = with_layout(p, Layout(tp, pp, cp, ep, etp, 1, False, False, False, 1))
-                if not layout_problems(probe):
-                    out.append((tp, pp, cp, ep, etp))
+                lay = Layout(tp, pp, cp, ep, etp, 1, False, False, False, 1, first, last)
+                if not layout_problems(with_layout(p, lay)):
+                    out.append(lay)
     return out
 
 
@@ -139,23 +155,25 @@ def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
     name, spec = p.platform.accelerator_for()
     if spec is None:
         raise ValueError(f"platform.accelerator {name!r} has no row in platform.accelerators; the cost model needs one")
-    rollout_tps = [t for t in _divisors(p.cluster.devices_per_node)
+    # Within a node, or over whole nodes (verl spans an engine over nodes when its TP is larger than one).
+    rollout_tps = [t for t in _divisors(p.world_size)
                    if not rollout_problems(with_layout(p, replace(Layout.of(p), rollout_tp=t)))]
     found: list[Suggestion] = []
     layouts = candidate_layouts(p)
     estimates = 0
-    for tp, pp, cp, ep, etp in layouts:
+    for candidate in layouts:
         for param_off, opt_off, cpu_off in OFFLOAD_LEVELS:  # the least offloading under which some micro batch fits
             fitting = []
             for micro in MICRO_BATCHES:
-                lay = Layout(tp, pp, cp, ep, etp, rollout_tps[0] if rollout_tps else p.rollout.tp,
-                             param_off, opt_off, cpu_off, micro)
-                if batch_problems(with_layout(p, lay), p.world_size // (tp * pp * cp)):
+                lay = replace(candidate, rollout_tp=rollout_tps[0] if rollout_tps else p.rollout.tp,
+                              param_offload=param_off, optimizer_offload=opt_off, optimizer_cpu_offload=cpu_off,
+                              micro_batch=micro)
+                if batch_problems(with_layout(p, lay), p.world_size // (lay.tp * lay.pp * lay.cp)):
                     continue
                 estimates += 1
-                if not all(role.fits for role in estimate(p, lay).roles if role.role != "rollout"):
+                if not all(role.fits for role in estimate(p, lay, size=size).roles if role.role != "rollout"):
                     continue
-                if (chosen := _with_rollout(p, lay, rollout_tps)) is not None:
+                if (chosen := _with_rollout(p, lay, rollout_tps, size)) is not None:
                     fitting.append(Suggestion(chosen[0], chosen[1], step_cost(p, size, chosen[0], spec)))
             if fitting:
                 found.append(min(fitting, key=lambda s: s.seconds))
@@ -166,16 +184,21 @@ def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
     return found, facts
 
 
-def _with_rollout(p: RunProfile, lay: Layout, rollout_tps: list[int]) -> tuple[Layout, MemoryPlan] | None:
-    """The smallest rollout TP whose KV cache holds max_num_seqs sequences, else the smallest that fits."""
-    fitting = []
-    for rtp in rollout_tps:
-        plan = estimate(p, replace(lay, rollout_tp=rtp))
-        if plan.fits:
-            if plan.kv_sequences >= p.rollout.max_num_seqs:
-                return replace(lay, rollout_tp=rtp), plan
-            fitting.append((replace(lay, rollout_tp=rtp), plan))
-    return fitting[0] if fitting else None
+def _with_rollout(p: RunProfile, lay: Layout, rollout_tps: list[int], size: ModelSize) -> tuple[Layout, MemoryPlan] | None:
+    """The smallest rollout TP within a node whose KV cache holds max_num_seqs sequences, else the smallest
+    within a node that fits; an engine over several nodes only when none within one fits."""
+    per_node = p.cluster.devices_per_node
+    for tier in ([t for t in rollout_tps if t <= per_node], [t for t in rollout_tps if t > per_node]):
+        fitting = []
+        for rtp in tier:
+            plan = estimate(p, replace(lay, rollout_tp=rtp), size=size)
+            if plan.fits:
+                if plan.kv_sequences >= p.rollout.max_num_seqs:
+                    return replace(lay, rollout_tp=rtp), plan
+                fitting.append((replace(lay, rollout_tp=rtp), plan))
+        if fitting:
+            return fitting[0]
+    return None
 
 
 def parallel_dims(lay: Layout) -> tuple[int, int, int, int, int]:
@@ -195,7 +218,8 @@ def suggestion_table(suggestions: list[Suggestion], facts: dict[str, float], p: 
         lay = s.layout
         offload = "+".join(name for name, on in (("params", lay.param_offload), ("optimizer", lay.optimizer_offload),
                                                  ("cpu-adam", lay.optimizer_cpu_offload)) if on) or "none"
-        lines.append(f"| {rank} | {lay.tp} | {lay.pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.rollout_tp} | {offload} | "
+        pp = f"{lay.pp} ({lay.first_stage_layers}/../{lay.last_stage_layers})" if lay.first_stage_layers else lay.pp
+        lines.append(f"| {rank} | {lay.tp} | {pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.rollout_tp} | {offload} | "
                      f"{lay.micro_batch} | {s.actor_gib()} | {s.seconds:.1f} |")
     own = parallel_dims(Layout.of(p))
     rank = next((i for i, s in enumerate(suggestions, 1) if parallel_dims(s.layout) == own), None)
@@ -205,5 +229,9 @@ def suggestion_table(suggestions: list[Suggestion], facts: dict[str, float], p: 
     if suggestions:
         best = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}"
                         for k, v in suggestions[0].layout.settings().items())
+        # The profile's own uneven split, where the cheapest layout has none, is turned off on the same line.
+        best += "".join(f" --set engine.{name}={'false' if name.startswith('account') else 'null'}"
+                        for name in UNEVEN_PIPELINE_FIELDS
+                        if getattr(p.engine, name) and f"engine.{name}" not in suggestions[0].layout.settings())
         lines.append(f"best: {best}")
     return lines

@@ -3,23 +3,32 @@
     python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --dry-run          # the table
     python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --dry-run --json   # "memory": {...}
 
-verl colocates its roles on every device and runs them in turn, so each role is checked at its own
-peak with what the other roles leave resident then:
-- actor: one update step of Megatron: bf16 parameters, fp32 gradients (verl's grad_reduce_in_fp32),
-  Adam's fp32 master weights and two moments sharded over the data-parallel ranks (the distributed
-  optimizer; the part `optimizer_cpu_offload` x `optimizer_offload_fraction` moves to the host stays
-  there), and the activations of the micro batches in flight, under the recompute settings, with the
-  logits of the vocabulary-parallel loss. verl loads offloaded parameters back for the update.
-- log-probs: the actor's forward pass for the old policy's log-probs, and the reference's (when a KL
-  term is on) with its own bf16 weights, `log_prob.micro_batch_size_per_gpu` sequences at a time.
+verl colocates its roles on every device and runs them in turn, so each is checked at its own peak
+with what the other roles leave resident then, on the fullest pipeline stage (stages hold their own
+layers, uneven ones included; the first the embedding and a vision tower, the last the output layer,
+the logits and any MTP layers; 1F1B keeps min(PP - stage, micro batches) micro batches in flight):
+- actor, update: megatron-core's training step: bf16 parameters, fp32 gradients (verl's
+  grad_reduce_in_fp32), Adam's state sharded over the data-parallel ranks (the distributed optimizer),
+  the activations of the micro batches in flight under the recompute settings, and the logits of the
+  vocabulary-parallel loss (profiles/activations.py). verl loads offloaded parameters back for it.
+  Megatron's CPU optimizer (`optimizer_cpu_offload` x `optimizer_offload_fraction` f) keeps Adam's
+  moments and master weights on the host, except that without the precision-aware optimizer the fp32
+  master stays on the device: 4 + 8 (1 - f) bytes per parameter of the shard (12 (1 - f) with it); the
+  host holds 16 f (with a pinned fp32 gradient copy).
+- actor, optimizer step: the same state plus the step's temporaries: none for a fused Adam (TE/apex
+  FusedAdam), +4 bytes per parameter of the shard for torch AdamW's foreach kernel (`planner.adam`).
+- log-probs: the old policy's forward pass (logits x 8: verl computes its entropy) beside what the
+  actor keeps resident, and the reference's (x 6) with its own bf16 weights when a KL term is on.
 - rollout: vLLM takes `gpu_memory_utilization` of the device, which must be free when it starts (what
   the trainer's roles leave resident: `param_offload` / `optimizer_offload` move it to the host);
   within that, the weights at the rollout TP and the engine's working memory leave the KV cache,
-  which must hold at least one `max_model_len` sequence (Gated DeltaNet layers hold a fixed state).
+  which must hold at least one `max_model_len` sequence (Gated DeltaNet layers hold a fixed state,
+  multi-latent attention caches one latent per layer).
 - host: per node, everything offloaded.
 Estimates are of the framework allocator's peak (`torch.cuda.max_memory_allocated`); the device's
 `platform.reserved_memory_gib` (context, communication buffers) is kept out of what they may use.
-The bench `bench/bench_memory.py` compares them with measured peaks (docs/memory-planner.md).
+bench/bench_memory.py compares them with measured peaks, bench/bench_planner_reference.py with
+published runs (docs/memory-planner.md).
 """
 
 from __future__ import annotations
@@ -27,50 +36,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from profiles.model_size import ModelSize, head_dim, kv_bytes_per_token, linear_attention_dims, \
-    linear_state_bytes_per_sequence, missing_size_fields, model_size
+from profiles.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE, layer_bytes, logits_bytes, micro_batch, \
+    recompute, stage_activations, update_logits_coefficient
+from profiles.model_size import ModelSize, head_dim, kv_bytes_per_token, linear_state_bytes_per_sequence, \
+    model_size, size_problems
+from profiles.parallel import Layout, Stage, stages
 
 if TYPE_CHECKING:
-    from profiles.schema import ModelArchitecture, RunProfile
+    from profiles.schema import RunProfile
 
 GIB = 2**30
 PARAM_BYTES = 2  # bf16 / fp16 weights
 GRAD_BYTES = 4  # verl's DDP: grad_reduce_in_fp32 unless a low-precision main_grads_dtype is asked for
-LOGIT_BYTES = 6  # the vocab-parallel loss: bf16 logits and their fp32 copy (exp kept for backward)
+MASTER_BYTES = 4  # fp32 master weights
+HOST_GRAD_BYTES = 4  # the CPU optimizer's pinned fp32 copy of each offloaded gradient
+FOREACH_ADAM_BYTES = 4  # torch AdamW foreach: sqrt(exp_avg_sq) of the whole shard, fp32
 VLLM_OVERHEAD = 2 * GIB  # CUDA graphs, sampler and profiling buffers of one vLLM engine (approximate)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What a layout search varies; the rest of a run comes from its profile."""
-
-    tp: int
-    pp: int
-    cp: int
-    ep: int
-    etp: int
-    rollout_tp: int
-    param_offload: bool
-    optimizer_offload: bool
-    optimizer_cpu_offload: bool  # megatron-core's CPU optimizer (engine.optimizer_overrides)
-    micro_batch: int
-
-    @classmethod
-    def of(cls, p: RunProfile) -> Layout:
-        e = p.engine
-        return cls(tp=e.tp, pp=e.pp, cp=e.cp, ep=e.ep, etp=e.etp, rollout_tp=p.rollout.tp,
-                   param_offload=e.param_offload, optimizer_offload=e.optimizer_offload,
-                   optimizer_cpu_offload=bool(e.optimizer_overrides.get("optimizer_cpu_offload")),
-                   micro_batch=p.actor.ppo_micro_batch_size_per_gpu)
-
-    def settings(self) -> dict[str, Any]:
-        """The profile keys that make this layout (`--set` them)."""
-        return {"engine.tp": self.tp, "engine.pp": self.pp, "engine.cp": self.cp, "engine.ep": self.ep,
-                "engine.etp": self.etp, "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
-                "engine.optimizer_offload": self.optimizer_offload,
-                "engine.optimizer_overrides.optimizer_cpu_offload": self.optimizer_cpu_offload,
-                **({"engine.optimizer_overrides.optimizer_offload_fraction": 1} if self.optimizer_cpu_offload else {}),
-                "actor.ppo_micro_batch_size_per_gpu": self.micro_batch}
 
 
 @dataclass
@@ -109,6 +90,7 @@ class MemoryPlan:
     roles: list[RoleMemory] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     kv_sequences: int = 0  # full-length sequences the rollout's KV cache holds
+    enforced: bool = True  # planner.enforce: a plan that does not fit refuses the run
 
     @property
     def fits(self) -> bool:
@@ -122,12 +104,21 @@ class MemoryPlan:
                 failing.setdefault(role.role, role)
         return [role.problem(self.device) for role in failing.values()]
 
+    def refusal(self) -> str:
+        return "the layout does not fit in memory: " + "; ".join(self.problems())
+
+    def warning(self) -> str | None:
+        """What planning logs instead of refusing, under planner.enforce=false."""
+        if self.fits or self.enforced:
+            return None
+        return f"planner.enforce=false, planning goes on: {self.refusal()}"
+
     def summary(self) -> dict[str, Any]:
         """The plan as JSON: GiB, rounded."""
         return {
             "device": self.device, "device_memory_gib": gib(self.device_memory), "reserved_gib": gib(self.reserved),
             "source": self.source, "parameters": self.parameters, "active_parameters": self.active_parameters,
-            "fits": self.fits,
+            "fits": self.fits, "enforced": self.enforced, "warning": self.warning(),
             "roles": [{"role": r.role, "when": r.when, "estimate_gib": gib(r.total), "capacity_gib": gib(r.capacity),
                        "fits": r.fits, "parts_gib": {k: gib(v) for k, v in r.parts.items()}} for r in self.roles],
             "notes": self.notes,
@@ -145,7 +136,8 @@ def memory_table(summary: dict[str, Any]) -> list[str]:
         capacity = "-" if r["capacity_gib"] is None else r["capacity_gib"]
         lines.append(f"| {r['role']} | {r['when']} | {r['estimate_gib']} | {capacity} | {'yes' if r['fits'] else 'NO'} "
                      f"| {largest} |")
-    return lines + [f"note: {note}" for note in s["notes"]]
+    lines += [f"note: {note}" for note in s["notes"]]
+    return lines + ([f"warning: {s['warning']}"] if s.get("warning") else [])
 
 
 def gib(value: float | None) -> float | None:
@@ -154,80 +146,24 @@ def gib(value: float | None) -> float | None:
 
 # --- the parts ----------------------------------------------------------------------------------------
 
-def stage_parameters(size: ModelSize, lay: Layout) -> tuple[float, float]:
-    """(dense, expert) parameters on one device of the fullest pipeline stage."""
-    share = 1 / lay.pp
-    layers = (size.attention_layers * size.attention_layer + size.linear_layers * size.linear_layer
-              + size.num_layers * size.mlp_dense) * share
-    if lay.pp == 1:
-        edges = size.embedding + size.output + size.final_norm
-    else:  # the first stage holds the embedding, the last the output layer (a copy when tied)
-        edges = max(size.embedding, (size.output or size.embedding) + size.final_norm)
-    return (layers + edges) / lay.tp, size.num_layers * size.experts * share / (lay.ep * lay.etp)
-
-
-def _layer_activation_elements(arch: ModelArchitecture, linear: bool, tp: int, etp: int) -> float:
-    """bf16 elements one token of one layer keeps for the backward pass, per device (tensor and
-    sequence parallel split them by TP). Flash attention keeps no score matrix."""
-    h = arch.hidden_size
-    if linear:
-        key, value, conv = linear_attention_dims(arch)
-        mixer = conv + value + 2 * (arch.linear_num_value_heads or 0) + conv + 3 * value
-    else:
-        d = head_dim(arch)
-        q, kv = arch.num_attention_heads * d, arch.num_kv_heads * d
-        # projections (queries with their gate), q/k norms, rotary outputs, attention output, o_proj input
-        mixer = q * (2 if arch.attention_output_gate else 1) + 2 * kv + (q + kv if arch.qk_norm else 0) + (q + kv) + 2 * q
-    if arch.num_experts:
-        k, fe = arch.num_experts_per_tok or 1, arch.moe_intermediate_size or 0
-        shared = 4 * (arch.shared_expert_intermediate_size or 0)
-        mlp = 4 * arch.num_experts + k * (2 * h + 4 * fe / etp) + shared  # router logits and probs in fp32
-    else:
-        mlp = 4 * (arch.intermediate_size or 0)  # fc1's gate and up outputs, silu(gate), their product (fc2's input)
-    return (4 * h + mixer + mlp) / tp
-
-
-def recompute_layers(p: RunProfile) -> int | None:
-    """Layers per recomputed chunk under full recomputation, None without it."""
-    o = p.engine.transformer_overrides
-    if o.get("recompute_granularity") != "full":
-        return None
-    return int(o.get("recompute_num_layers") or 1)
-
-
-def activations(p: RunProfile, size: ModelSize, lay: Layout, tokens: float, in_flight: float) -> dict[str, float]:
-    """Bytes of the activations of one device's update step: layers (worst stage) and logits."""
-    arch = p.model.architecture
-    tokens /= lay.cp
-    attn = _layer_activation_elements(arch, False, lay.tp, lay.etp)
-    linear = _layer_activation_elements(arch, True, lay.tp, lay.etp) if size.linear_layers else 0.0
-    stage_layers = size.num_layers / lay.pp
-    per_layer = (size.attention_layers * attn + size.linear_layers * linear) / size.num_layers
-    full = stage_layers * per_layer * tokens * 2
-    chunk = recompute_layers(p)
-    if chunk is not None:
-        kept = stage_layers / chunk * arch.hidden_size / lay.tp * tokens * 2  # the inputs of each chunk
-        # During the backward pass one chunk is recomputed and its gradients are live beside it.
-        stored = kept * in_flight + 2 * min(chunk, stage_layers) * per_layer * tokens * 2
-    else:
-        stored = full * in_flight
-    logits = tokens * arch.vocab_size / lay.tp * LOGIT_BYTES
-    return {"activations": stored, "logits": logits}
-
-
-def _optimizer_bytes(p: RunProfile, lay: Layout) -> tuple[float, float]:
-    """(bytes per parameter of Adam's state, the fraction of it on the host by megatron-core's CPU offload)."""
+def _optimizer_bytes(p: RunProfile, lay: Layout) -> tuple[float, float, float]:
+    """(bytes per parameter of Adam's state on the device, on the host, the share of parameters Adam
+    updates on the device) with megatron-core's CPU optimizer."""
     o = p.engine.optimizer_overrides
     per_param = 12.0
-    if o.get("use_precision_aware_optimizer"):
+    precision_aware = bool(o.get("use_precision_aware_optimizer"))
+    if precision_aware:
         sizes = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp8": 1}
         per_param = sum(sizes.get(str(o.get(name, "fp32")), 4)
                         for name in ("main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"))
+    if not lay.optimizer_cpu_offload:
+        return per_param, 0.0, 1.0
     # megatron-core's default fraction is 0 (nothing moves); a layout search that turns the CPU optimizer
     # on sets the fraction to 1 with it (Layout.settings).
-    fraction = o.get("optimizer_offload_fraction", 0.0 if o.get("optimizer_cpu_offload") else 1.0)
-    host = float(fraction) if lay.optimizer_cpu_offload else 0.0
-    return per_param, host
+    fraction = float(o.get("optimizer_offload_fraction", 0.0 if o.get("optimizer_cpu_offload") else 1.0))
+    # Without the precision-aware optimizer the distributed optimizer's fp32 master shard stays on the device.
+    kept = 0.0 if precision_aware else MASTER_BYTES
+    return kept + (per_param - kept) * (1 - fraction), (per_param + HOST_GRAD_BYTES) * fraction, 1 - fraction
 
 
 def _grad_bytes(p: RunProfile) -> int:
@@ -236,76 +172,123 @@ def _grad_bytes(p: RunProfile) -> int:
     return 2 if low else GRAD_BYTES
 
 
-def sequence_tokens(p: RunProfile, micro_batch: int, dynamic: bool, max_tokens: int) -> float:
-    """Tokens of one micro batch: micro batch x (prompt + response), or the packing budget."""
-    return float(max_tokens) if dynamic else float(micro_batch * (p.data.max_prompt_length + p.data.max_response_length))
+def _stage_label(stage: Stage, lay: Layout) -> str:
+    return f", pipeline stage {stage.index + 1} of {lay.pp} ({len(stage.layers)} layers)" if lay.pp > 1 else ""
 
 
-def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, float | None, str] | None = None) -> MemoryPlan:
-    """The memory plan of a verl run's layout (the profile's own, or `lay`)."""
+def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, float | None, str] | None = None,
+             size: ModelSize | None = None) -> MemoryPlan:
+    """The memory plan of a verl run's layout (the profile's own, or `lay`; `size`: the model's, when known)."""
     lay = lay or Layout.of(p)
-    arch, plat = p.model.architecture, p.platform
+    arch, plat, actor, lp = p.model.architecture, p.platform, p.actor, p.log_prob
     device, capacity_gib, source = device_gib or plat.device_memory()
     capacity = None if capacity_gib is None else capacity_gib * GIB
     usable = None if capacity is None else capacity - plat.reserved_memory_gib * GIB
-    size = model_size(arch)
+    size = size or model_size(arch)
     plan = MemoryPlan(device=device, device_memory=capacity, reserved=plat.reserved_memory_gib * GIB, source=source,
-                      parameters=size.total, active_parameters=size.active)
-    world = p.world_size
-    dense, experts = stage_parameters(size, lay)
-    params = dense + experts
+                      parameters=size.total, active_parameters=size.active, enforced=p.planner.enforce)
+    world, max_length = p.world_size, p.data.max_prompt_length + p.data.max_response_length
     dp_dense = max(world // (lay.tp * lay.pp * lay.cp), 1)
     dp_expert = max(world // (lay.ep * lay.etp * lay.pp), 1)
-    opt_per_param, opt_host = _optimizer_bytes(p, lay)
-    optimizer = opt_per_param * (dense / dp_dense + experts / dp_expert)
+    opt_device, opt_host, updated_on_device = _optimizer_bytes(p, lay)
     if lay.optimizer_offload and not lay.optimizer_cpu_offload:
-        note = "engine.optimizer_offload moves Adam's state to the host between updates; verl loads it back for each"
-        plan.notes.append(note)
-    weights, grads = PARAM_BYTES * params, _grad_bytes(p) * params
+        plan.notes.append("engine.optimizer_offload moves Adam's state to the host between updates; verl loads it back for each")
     reference = p.uses_reference_model
+    kinds = {kind: layer_bytes(p, *kind, lay.tp, lay.etp) for kind in set(size.layer_kinds)}
 
-    # actor: the update step
-    sequences = p.actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp_dense
-    micro_batches = max(int(sequences // lay.micro_batch), 1)
-    in_flight = min(lay.pp, micro_batches)
-    if p.engine.vpp:  # the interleaved schedule keeps (1 + (PP-1) / (PP x VPP)) times as many (Narayanan et al. 2021)
-        in_flight *= 1 + (lay.pp - 1) / (lay.pp * p.engine.vpp)
-    tokens = sequence_tokens(p, lay.micro_batch, p.actor.use_dynamic_bsz, p.actor.ppo_max_token_len_per_gpu)
-    act = activations(p, size, lay, tokens, in_flight)
-    ref_resident = PARAM_BYTES * params if reference and not lay.param_offload else 0.0
-    actor_parts = {"weights": weights, "gradients": grads, "optimizer": optimizer * (1 - opt_host), **act}
-    if ref_resident:
-        actor_parts["reference weights"] = ref_resident
-    when = f"update, micro batch {lay.micro_batch} x {int(tokens / lay.micro_batch) if not p.actor.use_dynamic_bsz else int(tokens)} tokens"
-    when += f", {'full recompute' if recompute_layers(p) else 'no recompute'}"
+    def shard(s: Stage) -> float:  # parameters of the distributed optimizer's shard on the device
+        return s.dense / dp_dense + s.experts / dp_expert
+
+    grad_bytes = _grad_bytes(p)
+
+    def static(s: Stage) -> dict[str, float]:
+        params = s.dense + s.experts
+        return {"weights": PARAM_BYTES * params, "gradients": grad_bytes * params, "optimizer": opt_device * shard(s)}
+
+    all_stages = stages(p, size, lay)
+    state = {s.index: static(s) for s in all_stages}
+    heaviest = max(all_stages, key=lambda s: sum(state[s.index].values()))
+    # actor, update step: the stage whose stored activations, logits and state add up to the most
+    sequences = actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp_dense
+    tokens, micro_batches = micro_batch(sequences, max_length, lay.cp, actor.use_dynamic_bsz, lay.micro_batch,
+                                        actor.ppo_max_token_len_per_gpu)
+    interleaved = 1 + (lay.pp - 1) / (lay.pp * p.engine.vpp) if p.engine.vpp else 1  # Narayanan et al. 2021
+
+    def update(s: Stage) -> dict[str, float]:
+        per_layer = [kinds[size.layer_kinds[i]] for i in s.layers]
+        if s.mtp:
+            per_layer += [kinds[(False, bool(arch.num_experts))]] * size.mtp_layers
+        in_flight = min(lay.pp - s.index, micro_batches) * interleaved
+        parts = {**state[s.index], "activations": stage_activations(p, per_layer, tokens, in_flight, lay.tp)}
+        if s.index == lay.pp - 1:  # one micro batch's logits (and the MTP layers' own)
+            parts["logits"] = logits_bytes(p, tokens, lay.tp, update_logits_coefficient(p)) * (1 + s.mtp * size.mtp_layers)
+        return parts
+
+    ref_resident = {s.index: PARAM_BYTES * (s.dense + s.experts) if reference and not lay.param_offload else 0.0
+                    for s in all_stages}
+    fullest, actor_parts = max(((s, update(s)) for s in all_stages),
+                               key=lambda item: sum(item[1].values()) + ref_resident[item[0].index])
+    if ref_resident[fullest.index]:
+        actor_parts["reference weights"] = ref_resident[fullest.index]
+    if actor.use_dynamic_bsz:
+        when = (f"update, token budget {int(tokens)} per micro batch (actor.ppo_max_token_len_per_gpu)"
+                if tokens >= actor.ppo_max_token_len_per_gpu else
+                f"update, one micro batch of {int(tokens)} tokens (under actor.ppo_max_token_len_per_gpu)")
+    else:
+        when = f"update, micro batch {lay.micro_batch} x {int(tokens * lay.cp / lay.micro_batch)} tokens"
+    when += f", {'full recompute' if recompute(p) else 'no recompute'}{_stage_label(fullest, lay)}"
     plan.roles.append(RoleMemory("actor", when, actor_parts, usable, _actor_fix(p, lay, actor_parts)))
 
-    # log-probs: forward passes of log_prob.micro_batch_size_per_gpu, by the actor (the old policy's) and
-    # by the reference with its own weights, beside what the other keeps resident then
-    actor_resident = 0.0 if lay.param_offload else weights + grads
-    if not lay.optimizer_offload:
-        actor_resident += optimizer * (1 - opt_host)
-    lp = p.log_prob
-    lp_logits = sequence_tokens(p, lp.micro_batch_size_per_gpu, lp.use_dynamic_bsz, lp.max_token_len_per_gpu) / lay.cp \
-        * arch.vocab_size / lay.tp * LOGIT_BYTES
-    old_policy = {"weights": weights, "gradients": grads, "optimizer": actor_parts["optimizer"] if not lay.optimizer_offload else 0.0,
-                  "logits": lp_logits, "reference weights": ref_resident}
+    # actor, optimizer step: its temporaries beside the state (none for a fused Adam)
+    if p.planner.adam == "foreach":
+        step = {**state[heaviest.index], "optimizer step temporaries": FOREACH_ADAM_BYTES * updated_on_device * shard(heaviest),
+                "reference weights": ref_resident[heaviest.index]}
+        plan.roles.append(RoleMemory(
+            "actor", f"optimizer step, torch AdamW foreach (planner.adam){_stage_label(heaviest, lay)}",
+            {k: v for k, v in step.items() if v}, usable,
+            "use an image with a fused Adam (TransformerEngine or apex: planner.adam=fused), offload the optimizer "
+            "(engine.optimizer_overrides.optimizer_cpu_offload=true, optimizer_offload_fraction=1) or raise engine.pp / engine.ep"))
+
+    # log-probs: no-grad forward passes, the actor's (the old policy's) and the reference's with its own
+    # weights, each beside what the other keeps resident then; logits on the last stage only
+    lp_sequences = p.data.train_batch_size * p.algorithm.rollout_n / dp_dense
+    lp_tokens, _ = micro_batch(lp_sequences, max_length, lay.cp, lp.use_dynamic_bsz, lp.micro_batch_size_per_gpu,
+                               lp.max_token_len_per_gpu)
+
+    def actor_resident(s: Stage) -> dict[str, float]:
+        own = state[s.index]
+        kept = {} if lay.param_offload else {"weights": own["weights"], "gradients": own["gradients"]}
+        return kept | ({} if lay.optimizer_offload else {"optimizer": own["optimizer"]})
+
+    def log_probs(s: Stage, coefficient: int, own_weights: bool) -> dict[str, float]:
+        last = s.index == lay.pp - 1
+        parts = {"logits": logits_bytes(p, lp_tokens, lay.tp, coefficient) if last else 0.0}
+        if own_weights:  # the reference: its weights, beside the actor's resident state
+            return {"weights": state[s.index]["weights"], **parts, "actor resident": sum(actor_resident(s).values())}
+        # the actor in eval mode: verl loads its weights (not its gradients) back for the pass
+        return {"weights": state[s.index]["weights"], **actor_resident(s), **parts, "reference weights": ref_resident[s.index]}
+
+    lp_when = (f"log-probs, token budget {int(lp_tokens)} per micro batch (log_prob.max_token_len_per_gpu)"
+               if lp.use_dynamic_bsz else f"log-probs, micro batch {lp.micro_batch_size_per_gpu}")
+    old_policy = max((log_probs(s, LOGITS_OLD_POLICY, False) for s in all_stages), key=lambda parts: sum(parts.values()))
     old_policy = {k: v for k, v in old_policy.items() if v}
-    plan.roles.append(RoleMemory("actor", f"log-probs, micro batch {lp.micro_batch_size_per_gpu}", old_policy, usable,
-                                 _actor_fix(p, lay, old_policy, log_probs=True)))
+    plan.roles.append(RoleMemory("actor", lp_when, old_policy, usable, _actor_fix(p, lay, old_policy, log_probs=True)))
+    resident_by_stage = {s.index: sum(actor_resident(s).values()) for s in all_stages}
     if reference:
-        parts = {"weights": weights, "logits": lp_logits, "actor resident": actor_resident}
-        fix = "set engine.param_offload=true" if actor_resident else _actor_fix(p, lay, parts, log_probs=True)
-        plan.roles.append(RoleMemory("reference", f"log-probs, micro batch {lp.micro_batch_size_per_gpu}",
-                                     parts, usable, fix))
+        parts = max((log_probs(s, LOGITS_REFERENCE, True) for s in all_stages), key=lambda parts: sum(parts.values()))
+        fix = "set engine.param_offload=true" if parts["actor resident"] else _actor_fix(p, lay, parts, log_probs=True)
+        plan.roles.append(RoleMemory("reference", lp_when, parts, usable, fix))
 
     # rollout: vLLM's share must be free when it starts, and must hold one full sequence's cache
-    rollout_roles, plan.kv_sequences = _rollout(p, size, lay, capacity, usable, actor_resident + ref_resident)
+    trainer_resident = max(resident_by_stage[s.index] + ref_resident[s.index] for s in all_stages)
+    rollout_roles, plan.kv_sequences = _rollout(p, size, lay, capacity, usable, trainer_resident)
     plan.roles.extend(rollout_roles)
 
     # host: everything offloaded, for the node's devices
-    per_device = (weights + grads if lay.param_offload else 0.0) + (PARAM_BYTES * params if reference and lay.param_offload else 0.0)
-    per_device += optimizer * (1.0 if lay.optimizer_offload else opt_host)
+    most = state[heaviest.index]
+    per_device = (most["weights"] + most["gradients"] if lay.param_offload else 0.0)
+    per_device += most["weights"] if reference and lay.param_offload else 0.0
+    per_device += (most["optimizer"] if lay.optimizer_offload else 0.0) + opt_host * shard(heaviest)
     host_capacity = plat.host_memory_gib * GIB if plat.host_memory_gib else None
     plan.roles.append(RoleMemory(
         "host", f"offloaded, {p.cluster.devices_per_node} devices a node", {"offloaded": per_device * p.cluster.devices_per_node},
@@ -351,10 +334,16 @@ def _actor_fix(p: RunProfile, lay: Layout, parts: dict[str, float], log_probs: b
     largest = max(parts, key=parts.get)
     if largest in ("activations", "logits"):
         if log_probs:
-            return "lower log_prob.micro_batch_size_per_gpu or raise engine.tp"
+            budget = "log_prob.max_token_len_per_gpu" if p.log_prob.use_dynamic_bsz else "log_prob.micro_batch_size_per_gpu"
+            return f"lower {budget} or raise engine.tp"
+        if p.actor.use_dynamic_bsz:  # micro batches are token budgets, not sequence counts
+            budget = "lower actor.ppo_max_token_len_per_gpu (the token budget of a micro batch)"
+            if recompute(p) is None:
+                return f"recompute activations (engine.transformer_overrides.recompute_granularity=full) or {budget}"
+            return f"{budget} or raise engine.tp or engine.cp"
         if lay.micro_batch > 1:
             return "lower actor.ppo_micro_batch_size_per_gpu"
-        if recompute_layers(p) is None:
+        if recompute(p) is None:
             return "recompute activations (engine.transformer_overrides.recompute_granularity=full)"
         return "raise engine.tp or engine.cp, or lower data.max_response_length"
     if largest == "optimizer":
@@ -364,9 +353,7 @@ def _actor_fix(p: RunProfile, lay: Layout, parts: dict[str, float], log_probs: b
 
 
 def plan_for(p: RunProfile, detected_names: list[str] | None = None, detected_gib: list[float] | None = None) -> MemoryPlan | None:
-    """The profile's memory plan, or None when its architecture lacks what a size needs."""
-    if missing_size_fields(p.model.architecture):
+    """The profile's memory plan, or None when the size model cannot size its model (size_problems)."""
+    if size_problems(p.model.architecture):
         return None
     return estimate(p, device_gib=p.platform.device_memory(detected_names, detected_gib))
-
-

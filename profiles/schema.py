@@ -62,6 +62,27 @@ class ModelArchitecture(Section):
     linear_value_head_dim: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Value head width of the linear-attention layers.")
     linear_conv_kernel_dim: int | None = Field(
         None, gt=0, le=MAX_WIDTH, description="Width of the linear-attention layers' short convolution.")
+    model_type: str | None = Field(
+        None, max_length=64, description="The checkpoint's `model_type` (config.json): which family's size model "
+        "applies; the planner sizes llama, qwen2, qwen3, qwen3_moe, qwen3_next, qwen3_5(_moe), deepseek_v3, kimi_k2 "
+        "and glm4_moe and estimates no other. Empty: a Llama/Qwen-style decoder as the numbers here describe.")
+    first_k_dense_replace: int = Field(
+        0, ge=0, le=MAX_LAYERS, description="MoE models: the first N layers have a dense MLP of `intermediate_size` "
+        "instead of experts (DeepSeek-V3, GLM-4.5).")
+    q_lora_rank: int | None = Field(
+        None, gt=0, le=MAX_WIDTH, description="Multi-latent attention (DeepSeek-V3): rank of the query compression; "
+        "empty: queries are projected directly.")
+    kv_lora_rank: int | None = Field(
+        None, gt=0, le=MAX_WIDTH, description="Multi-latent attention: rank of the key/value latent (what its KV cache holds).")
+    qk_nope_head_dim: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Multi-latent attention: query/key head width without rotary.")
+    qk_rope_head_dim: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Multi-latent attention: query/key head width with rotary.")
+    v_head_dim: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Multi-latent attention: value head width.")
+    mtp_layers: int = Field(
+        0, ge=0, le=MAX_LAYERS, description="Multi-token-prediction layers the checkpoint holds (`num_nextn_predict_layers`, "
+        "`mtp_num_hidden_layers`); trained and held only with `engine.mtp`.")
+    vision_parameters: int = Field(
+        0, ge=0, le=MAX_WIDTH**2, description="Parameters of the vision tower a multimodal checkpoint holds (Qwen3.5: "
+        "counted from config.json's vision_config); verl builds it with the language model.")
 
 
 class ModelSection(Section):
@@ -242,6 +263,25 @@ class TrainerSection(Section):
     )
 
 
+class PlannerSection(Section):
+    """The memory planner (profiles/memory.py): whether it may refuse a layout, and what it assumes of
+    the image the run uses."""
+
+    enforce: bool = Field(
+        True, description="Refuse, at planning, a layout the memory plan says cannot fit. false: plan, log the "
+        "refusal as a warning (dry run, its JSON, the run's report) and start anyway: for a layout known to run "
+        "(a published recipe) that the estimate does not model well.")
+    layer_spec: Literal["transformer_engine", "local"] = Field(
+        "transformer_engine", description="megatron-core layers the image builds, which decide what activations "
+        "the backward pass keeps: `transformer_engine` (verl's GPU images; MindSpeed on NPU fuses alike: grouped "
+        "GEMM experts, fused SwiGLU and permutation) or `local` (megatron-core's plain PyTorch layers, as the H200 "
+        "calibration probe builds them).")
+    adam: Literal["fused", "foreach"] = Field(
+        "fused", description="The optimizer step's kernel: `fused` (TransformerEngine / apex FusedAdam, torch's "
+        "fused AdamW: no temporaries) or `foreach` (torch AdamW's default, megatron-core's fallback without TE and "
+        "apex: +4 bytes per parameter of the device's shard during the step).")
+
+
 class RunProfile(Section):
     """The one validated description of a run: what `resolve_profile` gives every later stage."""
 
@@ -257,6 +297,7 @@ class RunProfile(Section):
     generation: GenerationSection = Field(
         default_factory=GenerationSection, description="How the local backend and the evaluation stage generate.")
     log_prob: LogProbSection = Field(default_factory=LogProbSection)
+    planner: PlannerSection = Field(default_factory=PlannerSection, description="The memory planner.")
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     eval: EvalSection = Field(default_factory=EvalSection, description="The evaluation stage.")
     proxy_policy: ProxyPolicy = Field(

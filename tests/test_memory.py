@@ -128,7 +128,7 @@ def test_device_memory_comes_from_the_override_then_detection_then_the_accelerat
     # A detected H200 lets a layout an H20 refuses through.
     h200 = DeviceInfo(kind="gpu", count=8, names=["NVIDIA H200"] * 8, memory_gib=[139.7] * 8, decided_by="detected", reason="")
     profile = resolve_run_profile("qwen3.5-122b-a10b", "gpu", validate=False, overrides={
-        "engine": {"transformer_overrides": {"recompute_granularity": None}}})[0]
+        "engine": {"transformer_overrides": {"recompute_granularity": None}}, "actor": {"ppo_micro_batch_size_per_gpu": 2}})[0]
     assert not estimate(profile).fits and h200.memory_plan(profile).roles[0].fits
 
 

@@ -29,8 +29,8 @@ RULES = {
                      ["engine.ep=32", "EP x ETP = 32", "lower engine.ep"]),
     "ep-on-dense": (*TINY_VERL, ["engine.ep=2"], ["engine.ep=1"],
                     ["engine.ep=2", "dense", "set engine.ep=1"]),
-    "rollout-tp-vs-node": (Q122, "gpu", "auto", ["rollout.tp=16"], ["rollout.tp=4"],
-                           ["rollout.tp=16", "one node of 8 devices", "use a rollout TP in"]),
+    "rollout-tp-vs-node": (Q122, "gpu", "auto", ["rollout.tp=12"], ["rollout.tp=16"],
+                           ["rollout.tp=12", "one node of 8 devices", "use a rollout TP in"]),
     "rollout-tp-vs-heads": (*TINY_VERL, ["cluster.devices_per_node=8", "actor.ppo_micro_batch_size_per_gpu=1", "rollout.tp=8"],
                             ["cluster.devices_per_node=8", "actor.ppo_micro_batch_size_per_gpu=1", "rollout.tp=4"],
                             ["rollout.tp=8", "4 attention heads", "use one of 1, 2, 4"]),
@@ -83,8 +83,8 @@ def test_cpu_runs_with_local_backend():
 
 def test_all_problems_are_reported_together():
     with pytest.raises(ProfileError) as caught:
-        resolve_profile(Q122, "gpu", overrides=["rollout.tp=16", "rollout.max_model_len=10"])
-    assert "rollout.tp=16" in str(caught.value) and "rollout.max_model_len=10" in str(caught.value)
+        resolve_profile(Q122, "gpu", overrides=["rollout.tp=12", "rollout.max_model_len=10"])
+    assert "rollout.tp=12" in str(caught.value) and "rollout.max_model_len=10" in str(caught.value)
 
 
 @pytest.mark.parametrize("device", ["gpu", "npu"])

@@ -167,3 +167,19 @@ def test_a_dist_checkpoint_of_a_gated_deltanet_model_is_refused_at_planning():
         resolve_profile("qwen3.5-122b-a10b", "npu", overrides=["model.dist_checkpoint=true"])
     assert ("model.dist_checkpoint=true: qwen3.5-122b-a10b has Gated DeltaNet (linear attention) layers, which the "
             "converter does not write yet; set model.dist_checkpoint=false") in str(raised.value)
+
+
+def test_uneven_pipeline_stages_and_mtp_reach_both_roles_through_verls_config():
+    """94-style uneven stages: 48 layers over 5 stages as 9 + 3 x 10 + 9, in override_transformer_config of
+    the actor and the reference alike; MTP through actor_rollout_ref.model.mtp.enable."""
+    uneven = ["cluster.nnodes=5", "engine.pp=5", "engine.num_layers_in_first_pipeline_stage=9",
+              "engine.num_layers_in_last_pipeline_stage=9", "engine.mtp=true", "algorithm.use_kl_loss=true"]
+    composed = compose_verl(render("qwen3.5-122b-a10b", "gpu", uneven)[3])
+    for role in ("actor", "ref"):
+        config = select(composed, f"actor_rollout_ref.{role}.megatron.override_transformer_config")
+        assert (config["num_layers_in_first_pipeline_stage"], config["num_layers_in_last_pipeline_stage"]) == (9, 9)
+        assert "account_for_embedding_in_pipeline_split" not in config
+    assert select(composed, "actor_rollout_ref.model.mtp.enable") is True
+    even = compose_verl(render("qwen3.5-122b-a10b", "gpu")[3])
+    assert "num_layers_in_first_pipeline_stage" not in select(even, "actor_rollout_ref.actor.megatron.override_transformer_config")
+    assert select(even, "actor_rollout_ref.model.mtp.enable") is False

@@ -41,7 +41,7 @@ from common.ray_cluster import (
 )
 from profiles.errors import UserError
 from profiles.memory import MemoryPlan, plan_for
-from profiles.model_size import missing_size_fields
+from profiles.model_size import size_problems
 from profiles.schema import RunProfile
 from profiles.validation import batch_problems, layout_problems, rollout_problems
 
@@ -63,8 +63,8 @@ class VerlBackend(Backend):
         return plan_for(profile, detected_names, detected_gib)
 
     def memory_note(self, profile: RunProfile) -> str | None:
-        if missing := missing_size_fields(profile.model.architecture):
-            return f"not estimated, the model's size needs {', '.join(missing)}"
+        if problems := size_problems(profile.model.architecture):
+            return f"not estimated, {'; '.join(problems)}"
         return None
 
     def evaluation(self, profile, settings, devices_here, ray_address, runtime_env):

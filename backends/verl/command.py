@@ -26,6 +26,7 @@ from typing import Any
 
 from backends.base import TrainingInputs
 from profiles.schema import RunProfile
+from profiles.validation import UNEVEN_PIPELINE_FIELDS
 
 VERL_VERSION = "0.9.1"
 FILE_LOGGER = "file"
@@ -68,7 +69,10 @@ def _engine_settings(profile: RunProfile, role: str) -> dict[str, Any]:
         f"{prefix}.vanilla_mbridge": e.vanilla_mbridge,
         f"{prefix}.use_remove_padding": e.use_remove_padding,
     }
-    for name, value in {**VERL_TRANSFORMER_DEFAULTS, **e.transformer_overrides}.items():
+    # Uneven pipeline stages are megatron-core TransformerConfig fields: verl passes them through
+    # override_transformer_config, to both roles alike (only those set: verl's defaults are even stages).
+    uneven = {name: getattr(e, name) for name in UNEVEN_PIPELINE_FIELDS if getattr(e, name)}
+    for name, value in {**VERL_TRANSFORMER_DEFAULTS, **e.transformer_overrides, **uneven}.items():
         settings[f"{ADD_OR_OVERRIDE}{prefix}.override_transformer_config.{name}"] = value
     return settings
 
@@ -99,6 +103,7 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
         "actor_rollout_ref.model.enable_gradient_checkpointing": p.model.enable_gradient_checkpointing,
         # verl still reads the model-level switch in places; keep it equal to the engine's.
         "actor_rollout_ref.model.use_remove_padding": p.engine.use_remove_padding,
+        **({"actor_rollout_ref.model.mtp.enable": True} if p.engine.mtp else {}),
         "actor_rollout_ref.actor.optim.lr": alg.lr,
         "actor_rollout_ref.actor.ppo_mini_batch_size": a.ppo_mini_batch_size,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": a.ppo_micro_batch_size_per_gpu,
