@@ -44,7 +44,7 @@ _NUMBERS = ("num_layers", "num_attention_heads", "num_kv_heads", "num_experts", 
             "shared_expert_intermediate_size", "num_experts_per_tok", "full_attention_interval", "linear_key_head_dim",
             "linear_value_head_dim", "linear_conv_kernel_dim", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
             "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers", "vision_parameters")
-_STRINGS = ("model_type",)
+_STRINGS = ("model_type", "hf_architecture")
 
 
 def architecture_from_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -84,6 +84,8 @@ def architecture_from_hf_config(model_dir: Path) -> dict[str, Any]:
             "attention_output_gate": text.get("attn_output_gate", True if model_type in _OUTPUT_GATE_TYPES else None),
             "qk_norm": text.get("use_qk_norm", True if model_type in _QK_NORM_TYPES else None),
             "model_type": model_type,
+            "hf_architecture": (config.get("architectures") or [None])[0] if isinstance(config.get("architectures"), list)
+            else None,
             "first_k_dense_replace": text.get("first_k_dense_replace"),
             "q_lora_rank": text.get("q_lora_rank"),
             "kv_lora_rank": text.get("kv_lora_rank"),

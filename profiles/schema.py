@@ -66,6 +66,10 @@ class ModelArchitecture(Section):
         None, max_length=64, description="The checkpoint's `model_type` (config.json): which family's size model "
         "applies; the planner sizes llama, qwen2, qwen3, qwen3_moe, qwen3_next, qwen3_5(_moe), deepseek_v3, kimi_k2 "
         "and glm4_moe and estimates no other. Empty: a Llama/Qwen-style decoder as the numbers here describe.")
+    hf_architecture: str | None = Field(
+        None, max_length=128, description="The checkpoint's class (config.json's `architectures[0]`, e.g. "
+        "`Qwen3_5MoeForConditionalGeneration`): what NVIDIA Megatron-Bridge looks its bridge up by (mbridge uses "
+        "`model_type`); the preflight checks each node's bridge knows it.")
     first_k_dense_replace: int = Field(
         0, ge=0, le=MAX_LAYERS, description="MoE models: the first N layers have a dense MLP of `intermediate_size` "
         "instead of experts (DeepSeek-V3, GLM-4.5).")
