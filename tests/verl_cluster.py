@@ -27,8 +27,10 @@ ENTRYPOINT = f"trainer.entrypoint={sys.executable} {STAND_IN}"
 # 2 nodes x 1 NPU; 6 steps, a checkpoint every 2.
 CLUSTER = ["backend=verl", "cluster.nnodes=2", "cluster.devices_per_node=1", "trainer.total_training_steps=6",
            "trainer.save_freq=2", ENTRYPOINT]
-# A whole flow's start (its Prefect API, imports, the dataset and model stages) on a loaded machine.
-FLOW_START_S = 300
+# How long a test waits for an event (a flow's first step, a job's end, a node joining) before it takes
+# it for a hang: on a loaded 2-core machine a flow's start alone (its Prefect API, imports, the dataset
+# and model stages) takes minutes. A bound on a hang, never a timing.
+EVENT_WAIT_S = 300
 
 
 def npu_cluster(nodes: int = 2) -> Cluster:
@@ -55,7 +57,7 @@ def flow_process(address: str, tmp_path: Path, name: str, *overrides: str,
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def wait_for(condition: Callable[[], object], what: str, within_s: float = FLOW_START_S,
+def wait_for(condition: Callable[[], object], what: str, within_s: float = EVENT_WAIT_S,
              process: subprocess.Popen | None = None):
     """Poll `condition` until it is true (returned); fail naming `what`, with the process's output if it ended."""
     deadline = time.monotonic() + within_s

@@ -17,7 +17,7 @@ import ray
 from ray.job_submission import JobSubmissionClient
 
 from backends.verl.job import LOST, read_record
-from verl_cluster import FLOW_START_S, flow_process, npu_cluster, steps_in, submissions, wait_for
+from verl_cluster import EVENT_WAIT_S, flow_process, npu_cluster, steps_in, submissions, wait_for
 
 
 def _verl_steps(run_dir: Path) -> list[int]:
@@ -61,7 +61,7 @@ def test_a_flow_killed_mid_job_and_run_again_records_every_step_once(cluster, tm
     (job,) = submissions(jobs, "killed")
     wait_for(lambda: jobs.get_job_status(job.submission_id) == "SUCCEEDED", "the job's end")
     last = flow_process(cluster.address, tmp_path, "killed", *settings)
-    output = last.communicate(timeout=FLOW_START_S)[0]
+    output = last.communicate(timeout=EVENT_WAIT_S)[0]
     assert last.returncode == 0, output[-3000:]
     assert steps_in(run_dir / "metrics.jsonl") == list(range(1, 21)) == _verl_steps(run_dir)
     assert len(submissions(jobs, "killed")) == 1
@@ -79,7 +79,7 @@ def test_a_lost_head_ends_the_run_with_a_report_naming_the_cluster(cluster, tmp_
     for infos in cluster.head_node.all_processes.values():
         for info in infos:
             info.process.send_signal(signal.SIGKILL)
-    output = flow.communicate(timeout=FLOW_START_S)[0]
+    output = flow.communicate(timeout=EVENT_WAIT_S)[0]
     expected = f"the Ray cluster at {cluster.address} stopped answering (its job API at http://"
     (error,) = [line for line in output.splitlines() if line.startswith("error: ")]
     assert flow.returncode == 2 and error.startswith(f"error: {expected}"), output[-3000:]
@@ -90,7 +90,7 @@ def test_a_lost_head_ends_the_run_with_a_report_naming_the_cluster(cluster, tmp_
     assert read_record(run_dir).status == LOST
 
     again = flow_process(cluster.address, tmp_path, "headless", "trainer.total_training_steps=20")
-    refused = again.communicate(timeout=FLOW_START_S)[0]
+    refused = again.communicate(timeout=EVENT_WAIT_S)[0]
     (error,) = [line for line in refused.splitlines() if line.startswith("error: ")]
     assert again.returncode == 2 and "Traceback" not in refused
     assert error.startswith(f"error: --ray-address: cannot reach the Ray cluster at {cluster.address}"), refused[-2000:]

@@ -40,7 +40,7 @@ from profiles.loader import resolve_profile
 from profiles.schema import DataSection
 from stages.dataset import DataSpec, fetch_dataset
 from stages.environment import resolve_environment
-from verl_cluster import CLUSTER, ENTRYPOINT, FLOW_START_S, flow_process, npu_cluster, submissions, wait_for
+from verl_cluster import CLUSTER, ENTRYPOINT, EVENT_WAIT_S, flow_process, npu_cluster, submissions, wait_for
 
 NCCL_TIMEOUT = ("RuntimeError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, "
                 "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
@@ -252,7 +252,7 @@ def test_a_stop_ends_the_job_and_its_entrypoint(cluster, jobs, dataset, tiny_mod
     wait_for(lambda: progress.steps or not trainer.is_alive(), "a first step")
     assert progress.steps, (outcome, progress.lines[-5:])
     assert backend_for("verl").stop(Path(run.run_dir)) is True
-    trainer.join(timeout=FLOW_START_S)
+    trainer.join(timeout=EVENT_WAIT_S)
     record = read_record(Path(run.run_dir))
     assert jobs.get_job_status(record.submission_id) == "STOPPED" and record.status == "STOPPED"
     assert isinstance(outcome["error"], JobStopped)
@@ -328,7 +328,7 @@ def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, tmp_path):
     metrics = tmp_path / "sigterm" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().strip(), "a first step in metrics.jsonl", process=process)
     process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=FLOW_START_S)
+    output, _ = process.communicate(timeout=EVENT_WAIT_S)
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "stopped by SIGTERM" in output
     (job,) = submissions(jobs, "sigterm")

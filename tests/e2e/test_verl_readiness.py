@@ -31,7 +31,7 @@ from common.ray_cluster import (
     ClusterNotReady, NotSharedError, check_paths_on_nodes, check_reachable, job_api_url, parse_ray_address, wait_for_nodes,
 )
 from profiles.loader import resolve_profile
-from verl_cluster import ENTRYPOINT, wait_for
+from verl_cluster import ENTRYPOINT, EVENT_WAIT_S, wait_for
 
 
 def _free_port() -> int:
@@ -143,20 +143,17 @@ def test_the_wait_covers_a_node_that_joins_late_and_names_what_never_came(head_o
     notes: list[str] = []
     outcome: dict = {}
     waiting = threading.Thread(target=lambda: outcome.update(
-        ready=wait_for_nodes("NPU", 2, 1, timeout_s=90, note=notes.append, note_every_s=1.0)))
+        ready=wait_for_nodes("NPU", 2, 1, timeout_s=EVENT_WAIT_S, note=notes.append, note_every_s=1.0)))
     waiting.start()
     time.sleep(3.0)
     assert waiting.is_alive(), "the wait ended before the second node joined"
     head_only.add_node(num_cpus=1, resources={"NPU": 1})  # Ray starts nodes from the main thread only
-    waiting.join(timeout=90)
+    waiting.join(timeout=EVENT_WAIT_S)
     assert len(outcome["ready"]) == 2
     assert notes and notes[0].startswith("waiting for the Ray cluster: 1 of the 2 nodes with 1 NPU each are there")
 
     head_only.add_node(num_cpus=1)  # a node without NPUs: named, with what it offers
-    deadline = time.monotonic() + 60
-    while sum(node["Alive"] for node in ray.nodes()) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    wait_for(lambda: sum(node["Alive"] for node in ray.nodes()) == 3, "the third node")
     with pytest.raises(ClusterNotReady) as raised:
         wait_for_nodes("NPU", 3, 1, timeout_s=2, note=notes.append)
     message = str(raised.value)
