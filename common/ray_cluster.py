@@ -225,9 +225,6 @@ def _init_within(options: dict, timeout_s: float, what: str) -> None:
         raise RayAddressError(f"{what} accepted a connection but did not answer as Ray within {timeout_s:.0f} s; "
                               "check the address names the head's GCS port (6379 by default) or ray:// port (a slow "
                               f"head: raise {RAY_CONNECT_TIMEOUT_VAR})")
-    if isinstance(outcome.get("error"), ConnectionError):  # Ray gave up on the head itself
-        raise RayAddressError(f"{what} did not let this process join ({str(outcome['error']).splitlines()[0]}); check "
-                              "the address names the head's GCS port and that the head is up (ray status)") from None
     if "error" in outcome:
         raise outcome["error"]
 

@@ -1,6 +1,6 @@
 """Asking a Ray port a question over gRPC, with a deadline: is it Ray's, and where is its job API.
 
-    python -m flows.grpo --model tiny --device npu --backend verl --ray-address head-node:6379   # refused in seconds if not Ray
+    python -m flows.grpo --model tiny --device npu --backend verl --ray-address head-node:6379   # not Ray: refused
 
 A port that accepts a TCP connection may still not be Ray's (a proxy answering HTTP/2 404, another
 service): `ray.init` retries against it for a minute and ends in tracebacks. One call that only Ray

@@ -122,7 +122,8 @@ def test_verl_file_logger_records_become_the_runs_step_records(tmp_path):
 def _attempt_file(path: Path, resumed_from: int, last: int) -> Path:
     """verl's file of an attempt: its validation at the step it resumed from, then its training steps."""
     _write(path, {"step": resumed_from, "data": {"val-core/arith/reward/mean@1": 0.1}},
-           *({"step": n, "data": {"critic/score/mean": n / 10, "timing_s/step": 1.0}} for n in range(resumed_from + 1, last + 1)))
+           *({"step": n, "data": {"critic/score/mean": n / 10, "timing_s/step": 1.0}}
+             for n in range(resumed_from + 1, last + 1)))
     return path
 
 

@@ -63,7 +63,8 @@ def wait_for(condition: Callable[[], object], what: str, within_s: float = EVENT
     deadline = time.monotonic() + within_s
     while not (found := condition()):
         if process is not None and process.poll() is not None:
-            raise AssertionError(f"{what}: the flow ended first (exit {process.returncode}):\n{process.stdout.read()[-3000:]}")
+            output = process.stdout.read()[-3000:]
+            raise AssertionError(f"{what}: the flow ended first (exit {process.returncode}):\n{output}")
         assert time.monotonic() < deadline, f"{what}: not within {within_s} s"
         time.sleep(0.2)
     return found

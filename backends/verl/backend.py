@@ -28,12 +28,8 @@ attempt of the train stage:
 from __future__ import annotations
 
 import logging
-import os
-import shlex
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -41,15 +37,14 @@ import pyarrow.parquet as pq
 from backends.base import Backend, TrainingInputs, TrainingInterrupted, TrainingProgress, TrainingRun, TrainResult
 from backends.metrics import METRICS, append_metrics, keep_metrics_up_to, read_metrics
 from backends.verl.checkpoint import verl_hf_dir
-from backends.verl.command import verl_command
+from backends.verl.command import entrypoint_problems, verl_command
 from backends.verl.failures import diagnose
 from backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
-from backends.verl.job import (
-    JOB_DIR, LOST, TERMINAL, JobRecord, JobSpec, job_spec, new_token, read_record, write_record,
-)
+from backends.verl.job import JOB_DIR, LOST, TERMINAL, JobRecord, job_spec, new_token, read_record, write_record
+from backends.verl.job_api import job_client, job_status, stop_job, submit
 from common.ray_cluster import (
-    ClusterLost, ClusterNotReady, answer_timeout_s, check_paths_on_nodes, cluster_address, connect_ray, disconnect_ray,
-    job_api_url, parse_ray_address, wait_for_nodes,
+    ClusterLost, answer_timeout_s, check_paths_on_nodes, cluster_address, connect_ray, disconnect_ray, parse_ray_address,
+    wait_for_nodes,
 )
 from profiles.errors import UserError
 from profiles.memory import MemoryPlan, plan_for
@@ -58,9 +53,7 @@ from profiles.schema import RunProfile
 from profiles.validation import batch_problems, layout_problems, rollout_problems
 
 POLL_S = 1.0
-STOP_WAIT_S = 60.0
 LOG_LINES_KEPT = 400  # the end of the job's log, where its failure is
-API_SERVER_VAR = "RAY_API_SERVER_ADDRESS"
 log = logging.getLogger(__name__)
 # Run folders (their job record's token) this process has submitted a job for: the train stage's
 # retries resume them whatever trainer.resume_mode says; a later run of the folder is held to it.
@@ -106,7 +99,7 @@ class VerlBackend(Backend):
                 "actor.use_dynamic_bsz=true: dynamic batch size needs packed sequences, but "
                 "engine.use_remove_padding=false; set actor.use_dynamic_bsz=false"
             )
-        problems += _entrypoint_problems(p.trainer.entrypoint)
+        problems += entrypoint_problems(p.trainer.entrypoint)
         if p.trainer.save_freq <= 0:
             problems.append(f"trainer.save_freq={p.trainer.save_freq}: the verl backend resumes and exports from "
                             "verl's checkpoints; set it to a number of steps (verl also saves the last step)")
@@ -147,11 +140,12 @@ class VerlBackend(Backend):
             final = record.final_step if record and record.finished else done
             progress.note(f"the run was already complete at step {final}: nothing submitted")
             return _result(run_dir, checkpoints, final, min(final, max_steps), None, True)
-        if done is not None and profile.trainer.resume_mode == "disable" and not (record and record.token in _SUBMITTED_HERE):
+        retry_here = record is not None and record.token in _SUBMITTED_HERE
+        if done is not None and profile.trainer.resume_mode == "disable" and not retry_here:
             raise UserError(f"trainer.resume_mode=disable: {checkpoints} already holds this run's checkpoints (step "
                             f"{done}), which verl would write over; choose a new --run-name, or resume_mode=auto")
         client = job_client(run.ray_address)
-        status = _status(client, record.submission_id) if record is not None else None
+        status = job_status(client, record.submission_id) if record is not None else None
         if status in ("PENDING", "RUNNING") or (status == "SUCCEEDED" and not record.ended):
             progress.note(f"following the run's Ray job {record.submission_id} (attempt {record.attempt}, {status.lower()})")
         else:
@@ -213,7 +207,7 @@ class VerlBackend(Backend):
         try:
             while True:
                 try:
-                    status = _status(client, sid)
+                    status = job_status(client, sid)
                 except (OSError, RuntimeError):  # requests' errors are OSErrors
                     if time.monotonic() - answered_at > answer_timeout_s():
                         self._lost(run, record, checkpoints)
@@ -223,6 +217,7 @@ class VerlBackend(Backend):
                 if status in TERMINAL:
                     break
                 if status is None:
+                    _save_status(run_dir, record, LOST)
                     raise TrainingInterrupted(f"the Ray cluster no longer knows job {sid} (its head restarted?); the "
                                               f"retry resumes from step {tracker_step(checkpoints) or 0}")
                 pass_on(job_log.lines())
@@ -230,7 +225,7 @@ class VerlBackend(Backend):
                     running_since = last_step_at = time.monotonic()
                 if running_since is not None and time.monotonic() - last_step_at > timeout_s:
                     stop_job(client, sid)
-                    _save_status(run_dir, record, "STOPPED")
+                    _savejob_status(run_dir, record, "STOPPED")
                     raise TrainingInterrupted(
                         f"no training step finished in {timeout_s} s (trainer.step_timeout_s): taken for a hang; Ray job "
                         f"{sid} stopped; the latest checkpoint is step {tracker_step(checkpoints) or 0}")
@@ -241,7 +236,7 @@ class VerlBackend(Backend):
         final = tracker_step(checkpoints)
         if status == "SUCCEEDED":
             return self._succeeded(run_dir, checkpoints, record, final, max_steps, progress)
-        _save_status(run_dir, record, status)
+        _savejob_status(run_dir, record, status)
         if status == "STOPPED":
             raise JobStopped(f"Ray job {sid} was stopped outside this run (ray job stop, the dashboard); run the flow "
                              f"again with --run-name {run.run_name} to resume from step {final or 0}")
@@ -257,7 +252,7 @@ class VerlBackend(Backend):
         Not retried: the run needs the cluster back (a retry would wait on it again, and find the job gone)."""
         disconnect_ray()
         run_dir = Path(run.run_dir)
-        _save_status(run_dir, record, LOST)
+        _savejob_status(run_dir, record, LOST)
         last = max((r.step for r in read_metrics(run_dir / METRICS)), default=0)
         checkpoint = tracker_step(checkpoints) or 0
         raise ClusterLost(
@@ -269,7 +264,7 @@ class VerlBackend(Backend):
     def _succeeded(self, run_dir: Path, checkpoints: Path, record: JobRecord, final: int | None, max_steps: int,
                    progress: TrainingProgress) -> TrainResult:
         if final is None:
-            _save_status(run_dir, record, "SUCCEEDED")
+            _savejob_status(run_dir, record, "SUCCEEDED")
             raise UserError(f"verl job {record.submission_id} succeeded but left no checkpoint in {checkpoints} "
                             "(its tracker file latest_checkpointed_iteration.txt is missing); set trainer.save_freq > 0")
         write_record(run_dir, record.model_copy(update={"status": "SUCCEEDED", "final_step": final}))
@@ -292,28 +287,15 @@ class VerlBackend(Backend):
         try:
             client = job_client(record.address)
             stopped = stop_job(client, record.submission_id)
-            status = _status(client, record.submission_id)
+            status = job_status(client, record.submission_id)
         except Exception as exc:  # the hooks must go on: say why the job could not be stopped
             log.error("could not stop Ray job %s at %s: %s", record.submission_id, record.address, exc)
             return False
-        _save_status(Path(run_dir), record, status or "STOPPED")  # it may have ended on its own meanwhile
+        _savejob_status(Path(run_dir), record, status or "STOPPED")  # it may have ended on its own meanwhile
         return stopped
 
     def policy_dir(self, result: TrainResult) -> Path:
         return verl_hf_dir(Path(result.checkpoint_dir))
-
-
-def _entrypoint_problems(entrypoint: str) -> list[str]:
-    """trainer.entrypoint must be shell words that name a command (the Ray job runs it with the overrides)."""
-    try:
-        words = shlex.split(entrypoint)
-    except ValueError as exc:  # shlex: "No closing quotation", "No escaped character"
-        return [f"trainer.entrypoint={entrypoint!r}: {str(exc).lower()}; close the quote (quotes group a word "
-                "that holds spaces, e.g. python3 '/opt/my trainer/main.py')"]
-    if not words:
-        return ["trainer.entrypoint is empty: it is the command the Ray job runs; leave it out for verl's own "
-                "(python3 -m verl.trainer.main_ppo) or name the trainer to run"]
-    return []
 
 
 def planned_steps(profile: RunProfile, train_files: list[str]) -> int:
@@ -323,69 +305,6 @@ def planned_steps(profile: RunProfile, train_files: list[str]) -> int:
         return profile.trainer.total_training_steps
     rows = sum(pq.ParquetFile(path).metadata.num_rows for path in train_files)
     return max(1, rows // profile.data.train_batch_size) * profile.trainer.total_epochs
-
-
-def job_client(address: str | None):
-    """Ray's job API for the cluster at `address` (GCS, ray:// or the dashboard's http address)."""
-    from ray.job_submission import JobSubmissionClient
-
-    try:
-        url = job_api_url(address)
-        if url is None:
-            raise ValueError("the head runs no dashboard")
-        # Ray's client takes RAY_API_SERVER_ADDRESS, else RAY_ADDRESS (a deployment's GCS address: looked up
-        # through a Ray core client that stays), over the address it is given: this one is meant.
-        with _env_default(API_SERVER_VAR, url):
-            return JobSubmissionClient(url)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ClusterNotReady(
-            f"the Ray cluster at {cluster_address(address)[0]} has no job API answering "
-            f"({str(exc).splitlines()[0]}); start the head with its dashboard (ray start --head --include-dashboard=true)"
-        ) from None
-
-
-@contextmanager
-def _env_default(name: str, value: str) -> Iterator[None]:
-    """`name` set to `value` for the duration, unless it is set already."""
-    if name in os.environ:
-        yield
-        return
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
-
-
-def submit(client, spec: JobSpec) -> bool:
-    """Submit `spec`; False when a job of that submission id was already there (it is followed)."""
-    try:
-        client.submit_job(entrypoint=spec.entrypoint, submission_id=spec.submission_id,
-                          runtime_env=spec.runtime_env, metadata=spec.metadata)
-        return True
-    except RuntimeError as exc:
-        if "already exists" in str(exc):
-            return False
-        raise
-
-
-def stop_job(client, submission_id: str) -> bool:
-    """Ask Ray to stop the job (SIGTERM, then a kill), and wait until it has ended."""
-    stopped = client.stop_job(submission_id)
-    deadline = time.monotonic() + STOP_WAIT_S
-    while _status(client, submission_id) not in TERMINAL and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return stopped
-
-
-def _status(client, submission_id: str) -> str | None:
-    """The job's status, None when the cluster does not know it (a restarted head)."""
-    try:
-        return str(client.get_job_status(submission_id).value)
-    except RuntimeError as exc:
-        if "does not exist" in str(exc) or "404" in str(exc):
-            return None
-        raise
 
 
 def _responses_per_step(profile: RunProfile) -> int:
@@ -400,7 +319,7 @@ def _record_missing_steps(run_dir: Path, record: JobRecord, responses_per_step: 
         append_metrics(run_dir / METRICS, step)
 
 
-def _save_status(run_dir: Path, record: JobRecord, status: str) -> None:
+def _savejob_status(run_dir: Path, record: JobRecord, status: str) -> None:
     write_record(run_dir, record.model_copy(update={"status": status}))
 
 

@@ -5,8 +5,9 @@
 A transient cause (a collective that timed out, a lost node or worker, a raylet that killed a worker
 for memory) is retried by the train stage, resuming from the latest checkpoint. A config error
 (Hydra composition, a key verl does not have, an assertion in verl's config checks, a layout larger
-than the cluster, an entrypoint that cannot start, a cluster image without verl) fails the run at once, in one line with the job's own message. Anything else is
-retried like a transient fault: its line is shown all the same.
+than the cluster, an entrypoint that cannot start, a cluster image without verl) fails the run at
+once, in one line with the job's own message. Anything else is retried like a transient fault: its
+line is shown all the same.
 """
 
 from __future__ import annotations

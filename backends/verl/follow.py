@@ -156,7 +156,8 @@ def steps_missing_from(run_records: list[StepMetrics], attempt_files: list[Path]
             start = resumed_from or 0
         if start is not None:
             chain = {step: record for step, record in chain.items() if step <= start}
-            chain.update((record.step, record) for record in VerlMetrics(path, start, responses_per_step, start or None).new())
+            trained = VerlMetrics(path, start, responses_per_step, start or None).new()
+            chain.update((record.step, record) for record in trained)
     last = max((record.step for record in run_records), default=0)
     return [chain[step] for step in sorted(chain) if step > last]
 
@@ -166,10 +167,10 @@ def _resumed_from(path: Path) -> int | None:
     try:
         with open(path, "rb") as handle:
             entry = json.loads(handle.readline())
-        step = int(entry["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        step, trained = int(entry["step"]), _number(entry["data"], REWARD) is not None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not verl's
         return None
-    return step - 1 if _number(entry.get("data") or {}, REWARD) is not None else step
+    return step - 1 if trained else step
 
 
 def _number(data: dict, *keys: str) -> float | None:

@@ -74,7 +74,8 @@ def test_a_lost_head_ends_the_run_with_a_report_naming_the_cluster(cluster, tmp_
     abort the flow process; a run again while the head is down is refused at once."""
     gate, run_dir = tmp_path / "gate", tmp_path / "headless"
     gate.write_text("4")
-    flow = flow_process(cluster.address, tmp_path, "headless", f"env.STAND_IN_GATE={gate}", "trainer.total_training_steps=20")
+    flow = flow_process(cluster.address, tmp_path, "headless", f"env.STAND_IN_GATE={gate}",
+                        "trainer.total_training_steps=20")
     wait_for(lambda: 4 in steps_in(run_dir / "metrics.jsonl"), "step 4 in metrics.jsonl", process=flow)
     for infos in cluster.head_node.all_processes.values():
         for info in infos:

@@ -29,8 +29,9 @@ from ray.job_submission import JobSubmissionClient
 from backends import backend_for
 from backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
 from backends.metrics import read_metrics
-from backends.verl.backend import JobStopped, submit
+from backends.verl.backend import JobStopped
 from backends.verl.job import JobRecord, job_spec, read_record, write_record
+from backends.verl.job_api import submit
 from common.hf_shards import HFTensors
 from flows.pipeline import grpo_pipeline
 from flows.plan import plan_run
