@@ -88,7 +88,7 @@ class Recorder:
     """A `TrainingProgress` that keeps what it was told."""
 
     def __init__(self):
-        self.steps, self.notes, self.lines, self.started_with = [], [], [], None
+        self.steps, self.notes, self.warnings, self.lines, self.started_with = [], [], [], [], None
 
     def started(self, max_steps, resumed_from):
         self.started_with = (max_steps, resumed_from)
@@ -98,6 +98,9 @@ class Recorder:
 
     def note(self, message):
         self.notes.append(message)
+
+    def warn(self, message):
+        self.warnings.append(message)
 
     def output(self, line):
         self.lines.append(line)
@@ -350,7 +353,7 @@ def test_a_run_verl_ends_early_is_complete_and_a_resume_at_its_end_trains_nothin
     progress = Recorder()
     result = backend_for("verl").train(profile, run, progress)
     assert (result.steps_done, result.max_steps, result.already_complete) == (6, 6, False)
-    assert any("verl ended the run at step 6 of the 128 planned" in note for note in progress.notes)
+    assert any("verl ended the run at step 6 of the 128 planned" in warning for warning in progress.warnings)
     assert backend_for("verl").train(profile, run, Recorder()).already_complete
     assert len(submissions(jobs, "short")) == 1
 
