@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from backends.verl import follow
+from backends.verl import follow, job_api
 from backends.verl.backend import planned_steps
 from backends.verl.failures import diagnose
 from backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
@@ -158,6 +158,32 @@ def test_the_job_record_names_every_attempts_metrics_file(tmp_path):
 def test_an_entrypoint_that_is_not_a_command_is_refused_when_the_profile_is_resolved(entrypoint, problem):
     with pytest.raises(ProfileError, match=problem):
         resolve_profile("tiny", "npu", "verl", overrides=[f"trainer.entrypoint={entrypoint}"])
+
+
+class HeadWithoutAgentYet:
+    """Ray's job API on a head whose job agent registers late: its first answers are Ray's HTTP 500."""
+
+    def __init__(self, refusals: int):
+        self.refusals, self.submitted = refusals, []
+
+    def submit_job(self, **job):
+        if self.refusals:
+            self.refusals -= 1
+            raise RuntimeError("Request failed with status code 500: No available agent to submit job, please try "
+                               "again later..")
+        if job["submission_id"] in self.submitted:
+            raise RuntimeError(f"Request failed with status code 400: Job with submission_id {job['submission_id']} "
+                               "already exists.")
+        self.submitted.append(job["submission_id"])
+
+
+def test_a_submit_waits_for_the_heads_job_agent(monkeypatch, tmp_path):
+    monkeypatch.setattr(job_api, "AGENT_RETRY_S", 0.01)
+    profile = resolve_profile("tiny", "npu", "verl")
+    spec = job_spec(profile, training_inputs(profile, tmp_path), tmp_path, "run", {}, "c0ffee", 1)
+    head = HeadWithoutAgentYet(refusals=3)
+    assert job_api.submit(head, spec) is True and head.submitted == [spec.submission_id]
+    assert job_api.submit(head, spec) is False  # the same job: followed, not submitted twice
 
 
 def test_the_tracker_names_a_step_only_once_its_folder_exists(tmp_path):

@@ -16,10 +16,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from backends.verl.job import TERMINAL, JobSpec
-from common.ray_cluster import ClusterNotReady, cluster_address, job_api_url
+from common.ray_cluster import ClusterNotReady, answer_timeout_s, cluster_address, job_api_url
 
 STOP_WAIT_S = 60.0
 API_SERVER_VAR = "RAY_API_SERVER_ADDRESS"
+NO_AGENT, AGENT_RETRY_S = "No available agent to submit job", 2.0
 
 
 def job_client(address: str | None):
@@ -55,15 +56,22 @@ def _env_default(name: str, value: str) -> Iterator[None]:
 
 
 def submit(client, spec: JobSpec) -> bool:
-    """Submit `spec`; False when a job of that submission id was already there (it is followed)."""
-    try:
-        client.submit_job(entrypoint=spec.entrypoint, submission_id=spec.submission_id,
-                          runtime_env=spec.runtime_env, metadata=spec.metadata)
-        return True
-    except RuntimeError as exc:
-        if "already exists" in str(exc):
-            return False
-        raise
+    """Submit `spec`; False when a job of that submission id was already there (it is followed). A head
+    whose job agent has not registered yet (a cluster just started, a loaded head: Ray waits 10 s for it,
+    then answers "No available agent to submit job, please try again later") is asked again, for as
+    long as a head may take to answer."""
+    deadline = time.monotonic() + answer_timeout_s()
+    while True:
+        try:
+            client.submit_job(entrypoint=spec.entrypoint, submission_id=spec.submission_id,
+                              runtime_env=spec.runtime_env, metadata=spec.metadata)
+            return True
+        except RuntimeError as exc:
+            if "already exists" in str(exc):
+                return False
+            if NO_AGENT not in str(exc) or time.monotonic() > deadline:
+                raise
+        time.sleep(AGENT_RETRY_S)
 
 
 def stop_job(client, submission_id: str) -> bool:
