@@ -225,7 +225,7 @@ class VerlBackend(Backend):
                     running_since = last_step_at = time.monotonic()
                 if running_since is not None and time.monotonic() - last_step_at > timeout_s:
                     stop_job(client, sid)
-                    _savejob_status(run_dir, record, "STOPPED")
+                    _save_status(run_dir, record, "STOPPED")
                     raise TrainingInterrupted(
                         f"no training step finished in {timeout_s} s (trainer.step_timeout_s): taken for a hang; Ray job "
                         f"{sid} stopped; the latest checkpoint is step {tracker_step(checkpoints) or 0}")
@@ -236,7 +236,7 @@ class VerlBackend(Backend):
         final = tracker_step(checkpoints)
         if status == "SUCCEEDED":
             return self._succeeded(run_dir, checkpoints, record, final, max_steps, progress)
-        _savejob_status(run_dir, record, status)
+        _save_status(run_dir, record, status)
         if status == "STOPPED":
             raise JobStopped(f"Ray job {sid} was stopped outside this run (ray job stop, the dashboard); run the flow "
                              f"again with --run-name {run.run_name} to resume from step {final or 0}")
@@ -252,7 +252,7 @@ class VerlBackend(Backend):
         Not retried: the run needs the cluster back (a retry would wait on it again, and find the job gone)."""
         disconnect_ray()
         run_dir = Path(run.run_dir)
-        _savejob_status(run_dir, record, LOST)
+        _save_status(run_dir, record, LOST)
         last = max((r.step for r in read_metrics(run_dir / METRICS)), default=0)
         checkpoint = tracker_step(checkpoints) or 0
         raise ClusterLost(
@@ -264,7 +264,7 @@ class VerlBackend(Backend):
     def _succeeded(self, run_dir: Path, checkpoints: Path, record: JobRecord, final: int | None, max_steps: int,
                    progress: TrainingProgress) -> TrainResult:
         if final is None:
-            _savejob_status(run_dir, record, "SUCCEEDED")
+            _save_status(run_dir, record, "SUCCEEDED")
             raise UserError(f"verl job {record.submission_id} succeeded but left no checkpoint in {checkpoints} "
                             "(its tracker file latest_checkpointed_iteration.txt is missing); set trainer.save_freq > 0")
         write_record(run_dir, record.model_copy(update={"status": "SUCCEEDED", "final_step": final}))
@@ -291,7 +291,7 @@ class VerlBackend(Backend):
         except Exception as exc:  # the hooks must go on: say why the job could not be stopped
             log.error("could not stop Ray job %s at %s: %s", record.submission_id, record.address, exc)
             return False
-        _savejob_status(Path(run_dir), record, status or "STOPPED")  # it may have ended on its own meanwhile
+        _save_status(Path(run_dir), record, status or "STOPPED")  # it may have ended on its own meanwhile
         return stopped
 
     def policy_dir(self, result: TrainResult) -> Path:
@@ -319,7 +319,7 @@ def _record_missing_steps(run_dir: Path, record: JobRecord, responses_per_step: 
         append_metrics(run_dir / METRICS, step)
 
 
-def _savejob_status(run_dir: Path, record: JobRecord, status: str) -> None:
+def _save_status(run_dir: Path, record: JobRecord, status: str) -> None:
     write_record(run_dir, record.model_copy(update={"status": status}))
 
 
