@@ -66,7 +66,7 @@ def dataset(tmp_path_factory):
     return fetch_dataset(DataSpec.from_profile(DataSection(root=str(tmp_path_factory.mktemp("data")))))
 
 
-def _assert_entrypoints_end(run_dir: Path, within_s: float = 120.0) -> None:
+def _assert_entrypoints_end(run_dir: Path, within_s: float = EVENT_WAIT_S) -> None:
     """Every entrypoint process the run's jobs started is gone: Ray marks a stopped job STOPPED when
     it has sent SIGTERM, and kills what is left after its stop wait (RAY_JOB_STOP_WAIT_TIME_S, 3 s)."""
     pids = [int(pid) for pid in (run_dir / "stand-in.pids").read_text().split()]
