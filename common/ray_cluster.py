@@ -3,9 +3,11 @@ is visible from every node.
 
     python -m flows.grpo --model tiny --device cpu --ray-address head-node:6379
 
-An address is checked for its form when the run is requested and for an answer from the head
-before anything starts, so a typo fails in seconds with the address in the message, not minutes
-later inside Ray's own retries. Datasets and models must sit on storage every node mounts
+An address is checked for its form when the run is requested and for an answer from the head, as
+Ray (common/ray_probe.py), before anything starts, so a typo or a port that is not Ray's fails in
+seconds with the address in the message, not minutes later inside Ray's own retries. A cluster that
+stops answering later is let go of within a bounded time: a Ray core client left connected to a dead
+head aborts its process a minute later. Datasets and models must sit on storage every node mounts
 (`data.root`, `model.root`): a path that exists only on the head node fails half an hour into a
 cluster run, on one worker; a small task on each alive node checks it before training and names the
 nodes that cannot see the files.
@@ -36,6 +38,9 @@ TCP_PROBE_TIMEOUT_S = 10
 RAY_CONNECT_TIMEOUT_VAR, RAY_CONNECT_TIMEOUT_S = "GRPO_PIPELINE_RAY_CONNECT_TIMEOUT_S", 60.0
 # Ports Ray listens on by default, by address scheme (a bare host:port must name its port).
 DEFAULT_PORTS = {"ray": 10001, "http": 8265, "https": 443}
+_PORT_NAMES = {None: ("GCS port", 6379), "ray": ("Ray client port", DEFAULT_PORTS["ray"])}
+# ray.shutdown when the head no longer answers takes ~15 s (Ray's own retries); it is not waited on longer.
+DISCONNECT_TIMEOUT_S = 60.0
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 _IPV6 = re.compile(r"[0-9A-Fa-f:.]+")
 
@@ -48,14 +53,22 @@ class RayAddressError(UserError):
     """A Ray address that is malformed or cannot be reached."""
 
 
+class ClusterLost(UserError):
+    """The run's Ray cluster stopped answering while the run used it."""
+
+
 class RayAddress(NamedTuple):
     scheme: str | None
     host: str
     port: int
 
     def __str__(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme + '://' if self.scheme else ''}{host}:{self.port}"
+        return f"{self.scheme + '://' if self.scheme else ''}{self.target}"
+
+    @property
+    def target(self) -> str:
+        """host:port, as gRPC and sockets take it."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
 
 def cluster_address(given: str | None) -> tuple[str | None, str]:
@@ -105,10 +118,13 @@ def parse_ray_address(address: str, origin: str = "--ray-address") -> RayAddress
 
 
 def check_reachable(address: RayAddress, origin: str = "--ray-address") -> None:
-    """A TCP connection to the head, so a wrong host or port fails in seconds with its address."""
+    """A TCP connection to the head, then one call only Ray answers (the GCS's, or the Ray client
+    server's for ray://), so a wrong host, port or service fails in seconds with its address."""
+    from common.ray_probe import ask_ray
+
     try:
         with socket.create_connection((address.host, address.port), timeout=TCP_PROBE_TIMEOUT_S):
-            return
+            pass
     except OSError as exc:
         if isinstance(exc, TimeoutError):
             reason = f"no answer in {TCP_PROBE_TIMEOUT_S} s"
@@ -117,6 +133,33 @@ def check_reachable(address: RayAddress, origin: str = "--ray-address") -> None:
         raise RayAddressError(
             f"{origin}: cannot reach the Ray cluster at {address} ({reason}); start it (ray start --head) or fix the address"
         ) from None
+    if address.scheme not in (None, "ray"):
+        return
+    answer, port = ask_ray(address.target, address.scheme == "ray"), _PORT_NAMES[address.scheme]
+    if answer.kind == "token":
+        raise RayAddressError(f"{origin}: the Ray cluster at {address} asks for its token: export RAY_AUTH_MODE=token and "
+                              "RAY_AUTH_TOKEN (the cluster's) where the flow runs")
+    if answer.kind == "other":
+        raise RayAddressError(f"{origin}: {address} is not a Ray cluster's {port[0]}: {answer.detail}; give the head's "
+                              f"{port[0]} ({port[1]} by default, printed by ray start --head)")
+
+
+def job_api_url(address: str | None) -> str | None:
+    """The cluster's job API (its dashboard, http://host:port) for `address`: an http(s) address is
+    one already; a GCS address's is recorded in the GCS (asked over gRPC, no Ray client left behind);
+    anything else (ray://, auto) is left to Ray's job client. None: the head runs no dashboard."""
+    from common.ray_probe import dashboard_address
+
+    found, origin = cluster_address(address)
+    parsed = parse_ray_address(found or "auto", origin)
+    if parsed is None or parsed.scheme is not None:
+        return found
+    try:
+        dashboard = dashboard_address(parsed.target)
+    except Exception as exc:  # grpc.RpcError: the GCS did not answer
+        raise RayAddressError(f"{origin}: the Ray cluster at {parsed} did not say where its job API is "
+                              f"({type(exc).__name__}); check that its head is up (ray status)") from None
+    return f"http://{dashboard}" if dashboard else None
 
 
 def connect_ray(address: str | None, runtime_env: dict | None) -> None:
@@ -143,8 +186,12 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
             ray.init(**options)
             return
         check_reachable(parsed, origin)
-        timeout_s = float(os.environ.get(RAY_CONNECT_TIMEOUT_VAR) or RAY_CONNECT_TIMEOUT_S)
-        _init_within(options, timeout_s, f"{origin}: the Ray cluster at {parsed}")
+        _init_within(options, answer_timeout_s(), f"{origin}: the Ray cluster at {parsed}")
+
+
+def answer_timeout_s() -> float:
+    """How long a cluster's head may take to answer: joining it, or its job API while a job runs."""
+    return float(os.environ.get(RAY_CONNECT_TIMEOUT_VAR) or RAY_CONNECT_TIMEOUT_S)
 
 
 # The packages this project's Ray tasks and workers import (all but the flow's own, `flows`), named
@@ -185,8 +232,9 @@ def _init_within(options: dict, timeout_s: float, what: str) -> None:
 @contextmanager
 def sigterm_handler_kept() -> Iterator[None]:
     """ray.init makes SIGTERM `sys.exit` (and Ray's core installs a handler of its own that aborts
-    at exit); the run's handler (Prefect's, which marks the run crashed and runs its hooks) must
-    stay the one that answers a stop. Signal handlers belong to the main thread."""
+    at exit; ray.shutdown puts back the default action behind Python's back); the run's handler
+    (Prefect's, which marks the run crashed and runs its hooks) must stay the one that answers a
+    stop: it is set again. Signal handlers belong to the main thread."""
     main = threading.current_thread() is threading.main_thread()
     handler = signal.getsignal(signal.SIGTERM) if main else None
     try:
@@ -206,6 +254,21 @@ def stop_ray_job() -> bool:
         return False
     ray.shutdown()
     return True
+
+
+def disconnect_ray(within_s: float = DISCONNECT_TIMEOUT_S) -> bool:
+    """Leave the Ray cluster this process is connected to (nothing when it is not), waiting at most
+    `within_s`: a connection to a head that died would make Ray's core abort this process a minute
+    later (its GCS client gives up). False when the disconnect did not end in time."""
+    import ray
+
+    if not ray.is_initialized():
+        return True
+    with sigterm_handler_kept():  # Ray's core puts back the default SIGTERM action (kill) when it stops
+        leaving = threading.Thread(target=ray.shutdown, name="ray-disconnect", daemon=True)
+        leaving.start()
+        leaving.join(within_s)
+    return not leaving.is_alive()
 
 
 def _problems_on_this_node(entries: list[str], readable: list[str], writable: list[str]) -> dict[str, list[str]]:

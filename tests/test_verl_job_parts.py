@@ -12,11 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from backends.verl import follow
+from backends.verl import follow, job_api
 from backends.verl.backend import planned_steps
 from backends.verl.failures import diagnose
-from backends.verl.follow import JobLog, VerlMetrics, tracker_step
-from backends.verl.job import job_spec, submission_id
+from backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
+from backends.verl.job import JobRecord, job_spec, submission_id
+from profiles.errors import ProfileError
 from profiles.loader import resolve_profile
 from stages.train import training_inputs
 
@@ -45,6 +46,11 @@ from stages.train import training_inputs
         ("Traceback (most recent call last):\nModuleNotFoundError: No module named 'verl'", "config",
          "No module named 'verl'"),
         ("/bin/sh: 1: python3: not found", "config", "python3: not found"),
+        # trainer.entrypoint naming a script, a module or a command the node lacks
+        ("/usr/bin/python3: can't open file '/opt/verl/main_ppo.py': [Errno 2] No such file or directory", "config",
+         "can't open file '/opt/verl/main_ppo.py'"),
+        ("/usr/bin/python3: No module named verl.trainer.main_ppx", "config", "No module named verl.trainer.main_ppx"),
+        ("bash: line 1: torchrun-verl: command not found", "config", "torchrun-verl: command not found"),
         ("loading weights\nKeyError: 'model.layers.0.mlp.gate'\n", "unknown", "KeyError: 'model.layers.0.mlp.gate'"),
     ],
 )
@@ -103,7 +109,7 @@ def test_verl_file_logger_records_become_the_runs_step_records(tmp_path):
             "actor/entropy": 1.5, "actor/kl_loss": 0.01, "actor/lr": 1e-6, "perf/throughput": 900.0, "note": "text"}
     _write(path, {"step": 4, "data": {"val-core/geo3k/reward/mean@1": 0.2}},  # validation before the attempt's first step
            {"step": 5, "data": step}, partial='{"step": 6, "data": {"critic/sc')
-    metrics = VerlMetrics(path, after_step=4, responses_per_step=8)
+    metrics = VerlMetrics(path, after_step=4, responses_per_step=8, resumed_from=4)
     (record,) = metrics.new()
     assert (record.step, record.reward_mean, record.kl, record.loss, record.entropy) == (5, 0.25, 0.01, -0.1, 1.5)
     assert record.tokens_per_s == 10.0 * 8 / 2.0 and record.step_time_s == 2.0 and record.learning_rate == 1e-6
@@ -111,6 +117,73 @@ def test_verl_file_logger_records_become_the_runs_step_records(tmp_path):
     _write(path, partial='ore/mean": 0.5, "timing_s/step": 1.0}}\n')
     assert [(r.step, r.reward_mean, r.kl) for r in metrics.new()] == [(6, 0.5, None)]
     assert metrics.new() == []
+
+
+def _attempt_file(path: Path, resumed_from: int, last: int) -> Path:
+    """verl's file of an attempt: its validation at the step it resumed from, then its training steps."""
+    _write(path, {"step": resumed_from, "data": {"val-core/arith/reward/mean@1": 0.1}},
+           *({"step": n, "data": {"critic/score/mean": n / 10, "timing_s/step": 1.0}}
+             for n in range(resumed_from + 1, last + 1)))
+    return path
+
+
+def test_the_steps_a_killed_flow_never_read_come_from_the_attempt_that_trained_them_last(tmp_path):
+    # Attempt 1 trained steps 1-7 and failed (its checkpoint: step 4); attempt 2 resumed from 4 and
+    # trained 5-9. The run's own records stopped at step 2 when its flow was killed.
+    first = _attempt_file(tmp_path / "metrics-grpo-run-c0ffee-1.jsonl", 0, 7)
+    second = _attempt_file(tmp_path / "metrics-grpo-run-c0ffee-2.jsonl", 4, 9)
+    recorded = VerlMetrics(first, None, 8, None).new()[:2]
+    missing = steps_missing_from(recorded, [first, second], 4, 8)
+    assert [(r.step, r.resumed_from, r.reward_mean) for r in missing] == [
+        (3, None, 0.3), (4, None, 0.4), (5, 4, 0.5), (6, 4, 0.6), (7, 4, 0.7), (8, 4, 0.8), (9, 4, 0.9)]
+    assert steps_missing_from([*recorded, *missing], [first, second], 4, 8) == []
+    # Attempt 2 submitted, its file not written yet: attempt 1's steps after its resume point are not the run's.
+    second.write_text("")
+    assert [r.step for r in steps_missing_from(recorded, [first, second], 4, 8)] == [3, 4]
+    second.unlink()
+    assert [r.step for r in steps_missing_from(recorded, [first, second], None, 8)] == []
+
+
+def test_the_job_record_names_every_attempts_metrics_file(tmp_path):
+    record = JobRecord(token="c0ffee", attempt=3, submission_id="grpo-my-run-2-c0ffee-3", address="http://head:8265",
+                       metrics_file=str(tmp_path / "metrics-grpo-my-run-2-c0ffee-3.jsonl"))
+    assert [path.name for path in record.attempt_metrics_files()] == [
+        f"metrics-grpo-my-run-2-c0ffee-{n}.jsonl" for n in (1, 2, 3)]
+
+
+@pytest.mark.parametrize(("entrypoint", "problem"), [
+    ("python3 -m 'verl.trainer.main_ppo", "no closing quotation; close the quote"),
+    ("   ", "trainer.entrypoint is empty"),
+])
+def test_an_entrypoint_that_is_not_a_command_is_refused_when_the_profile_is_resolved(entrypoint, problem):
+    with pytest.raises(ProfileError, match=problem):
+        resolve_profile("tiny", "npu", "verl", overrides=[f"trainer.entrypoint={entrypoint}"])
+
+
+class HeadWithoutAgentYet:
+    """Ray's job API on a head whose job agent registers late: its first answers are Ray's HTTP 500."""
+
+    def __init__(self, refusals: int):
+        self.refusals, self.submitted = refusals, []
+
+    def submit_job(self, **job):
+        if self.refusals:
+            self.refusals -= 1
+            raise RuntimeError("Request failed with status code 500: No available agent to submit job, please try "
+                               "again later..")
+        if job["submission_id"] in self.submitted:
+            raise RuntimeError(f"Request failed with status code 400: Job with submission_id {job['submission_id']} "
+                               "already exists.")
+        self.submitted.append(job["submission_id"])
+
+
+def test_a_submit_waits_for_the_heads_job_agent(monkeypatch, tmp_path):
+    monkeypatch.setattr(job_api, "AGENT_RETRY_S", 0.01)
+    profile = resolve_profile("tiny", "npu", "verl")
+    spec = job_spec(profile, training_inputs(profile, tmp_path), tmp_path, "run", {}, "c0ffee", 1)
+    head = HeadWithoutAgentYet(refusals=3)
+    assert job_api.submit(head, spec) is True and head.submitted == [spec.submission_id]
+    assert job_api.submit(head, spec) is False  # the same job: followed, not submitted twice
 
 
 def test_the_tracker_names_a_step_only_once_its_folder_exists(tmp_path):

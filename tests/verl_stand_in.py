@@ -22,6 +22,8 @@ Test controls, from the job's environment (the profile's `env`):
                         of the file when `data.filter_overlong_prompts` drops prompts)
   STAND_IN_ENV_PROBE    comma-separated variable names: a task pinned to each node records what it
                         sees of them in <checkpoint folder>/../stand-in-env.json
+  STAND_IN_GATE         a file holding the last step it may start: it waits before any later step
+                        until the file says more (a test holds a job mid-run on an event, not a time)
 Every start writes its pid to <checkpoint folder>/../stand-in.pids.
 """
 
@@ -86,6 +88,7 @@ def main(overrides: list[str]) -> int:
         _log(logger, step, {"val-core/arith/reward/mean@1": 0.1})
     step += 1
     while step <= total:
+        _wait_at_gate(step)
         _maybe_fail(step, checkpoints)
         started = time.monotonic()
         if work_mb := int(os.environ.get("STAND_IN_STEP_WORK_MB", "0")):
@@ -155,6 +158,17 @@ def _save(checkpoints: Path, step: int, config: dict) -> None:
     (actor / "ckpt_contents.json").write_text(json.dumps({"step": step}))
     (checkpoints / f"global_step_{step}" / "data.pt").write_bytes(b"stand-in dataloader state")
     (checkpoints / "latest_checkpointed_iteration.txt").write_text(str(step))
+
+
+def _wait_at_gate(step: int) -> None:
+    gate = os.environ.get("STAND_IN_GATE")
+    while gate:
+        try:
+            if int(Path(gate).read_text()) >= step:
+                return
+        except (OSError, ValueError):  # not written yet, or being written
+            pass
+        time.sleep(0.1)
 
 
 def _maybe_fail(step: int, checkpoints: Path) -> None:

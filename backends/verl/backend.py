@@ -5,17 +5,24 @@ Ray job, which the train stage submits, follows, stops and resumes.
 
 Its layout rules (Megatron's TP x PP x CP against the world and the model, EP/ETP against the
 experts, vLLM's TP against a node and the heads, batch sizes against Megatron's data-parallel ranks)
-are checked whenever a profile is resolved. An attempt of the train stage:
-1. returns at once when the run is already complete (verl's tracker file at the last step, or a job
-   of this run that ended it): a finished run is never submitted again;
-2. follows the run's job if it is still pending or running (the flow restarted), else waits until
-   the cluster has the nodes and devices the layout needs and every node can read the data and the
-   model and write the checkpoints, then submits the next attempt (backends/verl/job.py);
-3. streams the job's log into the task's log and verl's per-step metrics into the run's records
-   (backends/verl/follow.py), and stops the job when no step ends within trainer.step_timeout_s;
+and its entrypoint (shell words naming a command) are checked whenever a profile is resolved. An
+attempt of the train stage:
+1. adds to the run's records the steps its jobs trained while no flow followed them (the flow was
+   killed: verl's own file of each attempt has them), then returns at once when the run is already
+   complete (verl's tracker file at the last step, or a job of this run that ended it): a finished
+   run is never submitted again; trainer.resume_mode=disable over the run's checkpoints is refused
+   (only the stage's own retries resume whatever it says);
+2. follows the run's job if it is still pending or running, or ended while no flow followed it, else
+   waits until the cluster has the nodes and devices the layout needs and every node can read the
+   data and the model and write the checkpoints, then submits the next attempt (backends/verl/job.py);
+3. lets go of Ray (following needs only the job API), streams the job's log into the task's log and
+   verl's per-step metrics into the run's records (backends/verl/follow.py), and stops the job when
+   no step ends within trainer.step_timeout_s;
 4. ends on the job's status: SUCCEEDED at the tracker's step; FAILED with a config error (not
    retried, the job's own line) or another cause (`TrainingInterrupted`: the stage's retry resumes
-   from the latest checkpoint with trainer.resume_mode=auto). Checkpoints are never deleted.
+   from the latest checkpoint with trainer.resume_mode=auto); or on the cluster itself: a job API
+   that stops answering (the head died) ends the run (`ClusterLost`, not retried) with a line that
+   names the cluster, the last step and how to resume. Checkpoints are never deleted.
 """
 
 from __future__ import annotations
@@ -28,16 +35,16 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from backends.base import Backend, TrainingInputs, TrainingInterrupted, TrainingProgress, TrainingRun, TrainResult
-from backends.metrics import METRICS, append_metrics, keep_metrics_up_to
+from backends.metrics import METRICS, append_metrics, keep_metrics_up_to, read_metrics
 from backends.verl.checkpoint import verl_hf_dir
-from backends.verl.command import verl_command
+from backends.verl.command import entrypoint_problems, verl_command
 from backends.verl.failures import diagnose
-from backends.verl.follow import JobLog, VerlMetrics, tracker_step
-from backends.verl.job import (
-    JOB_DIR, TERMINAL, JobRecord, JobSpec, job_spec, new_token, read_record, write_record,
-)
+from backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
+from backends.verl.job import JOB_DIR, LOST, TERMINAL, JobRecord, job_spec, new_token, read_record, write_record
+from backends.verl.job_api import job_client, job_status, stop_job, submit
 from common.ray_cluster import (
-    ClusterNotReady, check_paths_on_nodes, cluster_address, connect_ray, parse_ray_address, wait_for_nodes,
+    ClusterLost, answer_timeout_s, check_paths_on_nodes, cluster_address, connect_ray, disconnect_ray, parse_ray_address,
+    wait_for_nodes,
 )
 from profiles.errors import UserError
 from profiles.memory import MemoryPlan, plan_for
@@ -46,9 +53,11 @@ from profiles.schema import RunProfile
 from profiles.validation import batch_problems, layout_problems, rollout_problems
 
 POLL_S = 1.0
-STOP_WAIT_S = 60.0
 LOG_LINES_KEPT = 400  # the end of the job's log, where its failure is
 log = logging.getLogger(__name__)
+# Run folders (their job record's token) this process has submitted a job for: the train stage's
+# retries resume them whatever trainer.resume_mode says; a later run of the folder is held to it.
+_SUBMITTED_HERE: set[str] = set()
 
 
 class JobStopped(UserError):
@@ -90,6 +99,7 @@ class VerlBackend(Backend):
                 "actor.use_dynamic_bsz=true: dynamic batch size needs packed sequences, but "
                 "engine.use_remove_padding=false; set actor.use_dynamic_bsz=false"
             )
+        problems += entrypoint_problems(p.trainer.entrypoint)
         if p.trainer.save_freq <= 0:
             problems.append(f"trainer.save_freq={p.trainer.save_freq}: the verl backend resumes and exports from "
                             "verl's checkpoints; set it to a number of steps (verl also saves the last step)")
@@ -124,25 +134,32 @@ class VerlBackend(Backend):
         run_dir, checkpoints = Path(run.run_dir), Path(run.inputs.checkpoint_dir)
         max_steps = planned_steps(profile, run.inputs.train_files)
         record, done = read_record(run_dir), tracker_step(checkpoints)
+        if record is not None:  # steps a job trained while no flow followed it (the flow was killed)
+            _record_missing_steps(run_dir, record, _responses_per_step(profile))
         if (record and record.finished) or (done is not None and done >= max_steps):
             final = record.final_step if record and record.finished else done
             progress.note(f"the run was already complete at step {final}: nothing submitted")
             return _result(run_dir, checkpoints, final, min(final, max_steps), None, True)
-        if record is None and done is not None and profile.trainer.resume_mode == "disable":
+        retry_here = record is not None and record.token in _SUBMITTED_HERE
+        if done is not None and profile.trainer.resume_mode == "disable" and not retry_here:
             raise UserError(f"trainer.resume_mode=disable: {checkpoints} already holds this run's checkpoints (step "
                             f"{done}), which verl would write over; choose a new --run-name, or resume_mode=auto")
         client = job_client(run.ray_address)
-        if record is not None and _status(client, record.submission_id) in ("PENDING", "RUNNING"):
-            progress.note(f"following the run's Ray job {record.submission_id} (attempt {record.attempt}), still running")
+        status = job_status(client, record.submission_id) if record is not None else None
+        if status in ("PENDING", "RUNNING") or (status == "SUCCEEDED" and not record.ended):
+            progress.note(f"following the run's Ray job {record.submission_id} (attempt {record.attempt}, {status.lower()})")
         else:
-            record = self._submit_next(profile, run, client, record, progress)
-        keep_metrics_up_to(run_dir / METRICS, done or 0)
-        progress.started(max_steps, done)
-        return self._follow(profile, run, client, record, done, max_steps, progress)
+            record = self._submit_next(profile, run, client, record, done, progress)
+        # Following needs only the job API. A Ray connection (the readiness checks', the flow's node
+        # checks') would make Ray's core abort this process a minute after the head died.
+        disconnect_ray()
+        progress.started(max_steps, record.resumed_from)
+        return self._follow(profile, run, client, record, max_steps, progress)
 
-    def _submit_next(self, profile: RunProfile, run: TrainingRun, client, record: JobRecord | None,
+    def _submit_next(self, profile: RunProfile, run: TrainingRun, client, record: JobRecord | None, done: int | None,
                      progress: TrainingProgress) -> JobRecord:
-        """Check the cluster is ready for the run, then submit the next attempt (recorded first)."""
+        """Check the cluster is ready for the run, then submit the next attempt (recorded first), which
+        resumes from the latest checkpoint: the steps after it are trained again."""
         connect_ray(run.ray_address, run.runtime_env)
         resource = profile.platform.ray_resource
         wait_for_nodes(resource, profile.cluster.nnodes, profile.cluster.devices_per_node,
@@ -157,20 +174,25 @@ class VerlBackend(Backend):
         attempt, token = (record.attempt + 1, record.token) if record else (1, new_token())
         spec = job_spec(profile, inputs, run_dir, run.run_name, run.runtime_env, token, attempt)
         record = JobRecord(token=token, attempt=attempt, submission_id=spec.submission_id, address=client.get_address(),
-                           metrics_file=spec.metrics_file, status="SUBMITTED")
+                           metrics_file=spec.metrics_file, status="SUBMITTED", resumed_from=done)
         write_record(run_dir, record)  # before the submit: a crash in between leaves a job `stop` can find
+        keep_metrics_up_to(run_dir / METRICS, done or 0)
+        _SUBMITTED_HERE.add(token)
         submit(client, spec)
         progress.note(f"submitted Ray job {spec.submission_id} (attempt {attempt}) to {record.address}")
         return record
 
-    def _follow(self, profile: RunProfile, run: TrainingRun, client, record: JobRecord, done: int | None,
-                max_steps: int, progress: TrainingProgress) -> TrainResult:
+    def _follow(self, profile: RunProfile, run: TrainingRun, client, record: JobRecord, max_steps: int,
+                progress: TrainingProgress) -> TrainResult:
         run_dir, checkpoints = Path(run.run_dir), Path(run.inputs.checkpoint_dir)
         sid = record.submission_id
-        responses = profile.data.train_batch_size * profile.algorithm.rollout_n
-        metrics, job_log = VerlMetrics(Path(record.metrics_file), done, responses), JobLog(client, sid)
+        recorded = read_metrics(run_dir / METRICS)
+        metrics = VerlMetrics(Path(record.metrics_file), max((r.step for r in recorded), default=0),
+                              _responses_per_step(profile), record.resumed_from)
+        job_log = JobLog(client, sid)
         tail: deque[str] = deque(maxlen=LOG_LINES_KEPT)
         timeout_s, running_since, last_step_at = profile.trainer.step_timeout_s, None, time.monotonic()
+        answered_at = time.monotonic()
 
         def pass_on(lines: list[str]) -> None:
             nonlocal last_step_at
@@ -183,8 +205,19 @@ class VerlBackend(Backend):
                 last_step_at = time.monotonic()
 
         try:
-            while (status := _status(client, sid)) not in TERMINAL:
+            while True:
+                try:
+                    status = job_status(client, sid)
+                except (OSError, RuntimeError):  # requests' errors are OSErrors
+                    if time.monotonic() - answered_at > answer_timeout_s():
+                        self._lost(run, record, checkpoints)
+                    time.sleep(POLL_S)
+                    continue
+                answered_at = time.monotonic()
+                if status in TERMINAL:
+                    break
                 if status is None:
+                    _save_status(run_dir, record, LOST)
                     raise TrainingInterrupted(f"the Ray cluster no longer knows job {sid} (its head restarted?); the "
                                               f"retry resumes from step {tracker_step(checkpoints) or 0}")
                 pass_on(job_log.lines())
@@ -202,7 +235,7 @@ class VerlBackend(Backend):
             job_log.close()
         final = tracker_step(checkpoints)
         if status == "SUCCEEDED":
-            return self._succeeded(run_dir, checkpoints, record, done, final, max_steps, progress)
+            return self._succeeded(run_dir, checkpoints, record, final, max_steps, progress)
         _save_status(run_dir, record, status)
         if status == "STOPPED":
             raise JobStopped(f"Ray job {sid} was stopped outside this run (ray job stop, the dashboard); run the flow "
@@ -214,33 +247,47 @@ class VerlBackend(Backend):
             f"verl job {sid} failed ({'transient: ' if cause.kind == 'transient' else ''}{cause.line}); the retry "
             f"resumes from step {final or 0}")
 
-    def _succeeded(self, run_dir: Path, checkpoints: Path, record: JobRecord, done: int | None, final: int | None,
-                   max_steps: int, progress: TrainingProgress) -> TrainResult:
+    def _lost(self, run: TrainingRun, record: JobRecord, checkpoints: Path) -> None:
+        """The cluster's job API stopped answering: end the run, saying where it stopped and how to go on.
+        Not retried: the run needs the cluster back (a retry would wait on it again, and find the job gone)."""
+        disconnect_ray()
+        run_dir = Path(run.run_dir)
+        _save_status(run_dir, record, LOST)
+        last = max((r.step for r in read_metrics(run_dir / METRICS)), default=0)
+        checkpoint = tracker_step(checkpoints) or 0
+        raise ClusterLost(
+            f"the Ray cluster at {cluster_address(run.ray_address)[0]} stopped answering (its job API at {record.address}, "
+            f"for {answer_timeout_s():.0f} s) while job {record.submission_id} ran; the run's last step is {last}, its "
+            f"latest checkpoint step {checkpoint}; once the cluster is back, run the flow again with --run-name "
+            f"{run.run_name} to resume from step {checkpoint}")
+
+    def _succeeded(self, run_dir: Path, checkpoints: Path, record: JobRecord, final: int | None, max_steps: int,
+                   progress: TrainingProgress) -> TrainResult:
         if final is None:
             _save_status(run_dir, record, "SUCCEEDED")
             raise UserError(f"verl job {record.submission_id} succeeded but left no checkpoint in {checkpoints} "
                             "(its tracker file latest_checkpointed_iteration.txt is missing); set trainer.save_freq > 0")
-        record = record.model_copy(update={"status": "SUCCEEDED", "final_step": final})
-        write_record(run_dir, record)
-        if done is not None and final <= done:
+        write_record(run_dir, record.model_copy(update={"status": "SUCCEEDED", "final_step": final}))
+        resumed = record.resumed_from
+        if resumed is not None and final <= resumed:
             # verl resumed at its last step: it validates and exits without training (and says success).
             progress.note(f"the run was already complete at step {final} (verl's tracker file): nothing trained")
             return _result(run_dir, checkpoints, final, final, None, True)
         if final < max_steps:
             progress.warn(f"verl ended the run at step {final} of the {max_steps} planned (its own count of the data, "
                           "after filtering overlong prompts)")
-        return _result(run_dir, checkpoints, final, min(max_steps, final), done, False)
+        return _result(run_dir, checkpoints, final, min(max_steps, final), resumed, False)
 
     def stop(self, run_dir: Path) -> bool:
         """Stop the run's job if it is still pending or running (the failure hooks: a cancel from the
         UI, SIGTERM, a crash), and wait until Ray says it ended, so no orphaned job keeps the devices."""
         record = read_record(run_dir)
-        if record is None or record.status in TERMINAL:
+        if record is None or record.ended:
             return False
         try:
             client = job_client(record.address)
             stopped = stop_job(client, record.submission_id)
-            status = _status(client, record.submission_id)
+            status = job_status(client, record.submission_id)
         except Exception as exc:  # the hooks must go on: say why the job could not be stopped
             log.error("could not stop Ray job %s at %s: %s", record.submission_id, record.address, exc)
             return False
@@ -260,48 +307,16 @@ def planned_steps(profile: RunProfile, train_files: list[str]) -> int:
     return max(1, rows // profile.data.train_batch_size) * profile.trainer.total_epochs
 
 
-def job_client(address: str | None):
-    """Ray's job API for the cluster at `address` (GCS, ray:// or the dashboard's http address)."""
-    from ray.job_submission import JobSubmissionClient
-
-    try:
-        return JobSubmissionClient(address)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ClusterNotReady(
-            f"the Ray cluster at {cluster_address(address)[0]} has no job API answering "
-            f"({str(exc).splitlines()[0]}); start the head with its dashboard (ray start --head --include-dashboard=true)"
-        ) from None
+def _responses_per_step(profile: RunProfile) -> int:
+    return profile.data.train_batch_size * profile.algorithm.rollout_n
 
 
-def submit(client, spec: JobSpec) -> bool:
-    """Submit `spec`; False when a job of that submission id was already there (it is followed)."""
-    try:
-        client.submit_job(entrypoint=spec.entrypoint, submission_id=spec.submission_id,
-                          runtime_env=spec.runtime_env, metadata=spec.metadata)
-        return True
-    except RuntimeError as exc:
-        if "already exists" in str(exc):
-            return False
-        raise
-
-
-def stop_job(client, submission_id: str) -> bool:
-    """Ask Ray to stop the job (SIGTERM, then a kill), and wait until it has ended."""
-    stopped = client.stop_job(submission_id)
-    deadline = time.monotonic() + STOP_WAIT_S
-    while _status(client, submission_id) not in TERMINAL and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return stopped
-
-
-def _status(client, submission_id: str) -> str | None:
-    """The job's status, None when the cluster does not know it (a restarted head)."""
-    try:
-        return str(client.get_job_status(submission_id).value)
-    except RuntimeError as exc:
-        if "does not exist" in str(exc) or "404" in str(exc):
-            return None
-        raise
+def _record_missing_steps(run_dir: Path, record: JobRecord, responses_per_step: int) -> None:
+    """Add to metrics.jsonl what the attempts' verl files hold past its last step (each step once)."""
+    missing = steps_missing_from(read_metrics(run_dir / METRICS), record.attempt_metrics_files(), record.resumed_from,
+                                 responses_per_step)
+    for step in missing:
+        append_metrics(run_dir / METRICS, step)
 
 
 def _save_status(run_dir: Path, record: JobRecord, status: str) -> None:

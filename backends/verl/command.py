@@ -200,5 +200,18 @@ def entrypoint(profile: RunProfile) -> list[str]:
     return shlex.split(profile.trainer.entrypoint)
 
 
+def entrypoint_problems(entrypoint: str) -> list[str]:
+    """trainer.entrypoint must be shell words that name a command (the Ray job runs it with the overrides)."""
+    try:
+        words = shlex.split(entrypoint)
+    except ValueError as exc:  # shlex: "No closing quotation", "No escaped character"
+        return [f"trainer.entrypoint={entrypoint!r}: {str(exc).lower()}; close the quote (quotes group a word "
+                "that holds spaces, e.g. python3 '/opt/my trainer/main.py')"]
+    if not words:
+        return ["trainer.entrypoint is empty: it is the command the Ray job runs; leave it out for verl's own "
+                "(python3 -m verl.trainer.main_ppo) or name the trainer to run"]
+    return []
+
+
 def verl_command(profile: RunProfile, inputs: TrainingInputs) -> list[str]:
     return [*entrypoint(profile), *render_overrides(verl_settings(profile, inputs))]

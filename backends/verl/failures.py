@@ -5,8 +5,9 @@
 A transient cause (a collective that timed out, a lost node or worker, a raylet that killed a worker
 for memory) is retried by the train stage, resuming from the latest checkpoint. A config error
 (Hydra composition, a key verl does not have, an assertion in verl's config checks, a layout larger
-than the cluster, a cluster image without verl) fails the run at once, in one line with the job's own message. Anything else is
-retried like a transient fault: its line is shown all the same.
+than the cluster, an entrypoint that cannot start, a cluster image without verl) fails the run at
+once, in one line with the job's own message. Anything else is retried like a transient fault: its
+line is shown all the same.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ CONFIG = [
     r"use_mbridge must be True",
     r"^AssertionError",
     r"Checkpoint tracker file does not exist",
-    # The cluster's image lacks verl (or the entrypoint's interpreter): every attempt would fail the same way.
-    r"ModuleNotFoundError: No module named", r"^/bin/sh: \d+: .*: not found", r"command not found",
+    # The entrypoint cannot start (trainer.entrypoint names a script, module or command the cluster's
+    # image lacks, or the image lacks verl): every attempt would fail the same way.
+    r"\bNo module named\b", r"can't open file", r"^/bin/sh: \d+: .*: not found", r"command not found",
 ]
 _TRANSIENT = re.compile("|".join(TRANSIENT))
 _CONFIG = re.compile("|".join(CONFIG), re.MULTILINE)

@@ -10,6 +10,9 @@
   report and the progress bar work as for the local backend.
 - The last completed step is verl's tracker file, `latest_checkpointed_iteration.txt`, written after
   a `global_step_N/` is complete.
+- The run's own records (metrics.jsonl) are what the flow has passed on. A flow that was killed and
+  runs again first adds what verl's files hold past them (`steps_missing_from`): the steps its jobs
+  trained while no flow followed them, each once, from the attempt that trained it last.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from backends.metrics import StepMetrics
 
 TRACKER = "latest_checkpointed_iteration.txt"
+REWARD = "critic/score/mean"  # only a training step's record has it
 RECONNECT_S = 2.0
 
 
@@ -103,12 +107,13 @@ def _as_shown(line: str) -> str:
 
 
 class VerlMetrics:
-    """verl's file-logger JSONL of one attempt, read as it grows, as the run's step records."""
+    """verl's file-logger JSONL of one attempt, read as it grows, as the run's step records after
+    `after_step`, each marked with the step the attempt resumed from."""
 
-    def __init__(self, path: Path, after_step: int | None, responses_per_step: int):
+    def __init__(self, path: Path, after_step: int | None, responses_per_step: int, resumed_from: int | None):
         self.path, self.offset = Path(path), 0
         self.last_step = after_step or 0
-        self.resumed_from = after_step
+        self.resumed_from = resumed_from
         self.responses_per_step = responses_per_step
 
     def new(self) -> list[StepMetrics]:
@@ -137,6 +142,37 @@ class VerlMetrics:
         return from_verl(step, data, self.responses_per_step, self.resumed_from)
 
 
+def steps_missing_from(run_records: list[StepMetrics], attempt_files: list[Path], resumed_from: int | None,
+                       responses_per_step: int) -> list[StepMetrics]:
+    """The training steps in verl's files of a run's attempts (first to last) after the run's own last
+    record, in order, each from the last attempt that trained it: an attempt that resumed from step N
+    trained the steps after N again. Where an attempt resumed from is its file's first line (verl logs
+    its validation at that step, else its first step); the last attempt's file may have none yet: it
+    resumed from `resumed_from` (None: from scratch)."""
+    chain: dict[int, StepMetrics] = {}
+    for path in attempt_files:
+        start = _resumed_from(path)
+        if start is None and path == attempt_files[-1]:
+            start = resumed_from or 0
+        if start is not None:
+            chain = {step: record for step, record in chain.items() if step <= start}
+            trained = VerlMetrics(path, start, responses_per_step, start or None).new()
+            chain.update((record.step, record) for record in trained)
+    last = max((record.step for record in run_records), default=0)
+    return [chain[step] for step in sorted(chain) if step > last]
+
+
+def _resumed_from(path: Path) -> int | None:
+    """The step an attempt's file starts after, from its first line; None while it has none."""
+    try:
+        with open(path, "rb") as handle:
+            entry = json.loads(handle.readline())
+        step, trained = int(entry["step"]), _number(entry["data"], REWARD) is not None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not verl's
+        return None
+    return step - 1 if trained else step
+
+
 def _number(data: dict, *keys: str) -> float | None:
     for key in keys:
         value = data.get(key)
@@ -148,7 +184,7 @@ def _number(data: dict, *keys: str) -> float | None:
 def from_verl(step: int, data: dict, responses_per_step: int, resumed_from: int | None) -> StepMetrics | None:
     """One verl step's metrics as a `StepMetrics`; None for a record without a training reward (the
     validation verl logs before the first step of an attempt)."""
-    reward = _number(data, "critic/score/mean")
+    reward = _number(data, REWARD)
     if reward is None:
         return None
     step_time = _number(data, "timing_s/step", "perf/time_per_step") or 0.0

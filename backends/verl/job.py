@@ -34,6 +34,8 @@ JOB_RECORD = "job.json"
 FILE_LOGGER_PATH_VAR = "VERL_FILE_LOGGER_PATH"
 # The job's own status values (ray.job_submission.JobStatus).
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+# Not Ray's: the cluster stopped answering while the job ran (its head died with it, or is unreachable).
+LOST = "LOST"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
@@ -55,12 +57,23 @@ class JobRecord(BaseModel):
     submission_id: str
     address: str = Field(..., description="The job API (dashboard) address the job was submitted to.")
     metrics_file: str
-    status: str | None = Field(None, description="The job's status when last seen.")
+    status: str | None = Field(None, description=f"The job's status when last seen ({LOST}: its cluster stopped answering).")
     final_step: int | None = Field(None, description="The run's last step, once a job ended it (SUCCEEDED).")
+    resumed_from: int | None = Field(None, description="The checkpoint step this attempt resumed from (None: from scratch).")
 
     @property
     def finished(self) -> bool:
         return self.status == "SUCCEEDED" and self.final_step is not None
+
+    @property
+    def ended(self) -> bool:
+        """Nothing of the job is left to stop (or to reach)."""
+        return self.status in TERMINAL or self.status == LOST
+
+    def attempt_metrics_files(self) -> list[Path]:
+        """verl's metrics file of every attempt of the run, the first to this one."""
+        stem = self.submission_id.removesuffix(f"-{self.attempt}")
+        return [Path(self.metrics_file).with_name(f"metrics-{stem}-{n}.jsonl") for n in range(1, self.attempt + 1)]
 
 
 def record_path(run_dir: Path) -> Path:

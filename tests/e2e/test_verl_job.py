@@ -1,10 +1,10 @@
 """The verl backend's Ray-job path on a real 2-node Ray cluster: readiness, submit, follow, cancel, resume.
 
 The cluster is `ray.cluster_utils.Cluster` with its dashboard (the job server) on and one custom `NPU`
-on each node; every call goes through Ray's real `JobSubmissionClient`. verl itself needs GPUs/NPUs
-and vLLM, so the job runs `tests/verl_stand_in.py` (`trainer.entrypoint`), which composes the
-submitted overrides through verl 0.9.1's own Hydra config, joins Ray as main_ppo does, and writes
-verl's file-logger JSONL, checkpoints and tracker file.
+on each node (tests/verl_cluster.py); every call goes through Ray's real `JobSubmissionClient`. verl
+itself needs GPUs/NPUs and vLLM, so the job runs `tests/verl_stand_in.py` (`trainer.entrypoint`),
+which composes the submitted overrides through verl 0.9.1's own Hydra config, joins Ray as main_ppo
+does, and writes verl's file-logger JSONL, checkpoints and tracker file.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -25,14 +24,14 @@ import ray
 import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
-from ray.cluster_utils import Cluster
 from ray.job_submission import JobSubmissionClient
 
 from backends import backend_for
 from backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
 from backends.metrics import read_metrics
-from backends.verl.backend import JobStopped, submit
+from backends.verl.backend import JobStopped
 from backends.verl.job import JobRecord, job_spec, read_record, write_record
+from backends.verl.job_api import submit
 from common.hf_shards import HFTensors
 from flows.pipeline import grpo_pipeline
 from flows.plan import plan_run
@@ -42,13 +41,8 @@ from profiles.loader import resolve_profile
 from profiles.schema import DataSection
 from stages.dataset import DataSpec, fetch_dataset
 from stages.environment import resolve_environment
+from verl_cluster import CLUSTER, ENTRYPOINT, EVENT_WAIT_S, flow_process, npu_cluster, submissions, wait_for
 
-ROOT = Path(__file__).resolve().parents[2]
-STAND_IN = ROOT / "tests" / "verl_stand_in.py"
-ENTRYPOINT = f"trainer.entrypoint={sys.executable} {STAND_IN}"
-# 2 nodes x 1 NPU; 6 steps, a checkpoint every 2.
-CLUSTER = ["backend=verl", "cluster.nnodes=2", "cluster.devices_per_node=1", "trainer.total_training_steps=6",
-           "trainer.save_freq=2", ENTRYPOINT]
 NCCL_TIMEOUT = ("RuntimeError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, "
                 "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
 
@@ -56,11 +50,7 @@ NCCL_TIMEOUT = ("RuntimeError: [Rank 1] Watchdog caught collective operation tim
 @pytest.fixture(scope="module")
 def cluster():
     ray.shutdown()  # whatever an earlier test joined: this module's runs join this cluster
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"NPU": 1},
-                                                         "include_dashboard": True, "dashboard_port": 0})
-    made.add_node(num_cpus=2, resources={"NPU": 1})
-    made.wait_for_nodes()
+    made = npu_cluster()
     yield made
     ray.shutdown()
     made.shutdown()
@@ -76,11 +66,7 @@ def dataset(tmp_path_factory):
     return fetch_dataset(DataSpec.from_profile(DataSection(root=str(tmp_path_factory.mktemp("data")))))
 
 
-def _submissions(jobs: JobSubmissionClient, run_name: str) -> list:
-    return [job for job in jobs.list_jobs() if (job.metadata or {}).get("run_name") == run_name]
-
-
-def _assert_entrypoints_end(run_dir: Path, within_s: float = 30.0) -> None:
+def _assert_entrypoints_end(run_dir: Path, within_s: float = EVENT_WAIT_S) -> None:
     """Every entrypoint process the run's jobs started is gone: Ray marks a stopped job STOPPED when
     it has sent SIGTERM, and kills what is left after its stop wait (RAY_JOB_STOP_WAIT_TIME_S, 3 s)."""
     pids = [int(pid) for pid in (run_dir / "stand-in.pids").read_text().split()]
@@ -102,7 +88,7 @@ class Recorder:
     """A `TrainingProgress` that keeps what it was told."""
 
     def __init__(self):
-        self.steps, self.notes, self.lines, self.started_with = [], [], [], None
+        self.steps, self.notes, self.warnings, self.lines, self.started_with = [], [], [], [], None
 
     def started(self, max_steps, resumed_from):
         self.started_with = (max_steps, resumed_from)
@@ -112,6 +98,9 @@ class Recorder:
 
     def note(self, message):
         self.notes.append(message)
+
+    def warn(self, message):
+        self.warnings.append(message)
 
     def output(self, line):
         self.lines.append(line)
@@ -171,7 +160,7 @@ def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluste
     # The profile's env reached a process on each node, the second one included, through the job.
     seen = json.loads((run_dir / "stand-in-env.json").read_text())
     assert len(seen) == 2 and all(v == {"GRPO_TEST_MARK": "on-every-node"} for v in seen.values())
-    (job,) = _submissions(jobs, "full")
+    (job,) = submissions(jobs, "full")
     assert job.status == "SUCCEEDED" and job.metadata["attempt"] == "1" and len(job.metadata["profile_hash"]) == 16
     _, logs = _train_runs_and_logs(state.state_details.flow_run_id)
     assert any(line.startswith("| step:6 - ") for line in logs), "the job's log is streamed into the task's log"
@@ -181,7 +170,7 @@ def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluste
     # The run is finished: running it again submits nothing.
     again = _flow(cluster, tmp_path, "full")
     assert again.is_completed() and again.result()["train"]["already_complete"] is True
-    assert len(_submissions(jobs, "full")) == 1
+    assert len(submissions(jobs, "full")) == 1
 
 
 def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefect_api, cluster, jobs, tmp_path):
@@ -195,7 +184,7 @@ def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefe
     result, run_dir = state.result(), tmp_path / "dist"
     dist = result["model"]["dist_checkpoint"]["path"]
     assert dist.startswith(str(tmp_path / "models")) and (Path(dist) / "manifest.json").is_file()
-    (job,) = _submissions(jobs, "dist")
+    (job,) = submissions(jobs, "dist")
     for role in ("actor", "ref"):
         assert f"actor_rollout_ref.{role}.megatron.use_dist_checkpointing=true" in job.entrypoint
         assert f"actor_rollout_ref.{role}.megatron.dist_checkpointing_path={dist}" in job.entrypoint
@@ -229,7 +218,7 @@ def test_a_transient_failure_is_retried_and_resumes_from_the_checkpoint(prefect_
     assert train_run.run_count == 2
     assert any("(transient: RuntimeError: [Rank 1] Watchdog caught collective operation timeout" in line for line in logs)
     assert any("resuming from checkpoint global_step_2 of 6" in line for line in logs)
-    submitted = sorted(_submissions(jobs, "flaky"), key=lambda job: job.metadata["attempt"])
+    submitted = sorted(submissions(jobs, "flaky"), key=lambda job: job.metadata["attempt"])
     assert [(job.metadata["attempt"], job.status) for job in submitted] == [("1", "FAILED"), ("2", "SUCCEEDED")]
     assert "trainer.resume_mode=auto" in submitted[1].entrypoint
     # Every step once in the run's records, the ones before the failure from the first attempt.
@@ -248,7 +237,7 @@ def test_a_config_error_fails_once_with_the_jobs_own_message(prefect_api, cluste
     assert "Key 'no_such_key' is not in struct" in message
     (train_run,), _ = _train_runs_and_logs(state.state_details.flow_run_id)
     assert train_run.run_count == 1
-    assert [job.status for job in _submissions(jobs, "bad-key")] == ["FAILED"]
+    assert [job.status for job in submissions(jobs, "bad-key")] == ["FAILED"]
 
 
 def test_a_stop_ends_the_job_and_its_entrypoint(cluster, jobs, dataset, tiny_model_dir, tmp_path):
@@ -264,12 +253,10 @@ def test_a_stop_ends_the_job_and_its_entrypoint(cluster, jobs, dataset, tiny_mod
 
     trainer = threading.Thread(target=train)
     trainer.start()
-    deadline = time.monotonic() + 120
-    while not progress.steps:
-        assert time.monotonic() < deadline and trainer.is_alive(), (outcome, progress.lines[-5:])
-        time.sleep(0.2)
+    wait_for(lambda: progress.steps or not trainer.is_alive(), "a first step")
+    assert progress.steps, (outcome, progress.lines[-5:])
     assert backend_for("verl").stop(Path(run.run_dir)) is True
-    trainer.join(timeout=60)
+    trainer.join(timeout=EVENT_WAIT_S)
     record = read_record(Path(run.run_dir))
     assert jobs.get_job_status(record.submission_id) == "STOPPED" and record.status == "STOPPED"
     assert isinstance(outcome["error"], JobStopped)
@@ -282,7 +269,7 @@ def test_a_step_that_never_ends_stops_the_job_and_is_retried(cluster, jobs, data
                                 "trainer.step_timeout_s=3")
     with pytest.raises(TrainingInterrupted, match=r"no training step finished in 3 s \(trainer.step_timeout_s\)"):
         backend_for("verl").train(profile, run, Recorder())
-    (job,) = _submissions(jobs, "hung")
+    (job,) = submissions(jobs, "hung")
     assert job.status == "STOPPED"
 
 
@@ -297,42 +284,58 @@ def test_a_repeated_submit_follows_the_job_already_there(cluster, jobs, dataset,
     progress = Recorder()
     result = backend_for("verl").train(profile, run, progress)
     assert result.steps_done == 6 and progress.steps == [1, 2, 3, 4, 5, 6]
-    assert any("following the run's Ray job grpo-again-cafe01-1 (attempt 1)" in note for note in progress.notes)
-    assert [job.submission_id for job in _submissions(jobs, "again")] == [spec.submission_id]
+    assert any("following the run's Ray job grpo-again-cafe01-1 (attempt 1, " in note for note in progress.notes)
+    assert [job.submission_id for job in submissions(jobs, "again")] == [spec.submission_id]
 
 
-def test_a_run_without_checkpoint_overwrites_is_refused(cluster, dataset, tiny_model_dir, tmp_path):
-    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "fresh", "trainer.resume_mode=disable")
+@pytest.mark.parametrize("job_record", [False, True])
+def test_resume_mode_disable_over_a_runs_checkpoints_is_refused_with_or_without_its_job_record(
+        cluster, jobs, dataset, tiny_model_dir, tmp_path, job_record):
+    """verl would write over the run's checkpoints; a run that failed (its job record at attempt 3) is no
+    exception: only the train stage's own retries resume whatever resume_mode says."""
+    name = f"fresh-{job_record}"
+    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, name, "trainer.resume_mode=disable")
     checkpoints = Path(run.inputs.checkpoint_dir)
     (checkpoints / "global_step_2").mkdir(parents=True)
     (checkpoints / "latest_checkpointed_iteration.txt").write_text("2")
+    if job_record:
+        spec = job_spec(profile, run.inputs, Path(run.run_dir), name, run.runtime_env, "0ld0ne", 3)
+        write_record(Path(run.run_dir), JobRecord(token="0ld0ne", attempt=3, submission_id=spec.submission_id,
+                                                  address=jobs.get_address(), metrics_file=spec.metrics_file,
+                                                  status="FAILED", resumed_from=2))
     with pytest.raises(UserError, match=r"trainer.resume_mode=disable: .* already holds this run's checkpoints \(step 2\)"):
         backend_for("verl").train(profile, run, Recorder())
+    assert submissions(jobs, name) == []
+
+
+@pytest.mark.parametrize(("name", "entrypoint", "cause"), [
+    ("no-script", f"{sys.executable} /nonexistent/main_ppo.py", "can't open file '/nonexistent/main_ppo.py'"),
+    ("no-module", f"{sys.executable} -m verl.trainer.no_such_main", "No module named verl.trainer.no_such_main"),
+    ("no-command", "no-such-trainer", "no-such-trainer: not found"),
+])
+def test_an_entrypoint_that_cannot_start_fails_once_with_its_cause(cluster, jobs, dataset, tiny_model_dir, tmp_path,
+                                                                  name, entrypoint, cause):
+    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, name, f"trainer.entrypoint={entrypoint}")
+    with pytest.raises(UserError) as raised:  # a config error: the train stage does not retry it
+        backend_for("verl").train(profile, run, Recorder())
+    assert str(raised.value).startswith(f"verl job grpo-{name}-") and " failed on its configuration: " in str(raised.value)
+    assert cause in str(raised.value)
+    assert [job.status for job in submissions(jobs, name)] == ["FAILED"]
 
 
 def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, tmp_path):
     """A cancel from the UI or a worker, a killed terminal: the flow process gets SIGTERM, Prefect
     runs the run's hooks, and they stop the Ray job; no entrypoint process is left holding devices.
     The command line, as a user runs it against the cluster."""
-    overrides = [*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
-                 "env.STAND_IN_STEP_S=2", "trainer.total_training_steps=100"]
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
-    env.pop("PREFECT_API_URL", None)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "npu", "--backend", "verl",
-         "--ray-address", cluster.address, "--run-dir", str(tmp_path), "--run-name", "sigterm",
-         "--stages", "fetch_dataset,prepare_checkpoint,train", *(arg for item in overrides for arg in ("--set", item))],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = flow_process(cluster.address, tmp_path, "sigterm", "env.STAND_IN_STEP_S=2", "trainer.total_training_steps=100",
+                           stages="fetch_dataset,prepare_checkpoint,train")
     metrics = tmp_path / "sigterm" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.exists() and metrics.read_text().strip()) and process.poll() is None:
-        assert time.monotonic() < deadline, "training did not start"
-        time.sleep(0.5)
+    wait_for(lambda: metrics.exists() and metrics.read_text().strip(), "a first step in metrics.jsonl", process=process)
     process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=180)
+    output, _ = process.communicate(timeout=EVENT_WAIT_S)
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "stopped by SIGTERM" in output
-    (job,) = _submissions(jobs, "sigterm")
+    (job,) = submissions(jobs, "sigterm")
     assert job.status == "STOPPED", output[-3000:]
     assert read_record(tmp_path / "sigterm").status == "STOPPED"
     _assert_entrypoints_end(tmp_path / "sigterm")
@@ -350,13 +353,13 @@ def test_a_run_verl_ends_early_is_complete_and_a_resume_at_its_end_trains_nothin
     progress = Recorder()
     result = backend_for("verl").train(profile, run, progress)
     assert (result.steps_done, result.max_steps, result.already_complete) == (6, 6, False)
-    assert any("verl ended the run at step 6 of the 128 planned" in note for note in progress.notes)
+    assert any("verl ended the run at step 6 of the 128 planned" in warning for warning in progress.warnings)
     assert backend_for("verl").train(profile, run, Recorder()).already_complete
-    assert len(_submissions(jobs, "short")) == 1
+    assert len(submissions(jobs, "short")) == 1
 
     (Path(run.run_dir) / "verl" / "job.json").unlink()
     progress = Recorder()
     again = backend_for("verl").train(profile, run, progress)
     assert (again.steps_done, again.already_complete, progress.steps) == (6, True, [])
     assert any("already complete at step 6 (verl's tracker file): nothing trained" in note for note in progress.notes)
-    assert [job.status for job in _submissions(jobs, "short")] == ["SUCCEEDED", "SUCCEEDED"]
+    assert [job.status for job in submissions(jobs, "short")] == ["SUCCEEDED", "SUCCEEDED"]

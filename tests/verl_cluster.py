@@ -1,0 +1,78 @@
+"""What the verl job's e2e tests share: a real Ray cluster of NPU nodes, the stand-in entrypoint, and
+the flow's command line run against the cluster as a user runs it (a subprocess that can be killed).
+
+    PYTHONPATH=$PWD python -m pytest -q tests/e2e/test_verl_job.py tests/e2e/test_verl_crashes.py
+
+The cluster is `ray.cluster_utils.Cluster` with its dashboard (the job server) on and one custom `NPU`
+on each node; verl itself needs GPUs/NPUs and vLLM, so the job runs `tests/verl_stand_in.py`.
+Waits are on events (a status, a step in a file) with bounds generous enough for a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ray.cluster_utils import Cluster
+
+from backends.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+STAND_IN = ROOT / "tests" / "verl_stand_in.py"
+ENTRYPOINT = f"trainer.entrypoint={sys.executable} {STAND_IN}"
+# 2 nodes x 1 NPU; 6 steps, a checkpoint every 2.
+CLUSTER = ["backend=verl", "cluster.nnodes=2", "cluster.devices_per_node=1", "trainer.total_training_steps=6",
+           "trainer.save_freq=2", ENTRYPOINT]
+# How long a test waits for an event (a flow's first step, a job's end, a node joining) before it takes
+# it for a hang: on a loaded 2-core machine a flow's start alone (its Prefect API, imports, the dataset
+# and model stages) takes minutes. A bound on a hang, never a timing.
+EVENT_WAIT_S = 300
+
+
+def npu_cluster(nodes: int = 2) -> Cluster:
+    """`nodes` nodes of 2 CPUs and 1 NPU each; the head runs the dashboard (Ray's job API)."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"NPU": 1},
+                                                         "include_dashboard": True, "dashboard_port": 0})
+    for _ in range(nodes - 1):
+        made.add_node(num_cpus=2, resources={"NPU": 1})
+    made.wait_for_nodes()
+    return made
+
+
+def flow_process(address: str, tmp_path: Path, name: str, *overrides: str,
+                 stages: str = "fetch_dataset,prepare_checkpoint,train,report") -> subprocess.Popen:
+    """`python -m flows.grpo` for the tiny model on the cluster, its own Prefect API under tmp_path."""
+    settings = [*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}", *overrides]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "npu", "--backend", "verl",
+         "--ray-address", address, "--run-dir", str(tmp_path), "--run-name", name, "--stages", stages,
+         *(arg for item in settings for arg in ("--set", item))],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(condition: Callable[[], object], what: str, within_s: float = EVENT_WAIT_S,
+             process: subprocess.Popen | None = None):
+    """Poll `condition` until it is true (returned); fail naming `what`, with the process's output if it ended."""
+    deadline = time.monotonic() + within_s
+    while not (found := condition()):
+        if process is not None and process.poll() is not None:
+            output = process.stdout.read()[-3000:]
+            raise AssertionError(f"{what}: the flow ended first (exit {process.returncode}):\n{output}")
+        assert time.monotonic() < deadline, f"{what}: not within {within_s} s"
+        time.sleep(0.2)
+    return found
+
+
+def steps_in(path: Path) -> list[int]:
+    return [record.step for record in read_metrics(path)]
+
+
+def submissions(jobs, run_name: str) -> list:
+    return [job for job in jobs.list_jobs() if (job.metadata or {}).get("run_name") == run_name]
