@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 if TYPE_CHECKING:
     from backends.metrics import StepMetrics
     from profiles.memory import MemoryPlan
+    from profiles.requirements import NodeRequirement
     from profiles.schema import RunProfile
     from stages.evaluate import EvalSettings, Generate
 
@@ -85,6 +86,9 @@ class TrainingProgress(Protocol):
     def output(self, line: str) -> None:
         """A line the training program printed (a remote job's log)."""
 
+    def nodes(self, title: str, table: list[str]) -> None:
+        """What each node of the cluster has (the preflight's markdown table), for the UI."""
+
 
 class Backend(ABC):
     name: str
@@ -117,6 +121,12 @@ class Backend(ABC):
 
         engine = profile.generation.resolved_engine(profile.platform.accelerated)
         return settings, choose_engine(profile.platform, devices_here, engine)
+
+    def node_requirements(self, profile: RunProfile, stage: str) -> dict[str, NodeRequirement]:
+        """What every node of the run's cluster must have for `stage` (`train`, `evaluate`), checked on
+        each node before anything is started there (common/preflight.py); empty for an engine that runs
+        in the flow's own process."""
+        return {}
 
     def submission(self, profile: RunProfile, run: TrainingRun) -> dict | None:
         """What training submits to a cluster, for the dry run; None when it trains in the flow."""

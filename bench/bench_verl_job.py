@@ -63,6 +63,8 @@ class Quiet:
 
     def output(self, line): ...
 
+    def nodes(self, title, table): ...
+
 
 def make_run(cluster, data, work: Path, name: str, steps: int, env: dict[str, str]):
     overrides = ["cluster.nnodes=2", "cluster.devices_per_node=1", f"trainer.total_training_steps={steps}",

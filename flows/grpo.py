@@ -138,6 +138,10 @@ def print_dry_run(plan, as_json: bool) -> None:
             print(f"#   {line}")
     elif note := backend_for(plan.profile.backend).memory_note(plan.profile):
         print(f"# memory plan: {note}")
+    for stage, needs in plan.node_requirements.items():
+        print(f"# node requirements of the {stage} stage (checked on every Ray node before it starts there)")
+        for name, need in needs.items():
+            print(f"#   {need.describe(name)}")
     print("# training command")
     print(format_command(plan.command))
     if job := plan.submission:

@@ -22,6 +22,7 @@ from flows.request import RunRequest
 from profiles.errors import ProfileError, UserError
 from profiles.loader import resolve_run_profile
 from profiles.memory import MemoryPlan
+from profiles.requirements import NodeRequirement
 from profiles.schema import RunProfile
 from stages.dataset import DatasetFiles, DataSpec
 from stages.device import DeviceInfo, detect_device, requested_device
@@ -42,6 +43,8 @@ class RunPlan(BaseModel):
     command: list[str] = Field(..., description="The training command (argv) the run will execute.")
     submission: dict | None = Field(None, description="What training submits to the cluster (a verl Ray job).")
     memory: dict | None = Field(None, description="Device memory per role of the layout (profiles/memory.py).")
+    node_requirements: dict[str, dict[str, NodeRequirement]] = Field(default_factory=dict, description="What every node of the cluster "
+                                               "must have, per stage, checked before the stage starts there.")
 
     def summary(self) -> dict[str, Any]:
         """The dry-run JSON: what the run would do, with secrets redacted."""
@@ -53,6 +56,9 @@ class RunPlan(BaseModel):
             "env": self.env.redacted(),
         }
         summary |= {"memory": self.memory} if self.memory else {}
+        summary |= {"node_requirements": {
+            stage: {name: need.model_dump(exclude={"stages"}, exclude_defaults=True) for name, need in needs.items()}
+            for stage, needs in self.node_requirements.items()}} if self.node_requirements else {}
         return summary | ({"job": self.submission} if self.submission else {})
 
 
@@ -154,8 +160,16 @@ def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     check_run_dir(run_dir, dry_run)
     run = TrainingRun(inputs=training_inputs(profile, run_dir), run_dir=str(run_dir), run_name=run_dir.name,
                       devices_here=device.count, ray_address=request.ray_address, runtime_env=env.ray_runtime_env())
+    backend = backend_for(profile.backend)
     return RunPlan(
         run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
-        command=training_command(request, profile, run_dir), submission=backend_for(profile.backend).submission(profile, run),
-        memory=memory.summary() if memory else None,
+        command=training_command(request, profile, run_dir), submission=backend.submission(profile, run),
+        memory=memory.summary() if memory else None, node_requirements=node_requirements(profile),
     )
+
+
+def node_requirements(profile: RunProfile) -> dict[str, dict[str, NodeRequirement]]:
+    """What the backend checks on the cluster's nodes, per stage (`train`, `evaluate`) it runs there."""
+    backend = backend_for(profile.backend)
+    found = {stage: backend.node_requirements(profile, stage) for stage in ("train", "evaluate")}
+    return {stage: needs for stage, needs in found.items() if needs}

@@ -142,6 +142,9 @@ class StepLog:
     def output(self, line: str) -> None:
         self.logger.info("| %s", line)
 
+    def nodes(self, title: str, table: list[str]) -> None:
+        create_markdown_artifact(key="node-images", markdown="\n".join(table) + "\n", description=title)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

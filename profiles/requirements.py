@@ -16,6 +16,8 @@ Ray offers on it (NVML's count for GPUs, /dev/davinci* for NPUs).
 
 from __future__ import annotations
 
+from typing import Literal, NamedTuple
+
 from pydantic import BaseModel, Field
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -37,9 +39,22 @@ class NodeRequirement(Section):
     registry: str | None = Field(None, description="`module:attribute` of the package's registry of models (a dict "
                                  "or a function that lists them), which must hold `knows`.")
     knows: str | None = Field(None, description="The model name (`model_type` or architecture) the registry must hold.")
+    stages: list[Literal["train", "evaluate"]] = Field(["train", "evaluate"], description="The cluster stages that "
+                                                       "need it (a training library is not needed to evaluate).")
     why: str = Field("", description="What needs it, for the message.")
     fix: str = Field("", description="How to fix a node that lacks it (a package and version, or a profile setting "
                      "that avoids it).")
+
+    def describe(self, name: str) -> str:
+        """One line for the dry run: what is checked, and why."""
+        checks = [f"{self.torch_build} build"] if self.torch_build else []
+        checks += [f"same release as {self.same_release_as}"] if self.same_release_as else []
+        checks += [f"imports {', '.join(self.imports)}"] if self.imports else []
+        checks += [f"knows {self.knows}"] if self.registry and self.knows else []
+        checks += [f"or {', '.join(self.also_named)}"] if self.also_named else []
+        shown = "at least the devices Ray offers" if name == "devices" else name + self.version
+        detail = " (" + "; ".join(checks) + ")" if checks else ""
+        return f"{shown}{detail}{': ' + self.why if self.why else ''}"
 
     def check_version(self, found: str) -> bool:
         try:
@@ -71,45 +86,57 @@ def _release(version: str | None) -> tuple[int, ...] | None:
         return None
 
 
-def node_problems(facts: NodeFacts, requirements: dict[str, NodeRequirement | None]) -> list[str]:
-    """What this node lacks for the job, each naming what was found and the fix."""
-    problems = []
-    for name, need in requirements.items():
-        if need is None:
-            continue
-        fix = f"; fix: {need.fix}" if need.fix else ""
-        why = f" ({need.why})" if need.why else ""
-        if name == "devices":
-            if facts.devices < facts.devices_offered:
-                problems.append(f"Ray offers {facts.devices_offered:g} devices here but the node has {facts.devices}{why}"
-                                f"{fix}")
-            continue
-        found = facts.versions.get(name)
-        shown = facts.installed_as.get(name, name)
-        if found is None:
-            problems.append(f"{name} is not installed{why}{fix}")
-            continue
-        if need.torch_build and not (facts.torch_build or "").startswith(need.torch_build):
-            problems.append(f"{shown} {found} is a {facts.torch_build} build, the job needs a {need.torch_build} "
-                            f"build{why}{fix}")
-            continue
-        if not need.check_version(found):
-            problems.append(f"{shown} {found} is installed, the job needs {name}{need.version}{why}{fix}")
-            continue
-        if need.same_release_as:
-            other = facts.versions.get(need.same_release_as)
-            if _release(found) != _release(other):
-                problems.append(f"{shown} {found} does not match {need.same_release_as} {other or '(not installed)'}: "
-                                f"their releases must be the same{why}{fix}")
-                continue
-        if failed := [f"{module} ({error})" for module in need.imports if (error := facts.imports.get(module))]:
-            problems.append(f"{shown} {found} is installed but does not import: {'; '.join(failed)}{why}{fix}")
-            continue
-        if need.registry and need.knows:
-            held = facts.registries.get(need.registry)
-            if isinstance(held, str):
-                problems.append(f"{shown} {found}: its registry {need.registry} could not be read ({held}){why}{fix}")
-            elif need.knows not in (held or []):
-                problems.append(f"{shown} {found} does not know {need.knows} (it knows {', '.join(sorted(held or []))})"
-                                f"{why}{fix}")
-    return problems
+class NodeProblem(NamedTuple):
+    """One thing a node lacks: what was found against what is needed, and the requirement (why, fix)."""
+
+    found: str
+    need: NodeRequirement
+
+    def __str__(self) -> str:
+        why = f" ({self.need.why})" if self.need.why else ""
+        return f"{self.found}{why}{'; fix: ' + self.need.fix if self.need.fix else ''}"
+
+
+KNOWN_SHOWN = 12  # a registry's names listed in a refusal, then counted
+
+
+def node_problems(facts: NodeFacts, requirements: dict[str, NodeRequirement | None]) -> list[NodeProblem]:
+    """What this node lacks for the job, each naming what was found."""
+    return [NodeProblem(found, need) for name, need in requirements.items()
+            if need is not None and (found := _problem(name, need, facts))]
+
+
+def _problem(name: str, need: NodeRequirement, facts: NodeFacts) -> str | None:
+    if name == "devices":
+        if facts.devices < facts.devices_offered:
+            return f"Ray offers {facts.devices_offered:g} devices here but the node has {facts.devices}"
+        return None
+    found = facts.versions.get(name)
+    shown = facts.installed_as.get(name, name)
+    if found is None:
+        return f"{name} is not installed"
+    if need.torch_build and not (facts.torch_build or "").startswith(need.torch_build):
+        return f"{shown} {found} is a {facts.torch_build} build, the job needs a {need.torch_build} build"
+    if not need.check_version(found):
+        return f"{shown} {found} is installed, the job needs {name}{need.version}"
+    if need.same_release_as:
+        other = facts.versions.get(need.same_release_as)
+        if _release(found) != _release(other):
+            return (f"{shown} {found} does not match {need.same_release_as} {other or '(not installed)'}: their "
+                    "releases must be the same")
+    if failed := [f"{module}: {error}" for module in need.imports if (error := facts.imports.get(module))]:
+        return f"{shown} {found} is installed but does not import ({'; '.join(failed)})"
+    if need.registry and need.knows:
+        held = facts.registries.get(need.registry)
+        if isinstance(held, str):
+            return f"{shown} {found}: its list of models ({need.registry}) could not be read: {held}"
+        if need.knows not in (held or []):
+            names = sorted(held or [])
+            more = f" and {len(names) - KNOWN_SHOWN} more" if len(names) > KNOWN_SHOWN else ""
+            return f"{shown} {found} does not know {need.knows} (it knows {', '.join(names[:KNOWN_SHOWN]) or 'none'}{more})"
+    return None
+
+
+def for_stage(requirements: dict[str, NodeRequirement | None], stage: str) -> dict[str, NodeRequirement]:
+    """The requirements a stage needs (those dropped with `null` left out)."""
+    return {name: need for name, need in requirements.items() if need is not None and stage in need.stages}

@@ -19,6 +19,7 @@ import yaml
 
 from backends.metrics import METRICS, read_metrics
 from common.files import write_text_atomic
+from common.preflight import PREFLIGHT_FILE, Preflight
 from profiles.memory import MemoryPlan, memory_table
 
 REPORT = "report.md"
@@ -155,6 +156,14 @@ class _Embedded(_Files):
         return f"{label + ': ' if label else ''}`{full}`"
 
 
+def _preflight(run_dir: Path) -> Preflight | None:
+    """The cluster preflight's answers, when the run asked its nodes (a damaged file is left out)."""
+    try:
+        return Preflight.model_validate_json((run_dir / PREFLIGHT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def write_report(run_dir: Path, **parts: Any) -> Path:
     """Write report.md (and its plots) from what the run produced; every part may be missing (see `render`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +194,8 @@ def render(
 ) -> str:
     parts = [f"# GRPO run `{run_dir.name}`", "", f"Run folder `{run_dir}` on host `{socket.gethostname()}`.", ""]
     if failure:
-        parts += [f"> **The run failed.** {failure}", ""]
+        # A refusal names a line per node: each stays in the quote.
+        parts += ["\n".join(f"> {line}" for line in f"**The run failed.** {failure}".splitlines()), ""]
         last = read_metrics(run_dir / METRICS)
         parts += [f"- last completed training step: {last[-1].step if last else 'none'}",
                   f"- stopped: {', '.join(stopped) if stopped else 'nothing was running'}", ""]
@@ -218,6 +228,9 @@ def render(
     if profile and (memory := _memory_plan(profile, device or {})):
         parts += ["## Memory plan", "", "Estimated device memory per role of the layout (profiles/memory.py):", ""]
         parts += memory_table(memory.summary()) + [""]
+    if checked := _preflight(run_dir):
+        parts += ["## Nodes", "", f"What each node's image has, asked before the job was submitted ({checked.summary_line()}):",
+                  "", *checked.table(), ""]
     if timings:
         total = sum(timings.values())
         parts += ["## Time per stage", "", "| stage | seconds | share |", "|---|---|---|"]

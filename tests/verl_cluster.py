@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,26 +21,31 @@ from pathlib import Path
 from ray.cluster_utils import Cluster
 
 from backends.metrics import read_metrics
+from node_images import node_image
 
 ROOT = Path(__file__).resolve().parents[1]
 STAND_IN = ROOT / "tests" / "verl_stand_in.py"
 ENTRYPOINT = f"trainer.entrypoint={sys.executable} {STAND_IN}"
-# 2 nodes x 1 NPU; 6 steps, a checkpoint every 2.
+# 2 nodes x 1 NPU; 6 steps, a checkpoint every 2. The nodes' NPUs are a Ray resource only: the
+# preflight's check of the devices a node has (/dev/davinci*) is dropped.
 CLUSTER = ["backend=verl", "cluster.nnodes=2", "cluster.devices_per_node=1", "trainer.total_training_steps=6",
-           "trainer.save_freq=2", ENTRYPOINT]
+           "trainer.save_freq=2", ENTRYPOINT, "requires.devices=null"]
 # How long a test waits for an event (a flow's first step, a job's end, a node joining) before it takes
 # it for a hang: on a loaded 2-core machine a flow's start alone (its Prefect API, imports, the dataset
 # and model stages) takes minutes. A bound on a hang, never a timing.
 EVENT_WAIT_S = 300
 
 
-def npu_cluster(nodes: int = 2) -> Cluster:
-    """`nodes` nodes of 2 CPUs and 1 NPU each; the head runs the dashboard (Ray's job API)."""
+def npu_cluster(nodes: int = 2, images: list[dict[str, str]] | None = None) -> Cluster:
+    """`nodes` nodes of 2 CPUs and 1 NPU each; the head runs the dashboard (Ray's job API). Each node
+    runs with its image (tests/node_images.py: the raylet's environment); by default a healthy one,
+    which the preflight passes."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"NPU": 1},
+    images = images or [node_image(Path(tempfile.mkdtemp(prefix="node-image-")))] * nodes
+    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"NPU": 1}, "env_vars": images[0],
                                                          "include_dashboard": True, "dashboard_port": 0})
-    for _ in range(nodes - 1):
-        made.add_node(num_cpus=2, resources={"NPU": 1})
+    for image in images[1:]:
+        made.add_node(num_cpus=2, resources={"NPU": 1}, env_vars=image)
     made.wait_for_nodes()
     return made
 

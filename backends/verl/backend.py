@@ -14,7 +14,9 @@ attempt of the train stage:
    (only the stage's own retries resume whatever it says);
 2. follows the run's job if it is still pending or running, or ended while no flow followed it, else
    waits until the cluster has the nodes and devices the layout needs and every node can read the
-   data and the model and write the checkpoints, then submits the next attempt (backends/verl/job.py);
+   data and the model and write the checkpoints, and every node's image is shown able to run the job
+   (common/preflight.py: verl, megatron-core, the bridge and that it knows the model, the device's
+   runtime, the recipe's layers), then submits the next attempt (backends/verl/job.py);
 3. lets go of Ray (following needs only the job API), streams the job's log into the task's log and
    verl's per-step metrics into the run's records (backends/verl/follow.py), and stops the job when
    no step ends within trainer.step_timeout_s;
@@ -42,6 +44,9 @@ from backends.verl.failures import diagnose
 from backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
 from backends.verl.job import JOB_DIR, LOST, TERMINAL, JobRecord, job_spec, new_token, read_record, write_record
 from backends.verl.job_api import job_client, job_status, stop_job, submit
+from backends.verl.requirements import verl_requirements
+from common.files import write_json_atomic
+from common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
 from common.ray_cluster import (
     ClusterLost, answer_timeout_s, check_paths_on_nodes, cluster_address, connect_ray, disconnect_ray, parse_ray_address,
     wait_for_nodes,
@@ -49,6 +54,7 @@ from common.ray_cluster import (
 from profiles.errors import UserError
 from profiles.memory import MemoryPlan, plan_for
 from profiles.model_size import size_problems
+from profiles.requirements import NodeRequirement, for_stage
 from profiles.schema import RunProfile
 from profiles.validation import batch_problems, layout_problems, rollout_problems
 
@@ -76,11 +82,19 @@ class VerlBackend(Backend):
             return f"not estimated, {'; '.join(problems)}"
         return None
 
+    def node_requirements(self, profile: RunProfile, stage: str) -> dict[str, NodeRequirement]:
+        return for_stage({**verl_requirements(profile), **profile.requires}, stage)
+
     def evaluation(self, profile, settings, devices_here, ray_address, runtime_env):
         """On the run's cluster (the policy is too big for the flow's host): one engine per `rollout.tp`
-        devices, each a Ray task on the nodes."""
+        devices, each a Ray task on the nodes, once every node is shown able to run its engine."""
         from stages.evaluate import on_cluster
 
+        connect_ray(ray_address, runtime_env)
+        checked = run_preflight(self.node_requirements(profile, "evaluate"), profile.platform.ray_resource, "evaluate")
+        log.info(checked.summary_line())
+        if refusal := checked.refusal():
+            raise NodesCannotRun(refusal)
         devices = profile.cluster.nnodes * profile.cluster.devices_per_node
         engine = on_cluster(profile.platform, max(1, devices // profile.rollout.tp), profile.rollout.tp, ray_address,
                             runtime_env)
@@ -171,6 +185,12 @@ class VerlBackend(Backend):
                       "model.root": [inputs.model_path, *filter(None, [inputs.dist_checkpoint_path])]},
             writable={"--run-dir": [inputs.checkpoint_dir, str(run_dir / JOB_DIR)]},
         )
+        checked = run_preflight(self.node_requirements(profile, "train"), resource, "train")
+        write_json_atomic(run_dir / PREFLIGHT_FILE, checked.model_dump(mode="json"))
+        progress.note(checked.summary_line())
+        progress.nodes(f"What each node's image has ({checked.stage} stage)", checked.table())
+        if refusal := checked.refusal():
+            raise NodesCannotRun(refusal)
         attempt, token = (record.attempt + 1, record.token) if record else (1, new_token())
         spec = job_spec(profile, inputs, run_dir, run.run_name, run.runtime_env, token, attempt)
         record = JobRecord(token=token, attempt=attempt, submission_id=spec.submission_id, address=client.get_address(),

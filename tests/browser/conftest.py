@@ -77,7 +77,10 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: playwright's sync API runs an event loop on the main thread while it is
+# open, and Prefect's sync-compatible calls in every later test module would see it and return
+# coroutines ("'coroutine' object is not subscriptable").
+@pytest.fixture(scope="module")
 def ui(tmp_path_factory):
     """A Prefect server with its UI on 127.0.0.1 (SQLite under a fresh PREFECT_HOME; its services run,
     as a real server's do, except the scheduler: no scheduled run of a deployment competes with the
@@ -116,7 +119,7 @@ def ui(tmp_path_factory):
         log.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(ui):
     from playwright.sync_api import sync_playwright
 

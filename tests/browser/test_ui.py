@@ -73,6 +73,16 @@ def artifacts_of(ui, flow_run_id) -> dict:
     return {artifact.key: artifact for artifact in found}
 
 
+def report_of(ui, flow_run_id, timeout_s: float = 120):
+    """The run's `run-report` artifact. A failed run's report is published by its on_failure hook,
+    which Prefect runs after the Failed state is already visible: wait for it."""
+    deadline = time.monotonic() + timeout_s
+    while "run-report" not in (found := artifacts_of(ui, flow_run_id)):
+        assert time.monotonic() < deadline, f"no run-report artifact after {timeout_s:.0f} s: {sorted(found)}"
+        time.sleep(1)
+    return found["run-report"]
+
+
 def logs_of(ui, flow_run_id) -> list[str]:
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
@@ -138,7 +148,7 @@ def test_a_run_that_fails_on_its_profile_says_one_line_and_publishes_its_report(
     assert "\n" not in done.state.message
     logs = logs_of(ui, flow_run.id)
     assert not any("Traceback" in line for line in logs), logs
-    report = artifacts_of(ui, flow_run.id)["run-report"]
+    report = report_of(ui, flow_run.id)
     page.goto(f"{ui['base']}/artifacts/artifact/{report.id}", wait_until="networkidle")
     page.get_by_text("The run failed.").first.wait_for()
     screenshot(page, "ui-failed-report")
@@ -159,7 +169,7 @@ def test_a_cancel_from_the_ui_ends_every_process_of_the_run_and_reports_it(ui, p
     done = wait_for_state(ui, flow_run.id, lambda state: state.is_cancelled(), timeout_s=300)
     gone, alive = psutil.wait_procs(run_processes, timeout=60)
     assert alive == [], [p.info for p in alive]
-    report = artifacts_of(ui, flow_run.id)["run-report"]
+    report = report_of(ui, flow_run.id)
     assert "was cancelled" in report.description
     task_runs = ui["api"](lambda c: c.read_task_runs())
     train = [run for run in task_runs if run.flow_run_id == flow_run.id and run.name.startswith("train")]

@@ -89,6 +89,7 @@ class Recorder:
 
     def __init__(self):
         self.steps, self.notes, self.warnings, self.lines, self.started_with = [], [], [], [], None
+        self.tables = []
 
     def started(self, max_steps, resumed_from):
         self.started_with = (max_steps, resumed_from)
@@ -104,6 +105,9 @@ class Recorder:
 
     def output(self, line):
         self.lines.append(line)
+
+    def nodes(self, title, table):
+        self.tables.append(table)
 
 
 def _backend_run(cluster, dataset, tiny_model_dir, tmp_path, name: str, *overrides: str):
