@@ -21,13 +21,12 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from profiles.requirements import NodeFacts, NodeRequirement
 
-PROBE_TIMEOUT_S = 120
-IMPORT_TIMEOUT_S = 180
 # Always reported, whatever the profile asks: the stack a person needs to see to tell two images apart.
 STACK = ("torch", "torch-npu", "transformers", "ray", "verl", "megatron-core", "mbridge", "megatron-bridge",
          "transformer-engine", "flash-linear-attention", "vllm", "vllm-ascend")
@@ -95,7 +94,7 @@ def _installed(name: str, need: NodeRequirement | None) -> tuple[str | None, str
     return None, name
 
 
-def look(requirements: dict[str, dict | None]) -> dict:
+def look(requirements: dict[str, dict | None], timeout_s: float) -> dict:
     """On a node: the facts the requirements ask about (NodeFacts, as a dict without the node's name)."""
     needs = {name: NodeRequirement.model_validate(spec) for name, spec in requirements.items() if spec is not None}
     driver, gpus = _nvidia()
@@ -110,66 +109,69 @@ def look(requirements: dict[str, dict | None]) -> dict:
     npus = len(glob.glob("/dev/davinci[0-9]*"))
     deep = {"imports": sorted({m for n, need in needs.items() if versions.get(n) for m in need.imports}),
             "registries": sorted({need.registry for n, need in needs.items() if versions.get(n) and need.registry})}
-    answers = _import_in_child(deep) if deep["imports"] or deep["registries"] else {"imports": {}, "registries": {}}
+    # The child gets most of the node's time: a hung import is then named, not a silent node.
+    answers = {"imports": {}, "registries": {}}
+    if deep["imports"] or deep["registries"]:
+        answers = _import_in_child(deep, 0.8 * timeout_s)
     return {"versions": versions, "installed_as": installed_as, "torch_build": _torch_build(),
             "devices": max(gpus, npus), **answers}
 
 
-# The child: import each module, read each registry, one JSON line per answer (what a crash leaves
-# unanswered is the step it died in).
+# The child: import each module or read each registry it is given, a marked JSON line before and after
+# each (a module may print too); what a crash leaves unanswered is the step it died in.
+_MARK = "@grpo-preflight@ "
 _CHILD = r"""
 import importlib, json, sys
-asked = json.loads(sys.argv[1])
-for module in asked["imports"]:
-    print(json.dumps(["import", module, None]), flush=True)
+MARK = "@grpo-preflight@ "
+for kind, name in json.loads(sys.argv[1]):
+    print(MARK + json.dumps([kind, name, None]), flush=True)
     try:
-        importlib.import_module(module)
-        print(json.dumps(["import", module, "ok"]), flush=True)
-    except BaseException as exc:
-        print(json.dumps(["import", module, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]]), flush=True)
-for registry in asked["registries"]:
-    print(json.dumps(["registry", registry, None]), flush=True)
-    module, _, attribute = registry.partition(":")
-    try:
+        module, _, attribute = name.partition(":")
         found = importlib.import_module(module)
-        for part in attribute.split("."):
+        for part in filter(None, attribute.split(".")):
             found = getattr(found, part)
-        names = found() if callable(found) else found
-        print(json.dumps(["registry", registry, sorted(map(str, names))]), flush=True)
+        answer = "ok" if kind == "import" else sorted(map(str, found() if callable(found) else found))
     except BaseException as exc:
-        print(json.dumps(["registry", registry, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]]), flush=True)
+        answer = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    print(MARK + json.dumps([kind, name, answer]), flush=True)
 """
 
 
-def _import_in_child(asked: dict) -> dict:
+def _import_in_child(asked: dict, timeout_s: float) -> dict:
+    """Import the modules and read the registries in child processes, within `timeout_s` in all: an
+    import that crashes its process is named, and a fresh child goes on with the rest."""
     answers: dict[str, dict] = {"imports": {}, "registries": {}}
-    try:
-        done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(asked)], capture_output=True, text=True,
-                              timeout=IMPORT_TIMEOUT_S)
-        output, ended = done.stdout, f"the importing process ended with exit code {done.returncode}"
-    except subprocess.TimeoutExpired as exc:
-        output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        ended = f"the import did not finish in {IMPORT_TIMEOUT_S} s"
-    started = None
-    for line in output.splitlines():
-        kind, name, answer = json.loads(line)
-        if answer is None:
-            started = (kind, name)
-            continue
+    todo = [["import", module] for module in asked["imports"]] + [["registry", r] for r in asked["registries"]]
+    deadline = time.monotonic() + timeout_s
+    while todo:
+        try:
+            done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(todo)], capture_output=True, text=True,
+                                  timeout=max(0.1, deadline - time.monotonic()))
+            output, ended, more = done.stdout, f"the importing process ended with exit code {done.returncode}", True
+        except subprocess.TimeoutExpired as exc:
+            output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            ended, more = f"the import did not finish in {timeout_s:.0f} s", False
         started = None
-        if kind == "import":
-            answers["imports"][name] = None if answer == "ok" else answer
-        else:
-            answers["registries"][name] = answer
-    for module in asked["imports"]:
-        answers["imports"].setdefault(module, ended if started == ("import", module) else "not reached: " + ended)
-    for registry in asked["registries"]:
-        answers["registries"].setdefault(registry, ended if started == ("registry", registry) else "not reached: " + ended)
+        for line in output.splitlines():
+            if not line.startswith(_MARK):
+                continue
+            kind, name, answer = json.loads(line[len(_MARK):])
+            started = [kind, name] if answer is None else None
+            if answer is not None:
+                answers["imports" if kind == "import" else "registries"][name] = None if answer == "ok" else answer
+                todo.remove([kind, name])
+        if started is None:  # it died before it began the next one (or the child itself failed)
+            more = False
+        for kind, name in list(todo):
+            if [kind, name] == started or not more:
+                answers["imports" if kind == "import" else "registries"][name] = (
+                    ended if [kind, name] == started else f"not reached: {ended}")
+                todo.remove([kind, name])
     return answers
 
 
 def probe_nodes(requirements: dict[str, NodeRequirement | None], resource: str | None,
-                timeout_s: float = PROBE_TIMEOUT_S) -> tuple[list[NodeFacts], list[str]]:
+                timeout_s: float) -> tuple[list[NodeFacts], list[str]]:
     """Every alive node's facts, and a line for each node that did not answer within `timeout_s`. Ray
     must already be initialised with the run's runtime env (the caller owns the connection)."""
     import ray
@@ -181,7 +183,7 @@ def probe_nodes(requirements: dict[str, NodeRequirement | None], resource: str |
     remote = ray.remote(num_cpus=0, max_retries=0)(look)
     nodes = [node for node in ray.nodes() if node["Alive"]]
     pending = {remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-               .remote(specs): node for node in nodes}
+               .remote(specs, timeout_s): node for node in nodes}
     ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
     facts, silent = [], []
     for ref in ready:
@@ -196,8 +198,9 @@ def probe_nodes(requirements: dict[str, NodeRequirement | None], resource: str |
         facts.append(NodeFacts(node=node_label(node), devices_offered=offered, **answer))
     for ref in late:
         ray.cancel(ref, force=True)
-        silent.append(f"node {node_label(pending[ref])}: no answer in {timeout_s:.0f} s (is its raylet overloaded or "
-                      "hung?)")
+        silent.append(f"node {node_label(pending[ref])}: did not answer the preflight in {timeout_s:.0f} s (its Ray "
+                      "workers did not start, or hung: see the node's Ray logs; cluster.preflight_timeout_s sets "
+                      "the wait)")
     return sorted(facts, key=lambda f: f.node), silent
 
 

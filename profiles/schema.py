@@ -130,6 +130,12 @@ class ClusterSection(Section):
         description="verl backend: how long the train stage waits for `nnodes` alive Ray nodes offering "
         "`devices_per_node` devices each (nodes still joining) before it gives up, naming what is missing.",
     )
+    preflight_timeout_s: int = Field(
+        120, gt=0,
+        description="verl backend: how long each node has to answer the preflight (what its image has: a Ray task "
+        "that reads package metadata and imports what the run needs, in a child process) before it is named as "
+        "not answering and the run is refused.",
+    )
 
 
 class DataSection(Section):

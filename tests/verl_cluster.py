@@ -39,13 +39,14 @@ EVENT_WAIT_S = 300
 def npu_cluster(nodes: int = 2, images: list[dict[str, str]] | None = None) -> Cluster:
     """`nodes` nodes of 2 CPUs and 1 NPU each; the head runs the dashboard (Ray's job API). Each node
     runs with its image (tests/node_images.py: the raylet's environment); by default a healthy one,
-    which the preflight passes."""
+    which the preflight passes. `ordered_nodes`: the nodes in the order of `images`."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     images = images or [node_image(Path(tempfile.mkdtemp(prefix="node-image-")))] * nodes
     made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"NPU": 1}, "env_vars": images[0],
                                                          "include_dashboard": True, "dashboard_port": 0})
+    made.ordered_nodes = [made.head_node]
     for image in images[1:]:
-        made.add_node(num_cpus=2, resources={"NPU": 1}, env_vars=image)
+        made.ordered_nodes.append(made.add_node(num_cpus=2, resources={"NPU": 1}, env_vars=image))
     made.wait_for_nodes()
     return made
 

@@ -91,7 +91,8 @@ class VerlBackend(Backend):
         from stages.evaluate import on_cluster
 
         connect_ray(ray_address, runtime_env)
-        checked = run_preflight(self.node_requirements(profile, "evaluate"), profile.platform.ray_resource, "evaluate")
+        checked = run_preflight(self.node_requirements(profile, "evaluate"), profile.platform.ray_resource, "evaluate",
+                                profile.cluster.preflight_timeout_s)
         log.info(checked.summary_line())
         if refusal := checked.refusal():
             raise NodesCannotRun(refusal)
@@ -179,18 +180,19 @@ class VerlBackend(Backend):
         wait_for_nodes(resource, profile.cluster.nnodes, profile.cluster.devices_per_node,
                        profile.cluster.ready_timeout_s, progress.note)
         inputs, run_dir = run.inputs, Path(run.run_dir)
+        checked = run_preflight(self.node_requirements(profile, "train"), resource, "train",
+                                profile.cluster.preflight_timeout_s)
+        write_json_atomic(run_dir / PREFLIGHT_FILE, checked.model_dump(mode="json"))
+        progress.note(checked.summary_line())
+        progress.nodes(f"What each node's image has ({checked.stage} stage)", checked.table())
+        if refusal := checked.refusal():
+            raise NodesCannotRun(refusal)
         check_paths_on_nodes(
             entries={},
             readable={"data.root": [*inputs.train_files, *inputs.val_files],
                       "model.root": [inputs.model_path, *filter(None, [inputs.dist_checkpoint_path])]},
             writable={"--run-dir": [inputs.checkpoint_dir, str(run_dir / JOB_DIR)]},
         )
-        checked = run_preflight(self.node_requirements(profile, "train"), resource, "train")
-        write_json_atomic(run_dir / PREFLIGHT_FILE, checked.model_dump(mode="json"))
-        progress.note(checked.summary_line())
-        progress.nodes(f"What each node's image has ({checked.stage} stage)", checked.table())
-        if refusal := checked.refusal():
-            raise NodesCannotRun(refusal)
         attempt, token = (record.attempt + 1, record.token) if record else (1, new_token())
         spec = job_spec(profile, inputs, run_dir, run.run_name, run.runtime_env, token, attempt)
         record = JobRecord(token=token, attempt=attempt, submission_id=spec.submission_id, address=client.get_address(),

@@ -170,6 +170,10 @@ def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluste
     assert any(line.startswith("| step:6 - ") for line in logs), "the job's log is streamed into the task's log"
     assert sum(line.startswith("| Total training steps: 6") for line in logs) == 1, "each job line once"
     assert any("backend: verl (--backend verl)" in line for line in logs)
+    # Every node's image passed the preflight before the job was submitted; the report shows what they have.
+    assert any(line.startswith("preflight: 2 nodes answered in ") and line.endswith("every node can run the train stage")
+               for line in logs)
+    assert "## Nodes" in report and "| can run train | yes |" in report
 
     # The run is finished: running it again submits nothing.
     again = _flow(cluster, tmp_path, "full")
