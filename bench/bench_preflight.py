@@ -70,7 +70,8 @@ def submit_to_running(address: str, runtime_env: dict) -> float:
 
 
 def measure(nodes: int, rounds: int, image: dict[str, str]) -> dict:
-    profile = resolve_profile("tiny", "npu", "verl", overrides=[f"cluster.nnodes={nodes}", "cluster.devices_per_node=1",
+    # What is required does not depend on the layout; the preflight asks every alive node.
+    profile = resolve_profile("tiny", "npu", "verl", overrides=["cluster.nnodes=2", "cluster.devices_per_node=1",
                                                                  "requires.devices=null"])
     needs = backend_for("verl").node_requirements(profile, "train")
     runtime_env = resolve_environment(profile, ray_address=None).ray_runtime_env()

@@ -149,3 +149,20 @@ def test_a_node_that_does_not_answer_is_named_within_the_timeout(tmp_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_the_cluster_evaluation_checks_only_what_its_engines_need(mixed, tmp_path):
+    from stages.evaluate import EvalSettings
+
+    cluster, labels = mixed
+    profile = resolve_profile("tiny", "npu", overrides=[*CLUSTER, "cluster.nnodes=4"])
+    try:
+        with pytest.raises(NodesCannotRun) as refused:
+            backend_for("verl").evaluation(profile, EvalSettings.from_profile(profile), 0, cluster.address, {})
+    finally:
+        ray.shutdown()
+    # verl 0.8.0 and a bridge without the model do not matter to vLLM's engines; no vllm-ascend does
+    lines = str(refused.value).splitlines()
+    assert lines[0] == "1 of 4 Ray nodes cannot run the evaluate stage; nothing was started:"
+    assert lines[1].strip().startswith(f"node {labels['no vllm-ascend']}: vllm-ascend is not installed")
+    assert len(lines) == 2
