@@ -12,19 +12,41 @@ verl itself at the release the overrides are rendered for; megatron-core; and th
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from backends.verl.command import VERL_VERSION
 from profiles.requirements import NodeRequirement
 from profiles.schema import RunProfile
 
-# mbridge fills this dict (model_type -> bridge class) when the package is imported.
-MBRIDGE_REGISTRY = "mbridge.core.bridge:_MODEL_REGISTRY"
-# Megatron-Bridge lists the architecture names it has a bridge for.
-MEGATRON_BRIDGE_REGISTRY = "megatron.bridge:AutoBridge.list_supported_models"
+
+class Bridge(NamedTuple):
+    """One of the two bridges verl can build the model with, and how it finds a model."""
+
+    name: str
+    distribution: str
+    registry: str  # `module:attribute` of the names it has a bridge for
+    found_by: str  # what of the checkpoint it looks the model up by
+    setting: str  # engine.vanilla_mbridge's value that selects it
+    install: str
+
+
+# mbridge fills a dict (model_type -> bridge class) when imported; Megatron-Bridge lists the
+# architecture class names it has a bridge for.
+BRIDGES = {
+    True: Bridge("mbridge", "mbridge", "mbridge.core.bridge:_MODEL_REGISTRY", "model_type", "true",
+                 "install mbridge from git, pip install git+https://github.com/ISEEKYAN/mbridge, since 0.15.1 on PyPI "
+                 "has no Qwen3.5"),
+    False: Bridge("Megatron-Bridge", "megatron-bridge", "megatron.bridge:AutoBridge.list_supported_models", "architecture", "false",
+                  "pip install megatron-bridge, whose 0.6 needs Python >= 3.12, megatron-core >= 0.18 and "
+                  "TransformerEngine"),
+}
 
 
 def verl_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
     architecture = profile.model.architecture
-    needs = {
+    bridge, other = BRIDGES[profile.engine.vanilla_mbridge], BRIDGES[not profile.engine.vanilla_mbridge]
+    knows = architecture.model_type if bridge.found_by == "model_type" else architecture.hf_architecture
+    return {
         "verl": NodeRequirement(
             version=f"=={VERL_VERSION}", stages=["train"],
             why=f"the job's overrides are rendered for verl {VERL_VERSION}'s config: another release may refuse them "
@@ -33,21 +55,10 @@ def verl_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
         "megatron-core": NodeRequirement(
             version=">=0.13", stages=["train"], why="verl's Megatron engine, whose fused forward needs 0.13",
             fix="pip install 'megatron-core>=0.13' in the image"),
+        bridge.distribution: NodeRequirement(
+            stages=["train"], registry=bridge.registry, knows=knows,
+            imports=[] if knows else [bridge.registry.partition(":")[0]],
+            why=f"engine.vanilla_mbridge={bridge.setting}: verl builds the model with {bridge.name}, found by "
+                f"{bridge.found_by} {knows or 'which the recipe does not record'}",
+            fix=f"{bridge.install}; or set engine.vanilla_mbridge={other.setting} to use {other.name}"),
     }
-    if profile.engine.vanilla_mbridge:
-        needs["mbridge"] = NodeRequirement(
-            stages=["train"], registry=MBRIDGE_REGISTRY, knows=architecture.model_type,
-            imports=[] if architecture.model_type else ["mbridge"],
-            why=f"engine.vanilla_mbridge=true: verl builds the model with mbridge, found by model_type "
-                f"{architecture.model_type or 'which the recipe does not record'}",
-            fix="install mbridge from git, pip install git+https://github.com/ISEEKYAN/mbridge, since 0.15.1 on PyPI "
-                "has no Qwen3.5; or set engine.vanilla_mbridge=false to use Megatron-Bridge")
-    else:
-        needs["megatron-bridge"] = NodeRequirement(
-            stages=["train"], registry=MEGATRON_BRIDGE_REGISTRY, knows=architecture.hf_architecture,
-            imports=[] if architecture.hf_architecture else ["megatron.bridge"],
-            why=f"engine.vanilla_mbridge=false: verl builds the model with Megatron-Bridge, found by architecture "
-                f"{architecture.hf_architecture or 'which the recipe does not record'}",
-            fix="pip install megatron-bridge, whose 0.6 needs Python >= 3.12, megatron-core >= 0.18 and "
-                "TransformerEngine; or set engine.vanilla_mbridge=true to use mbridge")
-    return needs
