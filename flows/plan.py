@@ -43,8 +43,9 @@ class RunPlan(BaseModel):
     command: list[str] = Field(..., description="The training command (argv) the run will execute.")
     submission: dict | None = Field(None, description="What training submits to the cluster (a verl Ray job).")
     memory: dict | None = Field(None, description="Device memory per role of the layout (profiles/memory.py).")
-    node_requirements: dict[str, dict[str, NodeRequirement]] = Field(default_factory=dict, description="What every node of the cluster "
-                                               "must have, per stage, checked before the stage starts there.")
+    node_requirements: dict[str, dict[str, NodeRequirement]] = Field(
+        default_factory=dict, description="What every node of the cluster must have, per stage, checked before the "
+        "stage starts there.")
 
     def summary(self) -> dict[str, Any]:
         """The dry-run JSON: what the run would do, with secrets redacted."""
@@ -164,12 +165,8 @@ def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     return RunPlan(
         run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
         command=training_command(request, profile, run_dir), submission=backend.submission(profile, run),
-        memory=memory.summary() if memory else None, node_requirements=node_requirements(profile),
+        memory=memory.summary() if memory else None,
+        # What the backend checks on the cluster's nodes, per stage it runs there.
+        node_requirements={stage: needs for stage in ("train", "evaluate")
+                           if (needs := backend.node_requirements(profile, stage))},
     )
-
-
-def node_requirements(profile: RunProfile) -> dict[str, dict[str, NodeRequirement]]:
-    """What the backend checks on the cluster's nodes, per stage (`train`, `evaluate`) it runs there."""
-    backend = backend_for(profile.backend)
-    found = {stage: backend.node_requirements(profile, stage) for stage in ("train", "evaluate")}
-    return {stage: needs for stage, needs in found.items() if needs}

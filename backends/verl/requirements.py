@@ -36,9 +36,9 @@ BRIDGES = {
     True: Bridge("mbridge", "mbridge", "mbridge.core.bridge:_MODEL_REGISTRY", "model_type", "true",
                  "install mbridge from git, pip install git+https://github.com/ISEEKYAN/mbridge, since 0.15.1 on PyPI "
                  "has no Qwen3.5"),
-    False: Bridge("Megatron-Bridge", "megatron-bridge", "megatron.bridge:AutoBridge.list_supported_models", "architecture", "false",
-                  "pip install megatron-bridge, whose 0.6 needs Python >= 3.12, megatron-core >= 0.18 and "
-                  "TransformerEngine"),
+    False: Bridge("Megatron-Bridge", "megatron-bridge", "megatron.bridge:AutoBridge.list_supported_models",
+                  "architecture", "false",
+                  "pip install megatron-bridge, whose 0.6 needs Python >= 3.12, megatron-core >= 0.18 and TransformerEngine"),
 }
 
 
