@@ -244,11 +244,13 @@ def _node_torch_device(wanted: str) -> str:
 
 
 def on_cluster(platform: Platform, replicas: int, devices_each: int, ray_address: str | None,
-               runtime_env: dict) -> Generate:
+               runtime_env: dict, check_nodes: Callable[[], None] | None = None) -> Generate:
     """Generation for a model too big for the flow's host: `replicas` Ray tasks on the cluster's
     accelerator nodes, each holding `devices_each` devices (the engine's tensor parallel size) and
     a contiguous range of the prompts; results merged in prompt order. The project's code travels
-    with the job (`connect_ray`), so a node needs only its engine, not this package."""
+    with the job (`connect_ray`), so a node needs only its engine, not this package. `check_nodes`
+    runs once, connected, before the first task is sent (the backend's preflight)."""
+    unchecked = [check_nodes] if check_nodes else []
 
     def generate_on_cluster(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
         import ray
@@ -256,6 +258,8 @@ def on_cluster(platform: Platform, replicas: int, devices_each: int, ray_address
         from common.ray_cluster import connect_ray
 
         connect_ray(ray_address, runtime_env)
+        while unchecked:
+            unchecked.pop()()
         run = ray.remote(**platform.ray_task_options(devices=devices_each))(generate_on_node)
         size = math.ceil(len(prompts) / replicas)
         results = ray.get([run.remote(model_dir, prompts[start : start + size], settings)

@@ -27,7 +27,7 @@ def test_dry_run_json_plans_for_a_named_device_without_requiring_it(cli, tmp_pat
                "--run-name", "plan", env={"HF_TOKEN": SECRET})
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert set(plan) == {"device", "profile", "backend", "command", "env", "job", "memory"}
+    assert set(plan) == {"device", "profile", "backend", "command", "env", "job", "memory", "node_requirements"}
     assert plan["device"]["kind"] == "npu" and plan["device"]["decided_by"] == "requested"
     assert plan["backend"] == {"name": "verl", "reason": "model recipe qwen3.5-122b-a10b trains with Megatron + vLLM "
                                                          "through verl, and device npu has accelerators"}

@@ -90,15 +90,16 @@ class VerlBackend(Backend):
         devices, each a Ray task on the nodes, once every node is shown able to run its engine."""
         from stages.evaluate import on_cluster
 
-        connect_ray(ray_address, runtime_env)
-        checked = run_preflight(self.node_requirements(profile, "evaluate"), profile.platform.ray_resource, "evaluate",
-                                profile.cluster.preflight_timeout_s)
-        log.info(checked.summary_line())
-        if refusal := checked.refusal():
-            raise NodesCannotRun(refusal)
+        def check_nodes() -> None:
+            checked = run_preflight(self.node_requirements(profile, "evaluate"), profile.platform.ray_resource,
+                                    "evaluate", profile.cluster.preflight_timeout_s)
+            log.info(checked.summary_line())
+            if refusal := checked.refusal():
+                raise NodesCannotRun(refusal)
+
         devices = profile.cluster.nnodes * profile.cluster.devices_per_node
         engine = on_cluster(profile.platform, max(1, devices // profile.rollout.tp), profile.rollout.tp, ray_address,
-                            runtime_env)
+                            runtime_env, check_nodes)
         return settings.model_copy(update={"tensor_parallel_size": profile.rollout.tp}), engine
 
     def profile_problems(self, profile: RunProfile) -> list[str]:

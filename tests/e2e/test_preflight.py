@@ -156,9 +156,11 @@ def test_the_cluster_evaluation_checks_only_what_its_engines_need(mixed, tmp_pat
 
     cluster, labels = mixed
     profile = resolve_profile("tiny", "npu", overrides=[*CLUSTER, "cluster.nnodes=4"])
+    settings, generate = backend_for("verl").evaluation(profile, EvalSettings.from_profile(profile), 0,
+                                                        cluster.address, {})
     try:
-        with pytest.raises(NodesCannotRun) as refused:
-            backend_for("verl").evaluation(profile, EvalSettings.from_profile(profile), 0, cluster.address, {})
+        with pytest.raises(NodesCannotRun) as refused:  # before any engine is started on a node
+            generate(tmp_path, [[{"role": "user", "content": "1+1="}]], settings)
     finally:
         ray.shutdown()
     # verl 0.8.0 and a bridge without the model do not matter to vLLM's engines; no vllm-ascend does
