@@ -22,7 +22,6 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 from profiles.requirements import NodeFacts, NodeRequirement
@@ -168,49 +167,3 @@ def _import_in_child(asked: dict, timeout_s: float) -> dict:
                     ended if [kind, name] == started else f"not reached: {ended}")
                 todo.remove([kind, name])
     return answers
-
-
-def probe_nodes(requirements: dict[str, NodeRequirement | None], resource: str | None,
-                timeout_s: float) -> tuple[list[NodeFacts], list[str]]:
-    """Every alive node's facts, and a line for each node that did not answer within `timeout_s`. Ray
-    must already be initialised with the run's runtime env (the caller owns the connection)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from common.ray_cluster import node_label
-
-    specs = {name: (need.model_dump() if need is not None else None) for name, need in requirements.items()}
-    remote = ray.remote(num_cpus=0, max_retries=0)(look)
-    nodes = [node for node in ray.nodes() if node["Alive"]]
-    pending = {remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-               .remote(specs, timeout_s): node for node in nodes}
-    ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
-    facts, silent = [], []
-    for ref in ready:
-        node = pending[ref]
-        offered = node["Resources"].get(resource, 0) if resource else 0
-        try:
-            answer = ray.get(ref)
-        except Exception as exc:  # the task itself failed on that node: it cannot run the job either
-            silent.append(f"node {node_label(node)}: the check did not run ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200]})")
-            continue
-        facts.append(NodeFacts(node=node_label(node), devices_offered=offered, **answer))
-    for ref in late:
-        ray.cancel(ref, force=True)
-        silent.append(f"node {node_label(pending[ref])}: did not answer the preflight in {timeout_s:.0f} s (its Ray "
-                      "workers did not start, or hung: see the node's Ray logs; cluster.preflight_timeout_s sets "
-                      "the wait)")
-    return sorted(facts, key=lambda f: f.node), silent
-
-
-def summarise(facts: Iterable[NodeFacts], shown: Iterable[str]) -> list[tuple[list[str], NodeFacts]]:
-    """Nodes with the same image (the same answers for `shown` names, torch's build and device count)
-    grouped, so 64 identical nodes are one row."""
-    groups: dict[str, tuple[list[str], NodeFacts]] = {}
-    names = list(shown)
-    for fact in facts:
-        key = json.dumps([[fact.versions.get(n) for n in names], fact.torch_build, fact.devices, fact.devices_offered,
-                          fact.imports, fact.registries], sort_keys=True, default=str)
-        groups.setdefault(key, ([], fact))[0].append(fact.node)
-    return list(groups.values())

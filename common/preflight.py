@@ -12,11 +12,14 @@ what each image has, one column per distinct image, so 64 identical nodes are on
 
 from __future__ import annotations
 
+import json
 import time
 
 from pydantic import BaseModel, Field
 
-from common.node_image import STACK, probe_nodes, summarise
+from common.node_image import STACK, look
+from common.node_tasks import on_every_node
+from common.ray_cluster import node_label
 from profiles.errors import UserError
 from profiles.requirements import NodeFacts, NodeProblem, NodeRequirement, node_problems
 
@@ -41,7 +44,15 @@ class Preflight(BaseModel):
         return node_problems(facts, self.requirements)
 
     def groups(self) -> list[tuple[list[str], NodeFacts]]:
-        return summarise(self.nodes, self.shown_names())
+        """Nodes with the same image (the same answers for the shown names, torch's build, imports,
+        registries and devices) grouped, so 64 identical nodes are one column."""
+        groups: dict[str, tuple[list[str], NodeFacts]] = {}
+        names = self.shown_names()
+        for facts in self.nodes:
+            key = json.dumps([[facts.versions.get(n) for n in names], facts.torch_build, facts.devices,
+                              facts.devices_offered, facts.imports, facts.registries], sort_keys=True, default=str)
+            groups.setdefault(key, ([], facts))[0].append(facts.node)
+        return list(groups.values())
 
     def shown_names(self) -> list[str]:
         """The requirements, then the rest of the stack any node has."""
@@ -114,7 +125,22 @@ def _cell_text(text: str) -> str:
 def run_preflight(requirements: dict[str, NodeRequirement], resource: str | None, stage: str,
                   timeout_s: float) -> Preflight:
     """Ask every alive node (Ray initialised with the run's runtime env: the caller's connection)."""
+    from ray.exceptions import GetTimeoutError
+
     started = time.monotonic()
-    facts, silent = probe_nodes(requirements, resource, timeout_s)
+    specs = {name: need.model_dump() for name, need in requirements.items()}
+    facts, silent = [], []
+    for node, answer, exc in on_every_node(look, specs, timeout_s, timeout_s=timeout_s):
+        if exc is None:
+            offered = node["Resources"].get(resource, 0) if resource else 0
+            facts.append(NodeFacts(node=node_label(node), devices_offered=offered, **answer))
+        elif isinstance(exc, GetTimeoutError):
+            silent.append(f"node {node_label(node)}: did not answer the preflight in {timeout_s:.0f} s (its Ray "
+                          "workers did not start, or hung: see the node's Ray logs; cluster.preflight_timeout_s sets "
+                          "the wait)")
+        else:  # the task itself failed on that node: it cannot run the job either
+            silent.append(f"node {node_label(node)}: the check did not run ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:200]})")
+    facts.sort(key=lambda f: f.node)
     return Preflight(stage=stage, seconds=round(time.monotonic() - started, 3), requirements=requirements,
                      nodes=facts, silent=silent)

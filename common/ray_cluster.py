@@ -1,5 +1,4 @@
-"""The run's Ray: its address, the connection (bounded in time), its end, and whether a store entry
-is visible from every node.
+"""The run's Ray: its address, the connection (bounded in time), its end, and the nodes it waits for.
 
     python -m flows.grpo --model tiny --device cpu --ray-address head-node:6379
 
@@ -7,10 +6,7 @@ An address is checked for its form when the run is requested and for an answer f
 Ray (common/ray_probe.py), before anything starts, so a typo or a port that is not Ray's fails in
 seconds with the address in the message, not minutes later inside Ray's own retries. A cluster that
 stops answering later is let go of within a bounded time: a Ray core client left connected to a dead
-head aborts its process a minute later. Datasets and models must sit on storage every node mounts
-(`data.root`, `model.root`): a path that exists only on the head node fails half an hour into a
-cluster run, on one worker; a small task on each alive node checks it before training and names the
-nodes that cannot see the files.
+head aborts its process a minute later. What runs on every node is common/node_tasks.py.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import os
 import re
 import signal
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +25,6 @@ from typing import NamedTuple
 from profiles.errors import UserError
 from profiles.secrets import redact_url_credentials
 
-NODE_CHECK_TIMEOUT_S = 120
 # Reaching a cluster's head: a TCP connect first (a wrong host or port fails in seconds), then
 # Ray's own connection, which would otherwise retry for many minutes against a port that answers
 # but is not Ray's; a slow head may need more (GRPO_PIPELINE_RAY_CONNECT_TIMEOUT_S).
@@ -43,10 +37,6 @@ _PORT_NAMES = {None: ("GCS port", 6379), "ray": ("Ray client port", DEFAULT_PORT
 DISCONNECT_TIMEOUT_S = 60.0
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 _IPV6 = re.compile(r"[0-9A-Fa-f:.]+")
-
-
-class NotSharedError(UserError):
-    """A path some Ray nodes cannot see."""
 
 
 class RayAddressError(UserError):
@@ -269,81 +259,6 @@ def disconnect_ray(within_s: float = DISCONNECT_TIMEOUT_S) -> bool:
         leaving.start()
         leaving.join(within_s)
     return not leaving.is_alive()
-
-
-def _problems_on_this_node(entries: list[str], readable: list[str], writable: list[str]) -> dict[str, list[str]]:
-    """What this node cannot do with each path: see an intact store entry (sizes only: hashing a
-    244 GB checkpoint on every node would take minutes; its builder hashed it), read a file or
-    folder, write into a folder."""
-    from common.store import verify_entry
-
-    problems = {path: verify_entry(Path(path), deep=False) for path in entries}
-    for path in readable:
-        if not os.access(path, os.R_OK):
-            problems[path] = ["it is not there or not readable"]
-    for path in writable:
-        try:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryFile(dir=path, prefix=".node-write-check-"):
-                pass
-        except OSError as exc:
-            problems[path] = [f"cannot write there ({exc.strerror or exc})"]
-    return {path: found for path, found in problems.items() if found}
-
-
-def check_shared(path: str, setting: str, ray_address: str | None, runtime_env: dict | None) -> int | None:
-    """On a cluster (--ray-address or RAY_ADDRESS), a stage's output must be visible from every node
-    before training starts; returns how many nodes see it (None: no cluster, nothing to check)."""
-    if cluster_address(ray_address)[0] is None:
-        return None
-    connect_ray(ray_address, runtime_env)
-    return check_visible_on_nodes([Path(path)], setting)
-
-
-def check_visible_on_nodes(paths: list[Path], setting: str) -> int:
-    """Raise NotSharedError naming each node that cannot see an intact `paths` entry; return how many
-    nodes were checked. Ray must already be initialised (the caller owns the connection)."""
-    return check_paths_on_nodes({setting: [str(p) for p in paths]}, {}, {})
-
-
-def check_paths_on_nodes(
-    entries: dict[str, list[str]], readable: dict[str, list[str]], writable: dict[str, list[str]]
-) -> int:
-    """One small task pinned to each alive node checks the paths, each under the setting that names
-    it: store entries it must see intact, paths it must read, folders it must write into. Raise
-    NotSharedError naming each node and what it lacks; return how many nodes were checked."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    setting_of = {path: setting for group in (entries, readable, writable) for setting, paths in group.items() for path in paths}
-    flat = [[path for paths in group.values() for path in paths] for group in (entries, readable, writable)]
-    look = ray.remote(num_cpus=0, max_retries=0)(_problems_on_this_node)
-    nodes = [node for node in ray.nodes() if node["Alive"]]
-    pending = {
-        node_label(node): look.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)
-        ).remote(*flat)
-        for node in nodes
-    }
-    failures: dict[str, list[str]] = {}
-    for node, ref in pending.items():
-        try:
-            problems = ray.get(ref, timeout=NODE_CHECK_TIMEOUT_S)
-        except Exception as exc:  # a node that cannot run the task cannot run training either
-            failures.setdefault("", []).append(f"node {node}: the check did not run ({type(exc).__name__}: {exc})")
-            continue
-        for path, found in problems.items():
-            verb = "write to" if path in flat[2] else "see"
-            failures.setdefault(setting_of[path], []).append(f"node {node} cannot {verb} {path}: {found[0]}")
-    if failures:
-        named = [setting for setting in failures if setting]
-        settings = " and ".join(named) or "a path"
-        raise NotSharedError(
-            f"{settings} {'is' if len(named) < 2 else 'are'} not on storage every Ray node shares: "
-            f"{'; '.join(line for lines in failures.values() for line in lines)}; "
-            f"set {settings} to a path all nodes mount (e.g. NFS)"
-        )
-    return len(nodes)
 
 
 def node_label(node: dict) -> str:

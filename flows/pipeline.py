@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect.exceptions import TerminationSignal
 
-from common.ray_cluster import check_shared
+from common.node_tasks import check_shared
 from flows import lease, run_lock
 from flows.plan import RunPlan, run_dir_for, training_command
 from flows.request import RunRequest

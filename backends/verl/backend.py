@@ -46,10 +46,10 @@ from backends.verl.job import JOB_DIR, LOST, TERMINAL, JobRecord, job_spec, new_
 from backends.verl.job_api import job_client, job_status, stop_job, submit
 from backends.verl.requirements import verl_requirements
 from common.files import write_json_atomic
+from common.node_tasks import check_paths_on_nodes
 from common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
 from common.ray_cluster import (
-    ClusterLost, answer_timeout_s, check_paths_on_nodes, cluster_address, connect_ray, disconnect_ray, parse_ray_address,
-    wait_for_nodes,
+    ClusterLost, answer_timeout_s, cluster_address, connect_ray, disconnect_ray, parse_ray_address, wait_for_nodes,
 )
 from profiles.errors import UserError
 from profiles.memory import MemoryPlan, plan_for

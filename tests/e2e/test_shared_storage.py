@@ -20,7 +20,7 @@ from ray.cluster_utils import Cluster
 
 from profiles.schema import DataSection
 from stages.dataset import DataSpec, fetch_dataset
-from common.ray_cluster import NotSharedError, check_visible_on_nodes
+from common.node_tasks import NotSharedError, check_visible_on_nodes
 
 RAY_CLI = Path(sys.executable).with_name("ray")
 

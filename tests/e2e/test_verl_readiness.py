@@ -27,8 +27,9 @@ from ray.job_submission import JobSubmissionClient
 
 from backends import backend_for
 from backends.base import TrainingInputs, TrainingRun
+from common.node_tasks import NotSharedError, check_paths_on_nodes
 from common.ray_cluster import (
-    ClusterNotReady, NotSharedError, check_paths_on_nodes, check_reachable, job_api_url, parse_ray_address, wait_for_nodes,
+    ClusterNotReady, check_reachable, job_api_url, parse_ray_address, wait_for_nodes,
 )
 from profiles.loader import resolve_profile
 from verl_cluster import ENTRYPOINT, EVENT_WAIT_S, wait_for
