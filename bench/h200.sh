@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 runs of performance and "verified on" tables of docs/performance.md, on the lent GPU machine
 # (device tool): wheels from ../shared/tools/gpu_wheels.py installed into /tmp/site first.
-#   bash bench/h200.sh decode       # the native decoder vs the floor, the current path and bare TRL (no wheels needed)
+#   bash bench/h200.sh decode       # the native decoder vs the floor, the current path and bare TRL (no wheels needed;
+#                                   # SKIP=current,cache leaves parts out: bench/bench_decode_floor.py --skip)
 #   bash bench/h200.sh generation   # correctness of the fast path + evaluation eager vs fast
 #   bash bench/h200.sh training     # local backend vs bare TRL
 #   bash bench/h200.sh pipeline     # the CLI end to end: tiny, and a Qwen3-0.6B-shape directory (RUNS="q06": only it)
@@ -13,7 +14,8 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 case "$1" in
   decode)
-    python3 bench/bench_decode_floor.py --device gpu --deadline "${DEADLINE:-520}" --out "$OUT/decode-floor.json" ;;
+    python3 bench/bench_decode_floor.py --device gpu --deadline "${DEADLINE:-520}" --skip "${SKIP:-}" \
+        --out "$OUT/decode-floor.json" ;;
   generation)
     python3 bench/check_fast_generation.py --model qwen3-0.6b --device gpu --prompts 32 --max-new-tokens 128 \
         --out "$OUT/check-fast-generation.json"

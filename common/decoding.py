@@ -27,11 +27,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.decode_step import (CACHE_BLOCK, Sampling, Shape, decode_head, decode_layer, decode_prologue,
-                                prefill_layer, rope_tables)
+from common.decode_step import (CACHE_BLOCK, Sampling, Shape, Splits, decode_head, decode_layer, decode_prologue,
+                                prefill_layer, product_splits, rope_tables)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables fixed per position, not per sequence length
+COMPILE_OPTIONS: dict = {"combo_kernels": True}  # inductor: independent small kernels (a layer's q, its k and v) as one
+KV_BLOCK = 64  # FlexAttention reads whole blocks: 64 positions waste less past each step's length than 128
 PREFILL_TOKENS = 32768  # prompt tokens prefilled at once (bounds the prefill's activations)
 
 
@@ -95,8 +97,9 @@ class _Workspace:
         device, dtype, shape = decoder.device, decoder.dtype, decoder.shape
         self.batch, self.length = batch, length
         layers = len(decoder.weights)
-        self.k = [torch.zeros(batch, shape.kv_heads, length, shape.head_dim, device=device, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros_like(self.k[0]) for _ in range(layers)]
+        # a layer's keys and values in one tensor (keys first): one kernel writes both each step
+        self.kv = [torch.zeros(batch, 2 * shape.kv_heads, length, shape.head_dim, device=device, dtype=dtype)
+                   for _ in range(layers)]
         long = dict(device=device, dtype=torch.long)
         self.state = {
             "tokens": torch.zeros(batch, length + 1, **long),
@@ -109,7 +112,6 @@ class _Workspace:
             "pad": torch.full((1,), decoder.pad_token_id, **long),
         }
         self.positions = torch.arange(length, **long)
-        self.noise = torch.ones(batch, decoder.vocab, device=device, dtype=torch.float32)
         self.kv_blocks, self.block_mask = None, None
         if decoder.attention == "flex":
             from torch.nn.attention.flex_attention import BlockMask
@@ -120,9 +122,10 @@ class _Workspace:
                 return (kv_idx >= start[b]) & (kv_idx <= slot[0])
 
             self.kv_blocks = torch.ones(1, 1, 1, device=device, dtype=torch.int32)
-            blocks = torch.arange(length // CACHE_BLOCK, device=device, dtype=torch.int32).view(1, 1, 1, -1)
-            self.block_mask = BlockMask.from_kv_blocks(self.kv_blocks, blocks, BLOCK_SIZE=CACHE_BLOCK,
+            blocks = torch.arange(length // decoder.kv_block, device=device, dtype=torch.int32).view(1, 1, 1, -1)
+            self.block_mask = BlockMask.from_kv_blocks(self.kv_blocks, blocks, BLOCK_SIZE=decoder.kv_block,
                                                        mask_mod=visible, seq_lengths=(1, length))
+        self.splits = decoder.splits_for(batch)
         self.graphs: dict[Sampling, object] = {}
         self.pool = None
 
@@ -131,7 +134,9 @@ class NativeDecoder:
     """Generates for one model; reuse it across batches (its cache, compiled step and graphs stay)."""
 
     def __init__(self, model, eos_token_ids: list[int], pad_token_id: int, *, compile: bool | None = None,
-                 cuda_graphs: bool | None = None, attention: str | None = None, check_every: int = 32):
+                 cuda_graphs: bool | None = None, attention: str | None = None, check_every: int = 32,
+                 compile_options: dict | None = None, splits: Splits | None = None, kv_block: int = KV_BLOCK,
+                 flex_options: dict | None = None):
         import torch
 
         if reason := unsupported(model):
@@ -150,14 +155,29 @@ class NativeDecoder:
         self.shape = Shape(hidden=config.hidden_size, heads=heads, kv_heads=config.num_key_value_heads,
                            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                            eps=config.rms_norm_eps, qk_norm=hasattr(first.self_attn, "q_norm"))
+        self.kv_block, self.flex_options = kv_block, flex_options
+        self._splits = splits  # None: product_splits picks per batch on a GPU
         self.max_positions = getattr(config, "max_position_embeddings", None)
         self.weights = [self._layer_weights(layer) for layer in model.model.layers]
         self.eos_ids = torch.tensor([t for t in self.eos_token_ids if t < self.vocab] or [-1], device=self.device)
-        compile_step = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if self.compiled else (lambda fn: fn)
+        options = {**COMPILE_OPTIONS, **(compile_options or {})}
+        compile_step = ((lambda fn: torch.compile(fn, fullgraph=True, dynamic=False, options=options))
+                        if self.compiled else (lambda fn: fn))
         self._prologue, self._layer, self._head = map(compile_step, (decode_prologue, decode_layer, decode_head))
         self._workspace: _Workspace | None = None
         self._pointers: tuple = ()
         self.notes: list[str] = []  # fallbacks taken, for describe()
+
+    def splits_for(self, batch: int) -> Splits:
+        """How the decode step of `batch` sequences splits its products: as given, else on a CUDA GPU
+        by `product_splits` (elsewhere the products stay whole: the split pays only on a GPU)."""
+        if self._splits is not None:
+            return self._splits
+        if not (self.compiled and self.device.type == "cuda"):
+            return Splits()
+        shape = self.shape
+        return product_splits(shape.hidden, shape.heads * shape.head_dim, 2 * shape.kv_heads * shape.head_dim,
+                              self.model.config.intermediate_size, batch)
 
     def describe(self) -> str:
         step = "compiled" if self.compiled else "eager"
@@ -255,7 +275,8 @@ class NativeDecoder:
     def _runner(self, batch: int, length: int, sampling: Sampling):
         """The workspace and the decode step as one callable: a graph replay where CUDA graphs are on.
         Where capturing fails (a feature this torch or device lacks), the next simpler step is tried,
-        FlexAttention -> matmul attention -> no CUDA graph, and the reason is kept in `notes`."""
+        split products -> whole ones, FlexAttention -> matmul attention -> no CUDA graph, and the reason
+        is kept in `notes`."""
         workspace = self._workspace_for(batch, length)
         self._refresh_weights()
         if not self.cuda_graphs:
@@ -264,7 +285,10 @@ class NativeDecoder:
             return workspace, self._graph(workspace, sampling)
         except Exception as error:  # noqa: BLE001 - any failure to compile or capture has the same remedy
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300] if str(error).strip() else ''}"
-            if self.attention == "flex":
+            if workspace.splits != Splits():
+                self._splits = Splits()
+                self.notes.append(f"split products failed ({reason}); whole products instead")
+            elif self.attention == "flex":
                 self.attention = "matmul"
                 self.notes.append(f"FlexAttention step failed ({reason}); matmul attention instead")
             else:
@@ -276,7 +300,7 @@ class NativeDecoder:
     def _workspace_for(self, batch: int, length: int) -> _Workspace:
         """The current workspace when it holds `batch` sequences of `length` positions (a smaller batch
         is padded with finished rows), else a new one: the old one is freed first."""
-        length = CACHE_BLOCK * math.ceil(length / CACHE_BLOCK)
+        length = CACHE_BLOCK * math.ceil(length / CACHE_BLOCK)  # also a multiple of any smaller kv_block
         current = self._workspace
         if current is None or batch > current.batch or length > current.length:
             self._workspace = None
@@ -315,27 +339,27 @@ class NativeDecoder:
             mask = ((positions[None, None, :] <= positions[None, :, None]) & (positions[None, None, :] >= start[:, :, None])) \
                 | (positions[None, None, :] == positions[None, :, None])
             x = torch.nn.functional.embedding(ids[chunk], embed)
-            for w, k, v in zip(self.weights, ws.k, ws.v):
-                x = prefill_layer(x, w, k[chunk], v[chunk], *rope, mask[:, None], self.shape)
+            for w, kv in zip(self.weights, ws.kv):
+                x = prefill_layer(x, w, kv[chunk], *rope, mask[:, None], self.shape)
             last.append(x[:, -1])
         last = torch.cat(last).contiguous()
-        self._sample(ws, last, torch.zeros_like(last), sampling)
+        self._sample(ws, last, torch.zeros_like(last)[None], sampling)
 
     def _step(self, ws: _Workspace, sampling: Sampling) -> None:
         import torch
 
         rotary = self.model.model.rotary_emb
         x, cos, sin, visible = self._prologue(ws.state, self.model.model.embed_tokens.weight, rotary.inv_freq,
-                                              rotary.attention_scaling, ws.positions, ws.kv_blocks)
-        delta = torch.zeros_like(x)
-        for w, k, v in zip(self.weights, ws.k, ws.v):
-            x, delta = self._layer(x, delta, w, k, v, cos, sin, ws.state["slot"], visible, ws.block_mask, self.shape)
-        self._sample(ws, x[:, 0], delta[:, 0], sampling)
+                                              rotary.attention_scaling, ws.positions, ws.kv_blocks, self.kv_block)
+        down = ws.splits.down
+        delta = x.new_zeros((down, *x.shape), dtype=torch.float32 if down > 1 else x.dtype)
+        for w, kv in zip(self.weights, ws.kv):
+            x, delta = self._layer(x, delta, w, kv, cos, sin, ws.state["slot"], visible, ws.block_mask, self.shape,
+                                   ws.splits, self.flex_options)
+        self._sample(ws, x[:, 0], delta[:, :, 0], sampling)
 
     def _sample(self, ws: _Workspace, x, delta, sampling: Sampling) -> None:
-        if sampling.temperature > 0:
-            ws.noise.exponential_()
-        self._head(x, delta, self.model.model.norm.weight, self.model.lm_head.weight, ws.noise, ws.state, self.eos_ids,
+        self._head(x, delta, self.model.model.norm.weight, self.model.lm_head.weight, ws.state, self.eos_ids,
                    sampling, self.shape.eps)
 
     def _graph(self, ws: _Workspace, sampling: Sampling):

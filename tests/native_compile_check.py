@@ -1,6 +1,7 @@
 """Run by tests/e2e/test_fast_generation.py in a child process (compiling leaves inductor's worker
 pools in the process): the native decoder compiled on the CPU (inductor, FlexAttention) against
-transformers' eager `generate` on a tiny Qwen3 whose greedy tokens vary, and what inductor's FX graph
+transformers' eager `generate` on a tiny Qwen3 whose greedy tokens vary (with whole and with split
+products), and what inductor's FX graph
 cache did (TORCHINDUCTOR_CACHE_DIR: a second process hits what the first compiled). One JSON line.
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/cache python tests/native_compile_check.py MODEL_DIR
@@ -22,6 +23,7 @@ def main(model_dir: Path) -> dict:
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
+    from common.decode_step import Splits
     from common.decoding import NativeDecoder, Sampling
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -41,7 +43,9 @@ def main(model_dir: Path) -> dict:
     expected = [row[: row.index(eos) + 1] if eos in row else row for row in eager]
     decoder = NativeDecoder(model, [eos], tokenizer.pad_token_id, compile=True)
     runs = [decoder.generate(prompts, 10, Sampling(temperature=0)).completions for _ in range(2)]
-    return {"tokens_equal": runs[0] == runs[1] == expected, "rows_differ": len({tuple(r) for r in expected}) > 1,
+    split = NativeDecoder(model, [eos], tokenizer.pad_token_id, compile=True, splits=Splits(o=2, down=2))
+    runs.append(split.generate(prompts, 10, Sampling(temperature=0)).completions)  # what a GPU's step splits
+    return {"tokens_equal": runs[0] == runs[1] == runs[2] == expected, "rows_differ": len({tuple(r) for r in expected}) > 1,
             "path": decoder.describe(), "fx_graph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
             "fx_graph_cache_miss": counters["inductor"]["fxgraph_cache_miss"]}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.decode_step import Splits, product_splits
 from common.decoding import NativeDecoder, Sampling, unsupported
 
 QUESTIONS = ["What is 3 + 4?", "What is 12 + 30? Answer with the number only.", "7 * 8 =", "Add 100 and 1, then 123456."]
@@ -68,6 +69,61 @@ def test_greedy_tokens_and_logprobs_are_generates_with_left_padding(tokenizer, k
     assert len({tuple(c) for c in expected}) == len(prompts)  # the rows differ: the comparison means something
     assert max(abs(a - b) for mine, theirs in zip(out.logprobs, expected_logprobs) for a, b in zip(mine, theirs)) < 1e-4
     assert out.prompt_lengths == [len(p) for p in prompts] and out.steps == 19
+
+
+def test_products_split_over_their_inner_dimension_give_generates_tokens(tokenizer):
+    model = random_model("qwen3", tokenizer, head_dim=16)
+    prompts = chat_ids(tokenizer)
+    expected, expected_logprobs = eager_generate(model, tokenizer, prompts, 12, tokenizer.eos_token_id)
+    decoder = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id,
+                            splits=Splits(qkv=2, o=4, gate_up=2, down=4))
+    out = decoder.generate(prompts, 12, Sampling(temperature=0))
+    assert out.completions == expected
+    assert max(abs(a - b) for mine, theirs in zip(out.logprobs, expected_logprobs) for a, b in zip(mine, theirs)) < 1e-4
+
+
+def test_a_step_that_cannot_be_captured_gives_up_one_feature_at_a_time(tokenizer):
+    model = random_model("qwen3", tokenizer, head_dim=16)
+    prompts = chat_ids(tokenizer)
+    expected, _ = eager_generate(model, tokenizer, prompts, 6, tokenizer.eos_token_id)
+    decoder = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id, splits=Splits(o=2, down=2))
+    decoder.cuda_graphs = True  # as on a GPU; capturing fails here (no CUDA), as it would where a feature is missing
+    assert decoder.generate(prompts, 6, Sampling(temperature=0)).completions == expected
+    assert [note.split(" (")[0] for note in decoder.notes] == ["split products failed", "CUDA graph capture failed"]
+    assert decoder.splits_for(len(prompts)) == Splits() and not decoder.cuda_graphs
+    assert "split products failed" in decoder.describe()
+
+
+def test_only_the_narrowing_products_of_a_small_batch_are_split():
+    qwen3_06b, qwen3_17b = (1024, 2048, 2048, 3072), (2048, 2048, 2048, 6144)  # hidden, q, k+v, intermediate
+    for dims in (qwen3_06b, qwen3_17b):
+        assert product_splits(*dims, batch=64) == Splits(qkv=1, o=4, gate_up=1, down=4)
+        assert product_splits(*dims, batch=256) == Splits(qkv=1, o=2, gate_up=1, down=2)
+    assert product_splits(64, 64, 32, 128, batch=4) == Splits()  # slices of >= 384 only
+    assert product_splits(896, 896, 256, 4864, batch=16) == Splits(o=2, down=4)  # Qwen2.5-0.5B: 896 = 2 x 448
+
+
+def test_the_sampler_draws_from_softmax_across_vocabulary_chunks():
+    from common.decode_step import VOCAB_CHUNK, choose_token
+
+    vocab = 2 * VOCAB_CHUNK + 5  # three chunks, the last one short
+    support = [0, 1, VOCAB_CHUNK - 1, VOCAB_CHUNK, vocab - 1]
+    logits = torch.full((20000, vocab), float("-inf"))
+    logits[:, support] = torch.tensor([0.0, 1.0, 2.0, -1.0, 1.5])
+    forbidden = torch.zeros_like(logits, dtype=torch.bool)
+    forbidden[:, 1] = True  # an end-of-sequence id held back this step
+    torch.manual_seed(0)
+    token, logprob = choose_token(logits, forbidden, Sampling(temperature=1.0))
+    allowed = logits.masked_fill(forbidden, float("-inf"))
+    expected = torch.softmax(allowed[0, support], -1)
+    counts = torch.bincount(token, minlength=vocab)
+    assert counts.sum() == counts[support].sum() and counts[1] == 0  # nothing outside the support
+    assert torch.allclose(counts[support] / len(token), expected, atol=0.015)
+    assert torch.allclose(logprob, allowed.log_softmax(-1).gather(-1, token[:, None])[:, 0], atol=1e-5)
+    ties = torch.zeros(2, vocab)
+    ties[:, [VOCAB_CHUNK - 1, VOCAB_CHUNK, vocab - 1]] = 3.0  # the first of equal maxima, as torch.argmax
+    greedy, _ = choose_token(ties, torch.zeros_like(ties, dtype=torch.bool), Sampling(temperature=0))
+    assert greedy.tolist() == [VOCAB_CHUNK - 1] * 2
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # eager FlexAttention: the CPU's
