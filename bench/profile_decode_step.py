@@ -1,6 +1,8 @@
-"""Where a native decode step's time goes, per GPU kernel, and what inductor's settings change: for one
-model shape and batch, each variant of the compiled step (inductor options) is timed over whole runs
-side by side, and its CUDA graph's replays are profiled kernel by kernel.
+"""Where a native decode step's time goes, per GPU kernel, and what its settings change: for one model
+shape and batch, each variant of the compiled step (VARIANTS: inductor options, product splits,
+FlexAttention's block and kernel options) is timed over whole runs side by side, and its CUDA graph's
+replays are profiled kernel by kernel; `--products` times the step's four products alone, whole and
+split; the sampler is checked as the step runs it. Results: bench/results-h200-decode-profile.json.
 
     python3 bench/profile_decode_step.py --out $OUT/decode-profile.json     # on the GPU (device tool)
     .venv/bin/python bench/profile_decode_step.py --device cpu --quick      # checks the script runs
@@ -47,8 +49,8 @@ VARIANTS = {  # NativeDecoder's keyword arguments beside its defaults (what each
 
 def sampler_check(device: str, rows: int = 1024, replays: int = 32) -> dict:
     """The compiled sampler (common/decode_step.choose_token) captured in a CUDA graph, as the decode
-    step runs it: each replay draws anew, and the draws' frequencies match softmax (logits spread over
-    three vocabulary chunks, 151,936 wide)."""
+    step runs it: each replay draws anew, and the draws' frequencies match softmax (six logits spread
+    over the chunks of a 151,936-entry vocabulary, the rest -inf)."""
     import torch
 
     from common.decode_step import Sampling, choose_token
