@@ -155,6 +155,8 @@ class NativeDecoder:
         self.shape = Shape(hidden=config.hidden_size, heads=heads, kv_heads=config.num_key_value_heads,
                            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
                            eps=config.rms_norm_eps, qk_norm=hasattr(first.self_attn, "q_norm"))
+        if kv_block <= 0 or CACHE_BLOCK % kv_block:
+            raise ValueError(f"kv_block={kv_block}: FlexAttention's block must divide the cache's {CACHE_BLOCK}")
         self.kv_block, self.flex_options = kv_block, flex_options
         self._splits = splits  # None: product_splits picks per batch on a GPU
         self.max_positions = getattr(config, "max_position_embeddings", None)
@@ -300,7 +302,7 @@ class NativeDecoder:
     def _workspace_for(self, batch: int, length: int) -> _Workspace:
         """The current workspace when it holds `batch` sequences of `length` positions (a smaller batch
         is padded with finished rows), else a new one: the old one is freed first."""
-        length = CACHE_BLOCK * math.ceil(length / CACHE_BLOCK)  # also a multiple of any smaller kv_block
+        length = CACHE_BLOCK * math.ceil(length / CACHE_BLOCK)  # so also a multiple of kv_block
         current = self._workspace
         if current is None or batch > current.batch or length > current.length:
             self._workspace = None

@@ -1,8 +1,8 @@
 """Run by tests/e2e/test_fast_generation.py in a child process (compiling leaves inductor's worker
 pools in the process): the native decoder compiled on the CPU (inductor, FlexAttention) against
 transformers' eager `generate` on a tiny Qwen3 whose greedy tokens vary (with whole and with split
-products), and what inductor's FX graph
-cache did (TORCHINDUCTOR_CACHE_DIR: a second process hits what the first compiled). One JSON line.
+products), and what inductor's FX graph cache did (TORCHINDUCTOR_CACHE_DIR: a second process hits what
+the first compiled). One JSON line.
 
     TORCHINDUCTOR_CACHE_DIR=/tmp/cache python tests/native_compile_check.py MODEL_DIR
 """
