@@ -19,9 +19,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from common.bounded_read import short
 from profiles.errors import EXIT_USER_ERROR, UserError
 
 EXIT_INTERRUPTED = 130
+MAX_ERROR_LINE = 2000  # characters: two paths near PATH_MAX's 4096 would be longer, but not usefully
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         out = hf_to_dist(args.model_dir, args.out, empty_dir_ok=False) if args.command == "to-dist" else dist_to_hf(
             args.dist_dir, args.config_dir, args.out)
     except UserError as exc:
-        print(f"error: {' '.join(str(exc).splitlines())}", file=sys.stderr)
+        # one line, bounded: a name from a hostile file could be megabytes long
+        print(f"error: {short(' '.join(str(exc).splitlines()), MAX_ERROR_LINE)}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"error: interrupted; nothing was written to {args.out}", file=sys.stderr)

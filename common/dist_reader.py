@@ -28,7 +28,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from common.bounded_read import MAX_PICKLE_DEPTH, pickle_depth, read_regular, short
 from common.hf_shards import CheckpointError
+
+# Megatron's metadata is ~300 bytes a chunk: a 1T-parameter model saved by 1,024 ranks stays far below.
+MAX_METADATA_BYTES = 2 * 1024**3
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -45,10 +49,12 @@ class MetadataUnpickler(pickle.Unpickler):
         *(("torch.distributed.checkpoint.planner", name) for name in (
             "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")),
         ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-        *(("builtins", name) for name in ("set", "frozenset", "bytearray", "complex")),
+        *(("builtins", name) for name in ("set", "frozenset", "complex")),
     }
 
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "bytearray"):
+            return _bytearray
         if (module, name) in self.ADMITTED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):  # how torch pickles a dtype
@@ -56,17 +62,40 @@ class MetadataUnpickler(pickle.Unpickler):
         raise CheckpointError(f"{module}.{name}")
 
 
+def _bytearray(data: bytes = b"") -> bytearray:
+    """bytearray as a pickle rebuilds one (from its bytes), never from a count: `bytearray(2**32)`
+    in a 34-byte file would allocate 4 GiB before anything could refuse it."""
+    if not isinstance(data, bytes):
+        raise CheckpointError(f"builtins.bytearray from {type(data).__name__} {short(repr(data), 40)}")
+    return bytearray(data)
+
+
 def load_metadata(path: Path) -> Metadata:
-    """A DCP `.metadata`, built by `MetadataUnpickler`."""
+    """A DCP `.metadata`, built by `MetadataUnpickler` once its size and its nesting are known to be
+    those of a metadata file (what the unpickler builds is hashed as it is built: a tuple nested
+    100,000 deep overflows the C stack, a crash no exception handler sees)."""
     try:
-        with open(path, "rb") as handle:
-            metadata = MetadataUnpickler(handle).load()
+        data = read_regular(path, MAX_METADATA_BYTES)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc.strerror or exc}); the checkpoint is damaged: "
+                              "save it again") from None
+    try:
+        depth = pickle_depth(data)
+    except Exception as exc:  # whatever genops raises on a stream that is no pickle
+        raise CheckpointError(f"{path}: not a torch DCP metadata file ({type(exc).__name__}: {short(exc)}); "
+                              "the checkpoint is damaged: save it again") from None
+    if depth is None:
+        raise CheckpointError(f"{path}: refused: it nests objects more than {MAX_PICKLE_DEPTH} deep, which no "
+                              "torch DCP metadata file does (built, it would crash this process); do not use "
+                              "this checkpoint")
+    try:
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointError as exc:
         raise CheckpointError(f"{path}: refused: it asks to build {exc}, which a torch DCP metadata file does not "
                               "hold (a crafted checkpoint runs code when torch or megatron-core load it); "
                               "do not use this checkpoint") from None
     except Exception as exc:  # whatever a damaged pickle raises while being built
-        raise CheckpointError(f"{path}: not a torch DCP metadata file ({type(exc).__name__}: {exc}); "
+        raise CheckpointError(f"{path}: not a torch DCP metadata file ({type(exc).__name__}: {short(exc)}); "
                               "the checkpoint is damaged: save it again") from None
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict) \
             or not isinstance(getattr(metadata, "storage_data", None), dict):
@@ -74,7 +103,7 @@ def load_metadata(path: Path) -> Metadata:
                               "data; the checkpoint is damaged: save it again")
     for key, meta in metadata.state_dict_metadata.items():
         if not isinstance(key, str) or not (isinstance(meta, BytesStorageMetadata) or _well_formed(meta)):
-            raise CheckpointError(f"{path}: the entry of {key!r} is not a tensor's or an object's metadata; the "
+            raise CheckpointError(f"{path}: the entry of {short(repr(key))} is not a tensor's or an object's metadata; the "
                                   "checkpoint is damaged: save it again")
     return metadata
 
@@ -163,7 +192,7 @@ class DistCheckpointReader:
         unexpected = sorted(k for k, meta in found.items() if k not in ours
                             and not (isinstance(meta, BytesStorageMetadata) and "._extra_state/" in k))
         if unexpected:
-            raise CheckpointError(f"{self.path}: holds {unexpected[0]}" + (f" and {len(unexpected) - 1} more keys"
+            raise CheckpointError(f"{self.path}: holds {short(unexpected[0])}" + (f" and {len(unexpected) - 1} more keys"
                                   if len(unexpected) > 1 else "") + ", which its config.json has no place for; give "
                                   "the config the checkpoint was saved with (or this model has parts the converter "
                                   "does not write)")

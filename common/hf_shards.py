@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from common.bounded_read import MAX_JSON_BYTES, read_regular, short
 from profiles.errors import UserError
 
 INDEX = "model.safetensors.index.json"
@@ -33,11 +34,12 @@ class CheckpointError(UserError):
 def read_json(path: Path, what: str) -> dict:
     """A JSON object from `path`, or one line saying why not."""
     try:
-        value = json.loads(Path(path).read_bytes())
+        value = json.loads(read_regular(Path(path), MAX_JSON_BYTES))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file; {what}") from None
-    except (OSError, ValueError) as exc:  # ValueError: not JSON, or not UTF-8
-        raise CheckpointError(f"{path}: cannot be read as JSON ({exc}); {what}") from None
+    except (OSError, ValueError, RecursionError) as exc:  # not JSON, not UTF-8, or nested past the parser's depth
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise CheckpointError(f"{path}: cannot be read as JSON ({short(reason)}); {what}") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: holds a JSON {type(value).__name__}, not an object; {what}")
     return value
@@ -69,11 +71,11 @@ class HFTensors:
         if file is None:
             raise CheckpointError(f"{self.dir}: tensor {name} is not in the checkpoint; it does not match its config.json")
         if file not in self._headers and not (self.dir / file).is_file():
-            raise CheckpointError(f"{self.dir}: tensor {name} is listed in {INDEX} in {file}, which is missing; "
+            raise CheckpointError(f"{self.dir}: tensor {name} is listed in {INDEX} in {short(file)}, which is missing; "
                                   "fetch the model again")
         header = self._header(file)[1]
         if name not in header:
-            raise CheckpointError(f"{self.dir}: tensor {name} is listed in {INDEX} in {file}, which does not hold it; "
+            raise CheckpointError(f"{self.dir}: tensor {name} is listed in {INDEX} in {short(file)}, which does not hold it; "
                                   "fetch the model again")
         if shape is not None and tuple(header[name]["shape"]) != tuple(shape):
             raise CheckpointError(f"{self.dir}: tensor {name} has shape {header[name]['shape']}, but its config.json "
@@ -94,7 +96,7 @@ class HFTensors:
         unread = sorted(name for name in self.where if name not in expected and name not in ignored
                         and not name.endswith("rotary_emb.inv_freq"))
         if unread:
-            raise CheckpointError(f"{self.dir}: holds tensor {unread[0]}" + (f" and {len(unread) - 1} more" if len(unread) > 1
+            raise CheckpointError(f"{self.dir}: holds tensor {short(unread[0])}" + (f" and {len(unread) - 1} more" if len(unread) > 1
                                   else "") + ", which its config.json has no place for; give the config the weights "
                                   "were saved with (or the model has parts the converter does not write)")
 
@@ -147,11 +149,11 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
             if not all(type(n) is int and n >= 0 for n in (*shape, begin, end)):
                 raise ValueError("shape and offsets must be non-negative integers")
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{damaged} (tensor {name}'s header entry is malformed: {exc!r}); "
+            raise CheckpointError(f"{damaged} (tensor {short(name)}'s header entry is malformed: {short(repr(exc))}); "
                                   "fetch the model again") from None
         needed = int(numpy.prod(shape, dtype=object)) * torch.empty((), dtype=dtype).element_size()
         if not begin <= end <= data_size or end - begin != needed:
-            raise CheckpointError(f"{path}: tensor {name} spans bytes {begin}-{end} of {data_size}, but its shape "
-                                  f"{shape} needs {needed}; the file is cut short or damaged: fetch the model again")
+            raise CheckpointError(f"{path}: tensor {short(name)} spans bytes {begin}-{end} of {data_size}, but its "
+                                  f"shape {short(shape)} needs {needed}; the file is cut short or damaged: fetch the model again")
         entry["dtype"] = dtype
     return 8 + length, header

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common.bounded_read import MAX_JSON_BYTES, read_regular
 from profiles.errors import ProfileError
 from profiles.model_size import vision_tower_parameters
 from profiles.yaml_files import shown
@@ -22,10 +23,11 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
     """config.json of a local HF directory, as a JSON object, or a ProfileError saying what is wrong."""
     config_path = model_dir / "config.json"
     try:
-        config = json.loads(config_path.read_bytes().decode("utf-8"))
+        config = json.loads(read_regular(config_path, MAX_JSON_BYTES).decode("utf-8"))
     except OSError as exc:
-        raise ProfileError(f"model directory {shown(model_dir)}: cannot read config.json ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ProfileError(f"model directory {shown(model_dir)}: cannot read config.json ({exc.strerror or exc}); "
+                           "give the directory of a Hugging Face model") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise ProfileError(f"model directory {shown(model_dir)}: config.json is not JSON text; "
                            "give the directory of a Hugging Face model") from None
     if not isinstance(config, dict):

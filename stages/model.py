@@ -27,6 +27,7 @@ from profiles.errors import UserError
 from profiles.hf_config import architecture_from_hf_config
 from profiles.yaml_files import path_kind
 from profiles.schema import ModelArchitecture, ModelSection
+from common.bounded_read import MAX_JSON_BYTES, read_regular, short
 from common.builtin_models import BUILDERS
 from common.store import Built, Store, fingerprint, read_manifest
 
@@ -209,6 +210,13 @@ def verify_hf_dir(path: Path, trust_remote_code: bool = False) -> dict[str, Any]
 
     if not (path / "config.json").is_file():
         raise ModelFormatError(f"{path}: no config.json; give the directory of a Hugging Face model")
+    for name in ("config.json", INDEX_FILE):  # bounded before transformers reads them whole
+        try:
+            if name == "config.json" or (path / name).exists():
+                json.loads(read_regular(path / name, MAX_JSON_BYTES))
+        except (OSError, ValueError, RecursionError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else short(exc)
+            raise ModelFormatError(f"{path / name}: cannot be read as JSON ({reason}); fetch the model again") from None
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:

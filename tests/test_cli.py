@@ -5,6 +5,7 @@ Nothing here starts a flow: every case stops at planning or is a dry run."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -144,9 +145,14 @@ def _files(tmp_path):
     (tmp_path / "bomb.yaml").write_text("engine:\n  transformer_overrides:\n" + "".join(f"    {line}\n" for line in levels))
     (tmp_path / "self.yaml").write_text("engine:\n  transformer_overrides: &me\n    again: *me\n")
     for name, config in (("list-config", b"[1, 2]"), ("string-text-config", b'{"text_config": "qwen"}'),
-                         ("binary-config", bytes(range(256)))):
+                         ("binary-config", bytes(range(256))),
+                         ("deep-config", b"[" * 200_000 + b"]" * 200_000)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_bytes(config)
+    for name in ("fifo-config", "endless-config"):
+        (tmp_path / name).mkdir()
+    os.mkfifo(tmp_path / "fifo-config" / "config.json")  # nobody writes: a reader that opens it waits forever
+    (tmp_path / "endless-config" / "config.json").symlink_to("/dev/zero")  # read whole: memory runs out
 
 
 @pytest.mark.parametrize(
@@ -158,6 +164,9 @@ def _files(tmp_path):
         (["--model", "{tmp}/list-config"], "config.json holds a JSON list, not the object of a Hugging Face config"),
         (["--model", "{tmp}/string-text-config"], "config.json's text_config is a str, not an object"),
         (["--model", "{tmp}/binary-config"], "config.json is not JSON text"),
+        (["--model", "{tmp}/fifo-config"], "cannot read config.json (it is a FIFO, not a regular file)"),
+        (["--model", "{tmp}/endless-config"], "cannot read config.json (it is a character device, not a regular file)"),
+        (["--model", "{tmp}/deep-config"], "config.json is not JSON text"),
         (["--model", "{tmp}/" + "m" * 300], "File name too long; give a shorter or accessible path"),
         (["--stages", ""], "--stages='' names no stage"),
         (["--stages", " , "], "names no stage"),
@@ -170,7 +179,8 @@ def _files(tmp_path):
         (["--run-name", "r" * 300], "is 300 bytes, more than the file system's limit of 255"),
     ],
     ids=["non-utf8-profile", "yaml-alias-bomb", "yaml-alias-to-itself", "config-json-list", "config-json-string-text-config",
-         "config-json-binary", "model-path-too-long", "empty-stages", "blank-stages", "bool-for-int", "bool-for-float",
+         "config-json-binary", "config-json-a-fifo", "config-json-a-link-to-dev-zero", "config-json-nested-200000-deep",
+         "model-path-too-long", "empty-stages", "blank-stages", "bool-for-int", "bool-for-float",
          "unknown-builtin-model", "missing-data-source", "ray-port-out-of-range", "ray-address-without-port",
          "run-name-too-long"],
 )

@@ -153,6 +153,33 @@ def _made_by_another(out: Path) -> None:
     (out / "theirs.txt").write_text("another process's output")
 
 
+def _config_replaced(place: Place, make: Callable[[Path], None]) -> Path:
+    model = copy(place.sources.llama, place.tmp / "m")
+    (model / "config.json").unlink()
+    make(model / "config.json")
+    return model
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)  # nobody writes it: a reader that opens it waits forever
+
+
+def _to_dev_zero(path: Path) -> None:
+    path.symlink_to("/dev/zero")  # read whole, it fills memory
+
+
+def _metadata_bytes(data: bytes):
+    return dist_bytes(".metadata", lambda _: data)
+
+
+# Only admitted opcodes: an empty dict whose one key is a tuple 200,000 deep. Hashing the key as
+# the dict is filled recursed in C until the stack ran out: the converter died of SIGSEGV.
+DEEP_TUPLE_KEY = b"\x80\x04}" + b")" + b"\x85" * 200_000 + b"Ns."
+# builtins.bytearray(2**32), 34 bytes: built, 4 GiB (any count up to memory) before any check.
+BYTEARRAY_OF_4_GIB = b"\x80\x04\x8c\x08builtins\x8c\tbytearray\x93\x8a\x05\x00\x00\x00\x00\x01\x85R."
+LONG_NAME = "model.layers.0.extra." + "x" * 5_000_000
+
+
 def _drop_chunk(metadata) -> None:
     metadata.state_dict_metadata[QKV].chunks.pop(1)
 
@@ -207,6 +234,16 @@ BAD_INPUTS = [
     BadInput("config-without-num_hidden_layers", hf_config(num_hidden_layers=None),
              "config.json: num_hidden_layers is missing; it must be a positive integer"),
     BadInput("config-not-json", hf_bytes("config.json", lambda b: b"{not json"), "config.json: cannot be read as JSON"),
+    BadInput("config-json-a-fifo", to_dist(lambda p: _config_replaced(p, _fifo)),
+             "config.json: cannot be read as JSON (it is a FIFO, not a regular file)", run="cli"),
+    BadInput("config-json-a-link-to-dev-zero", to_dist(lambda p: _config_replaced(p, _to_dev_zero)),
+             "config.json: cannot be read as JSON (it is a character device, not a regular file)", run="cli"),
+    BadInput("config-json-nested-200000-deep", hf_bytes("config.json", lambda b: b"[" * 200_000 + b"]" * 200_000),
+             "config.json: cannot be read as JSON (maximum recursion depth exceeded"),
+    BadInput("config-json-of-the-dist-side-a-fifo", to_hf(lambda p: p.sources.dist, lambda p: _config_replaced(p, _fifo)),
+             "config.json: cannot be read as JSON (it is a FIFO, not a regular file)"),
+    BadInput("a-tensor-whose-name-is-5-mb-in-the-weights", hf_tensors(lambda t: t.update({LONG_NAME: torch.ones(1)})),
+             "(5,000,021 characters), which its config.json has no place for"),
     BadInput("no-config-json", to_dist(lambda p: without(p.sources.llama, p.tmp / "m", "config.json")),
              "config.json: no such file", run="cli"),
     BadInput("no-weights", to_dist(lambda p: without(p.sources.llama, p.tmp / "m", "model.safetensors")),
@@ -242,6 +279,12 @@ BAD_INPUTS = [
              "holds torch.float32 [1, 96, 64], not the torch.float32 [1, 64] its metadata says"),
     BadInput("a-tensor-the-config-has-no-place-for", dist_metadata(_extra_tensor),
              "holds decoder.layers.mlp.extra.weight, which its config.json has no place for"),
+    BadInput("metadata-a-tuple-200000-deep", _metadata_bytes(DEEP_TUPLE_KEY),
+             ".metadata: refused: it nests objects more than 100 deep", run="cli"),
+    BadInput("metadata-bytearray-of-4-gib", _metadata_bytes(BYTEARRAY_OF_4_GIB),
+             "refused: it asks to build builtins.bytearray from int 4294967296", run="cli"),
+    BadInput("a-tensor-whose-name-is-5-mb", dist_metadata(lambda m: m.state_dict_metadata.update(
+        {LONG_NAME: m.state_dict_metadata[QKV]})), "(5,000,021 characters), which its config.json has no place for"),
     BadInput("no-metadata", to_hf(lambda p: without(p.sources.dist, p.tmp / "d", ".metadata")),
              "not a complete torch_dist checkpoint (no .metadata"),
     # OUT
@@ -304,7 +347,8 @@ def test_bad_input_is_one_error_line_exit_2_and_leaves_nothing(case, sources, tm
         code, stdout, stderr, before = run(case, argv, place)
         assert "Traceback" not in stderr, stderr
         assert (code, stdout) == (2, ""), stderr
-        assert len(stderr.splitlines()) == 1 and stderr.startswith("error: "), stderr
+        assert len(stderr.splitlines()) == 1 and stderr.startswith("error: "), stderr[:4000]
+        assert len(stderr) < 2100, f"an error line of {len(stderr):,} characters"
         assert case.says in stderr, stderr
         assert snapshot(place.tmp, out) == before, "the conversion left something behind, or changed OUT"
         if out.parent.is_dir():
