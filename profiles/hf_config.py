@@ -45,7 +45,8 @@ _NUMBERS = ("num_layers", "num_attention_heads", "num_kv_heads", "num_experts", 
             "linear_num_key_heads", "linear_num_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
             "shared_expert_intermediate_size", "num_experts_per_tok", "full_attention_interval", "linear_key_head_dim",
             "linear_value_head_dim", "linear_conv_kernel_dim", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
-            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers", "vision_parameters")
+            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_layers", "vision_parameters",
+            "max_position_embeddings")
 _STRINGS = ("model_type", "hf_architecture")
 
 
@@ -96,6 +97,7 @@ def architecture_from_hf_config(model_dir: Path) -> dict[str, Any]:
             "v_head_dim": text.get("v_head_dim"),
             "mtp_layers": text.get("num_nextn_predict_layers", text.get("mtp_num_hidden_layers")),
             "vision_parameters": _vision_parameters(config, text, model_dir),
+            "max_position_embeddings": text.get("max_position_embeddings"),
         }
     except KeyError as exc:
         raise ProfileError(f"model directory {shown(model_dir)}: config.json has no {exc.args[0]}") from None

@@ -84,6 +84,9 @@ class ModelArchitecture(Section):
     mtp_layers: int = Field(
         0, ge=0, le=MAX_LAYERS, description="Multi-token-prediction layers the checkpoint holds (`num_nextn_predict_layers`, "
         "`mtp_num_hidden_layers`); trained and held only with `engine.mtp`.")
+    max_position_embeddings: int | None = Field(
+        None, gt=0, le=MAX_TOKENS, description="Longest sequence the model's positions cover (config.json); a prompt "
+        "and its response must fit. Empty: not checked against the model.")
     vision_parameters: int = Field(
         0, ge=0, le=MAX_WIDTH**2, description="Parameters of the vision tower a multimodal checkpoint holds (Qwen3.5: "
         "counted from config.json's vision_config); verl builds it with the language model.")

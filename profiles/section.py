@@ -34,6 +34,17 @@ class Section(BaseModel):
             raise ValueError("expects a number, not true/false")
         return value
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def no_nul_in_text(cls, value: Any) -> Any:
+        """A NUL ends a C string: no path, command or name the run hands the OS can hold one (a path
+        with one fails deep inside os.path, a command line is cut at it)."""
+        texts = [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)] \
+            if isinstance(value, (list, tuple)) else []
+        if any("\0" in text for text in texts):
+            raise ValueError("contains a NUL character (\\0), which no path, name or command can hold; remove it")
+        return value
+
 
 # Upper bounds of the numbers the planner multiplies (each far above what exists today).
 MAX_DEVICES_PER_NODE = 256

@@ -207,6 +207,50 @@ def length_problems(p: RunProfile) -> list[str]:
     return []
 
 
+def position_problems(p: RunProfile) -> list[str]:
+    """A prompt and its response (training's and the evaluation's) past the positions the model
+    covers: generation would allocate for, and then fail at, lengths the model cannot encode."""
+    d, limit = p.data, p.model.architecture.max_position_embeddings
+    if limit is None:
+        return []
+    problems = []
+    for field, response in (("data.max_response_length", d.max_response_length),
+                            ("eval.max_new_tokens", p.eval.max_new_tokens)):
+        if response is not None and d.max_prompt_length + response > limit:
+            room = limit - d.max_prompt_length
+            problems.append(f"{field}={response}: data.max_prompt_length {d.max_prompt_length} + {response} = "
+                            f"{d.max_prompt_length + response} tokens, more than the model's max_position_embeddings "
+                            f"{limit}; " + (f"set {field} <= {room}" if room > 0 else
+                                            f"lower data.max_prompt_length below {limit}"))
+    return problems
+
+
+def head_problems(p: RunProfile) -> list[str]:
+    """Grouped-query attention shares each KV head among a whole number of query heads."""
+    arch = p.model.architecture
+    if arch.num_attention_heads % arch.num_kv_heads:
+        return [f"model.architecture.num_kv_heads={arch.num_kv_heads}: the {arch.num_attention_heads} attention heads "
+                "do not split into groups of one KV head each (num_attention_heads must be a multiple of "
+                "num_key_value_heads); give the model's own config.json"]
+    return []
+
+
+def sampling_problems(p: RunProfile) -> list[str]:
+    """Sampling settings no backend can run: GRPO's advantage is a reward against the others of its
+    group (TRL refuses a group of one, and verl's advantage of one is its raw reward); greedy
+    evaluation gives one answer however many are asked for."""
+    problems = []
+    if p.algorithm.rollout_n < 2:
+        problems.append(f"algorithm.rollout_n={p.algorithm.rollout_n}: GRPO scores each response against the others "
+                        "sampled for its prompt, so a group needs at least 2; set algorithm.rollout_n >= 2")
+    e = p.eval
+    if e.samples_per_prompt > 1 and e.temperature == 0:
+        problems.append(f"eval.samples_per_prompt={e.samples_per_prompt} with eval.temperature=0: greedy decoding "
+                        "gives the same response every time; set eval.temperature > 0 (e.g. 0.6) or "
+                        "eval.samples_per_prompt=1")
+    return problems
+
+
 def generation_problems(p: RunProfile) -> list[str]:
     """Generation settings that cannot work together or here."""
     import importlib.util
@@ -288,6 +332,7 @@ def validate_profile(p: RunProfile) -> None:
     from backends import backend_for
 
     problems = [*backend_for(p.backend).profile_problems(p), *length_problems(p), *conversion_problems(p),
-                *generation_problems(p), *reward_problems(p)]
+                *generation_problems(p), *reward_problems(p), *position_problems(p), *head_problems(p),
+                *sampling_problems(p)]
     if problems:
         raise ProfileError("invalid profile: " + "; ".join(problems))

@@ -169,6 +169,10 @@ def prepare_dist_checkpoint(spec: ModelSpec, model_path: Path, log=print) -> Dis
                           cached=entry.cached)
 
 
+# Numbers a recipe may leave empty (only checked when known): not a different architecture.
+OPTIONAL_NUMBERS = {"max_position_embeddings"}
+
+
 def check_architecture(path: Path, expected: ModelArchitecture | None) -> None:
     if expected is None:
         return
@@ -177,6 +181,7 @@ def check_architecture(path: Path, expected: ModelArchitecture | None) -> None:
         f"model.architecture.{name}={getattr(expected, name)} but config.json says {value}"
         for name, value in found.items()
         if value is not None and getattr(expected, name) != value
+        and not (name in OPTIONAL_NUMBERS and getattr(expected, name) is None)
     ]
     if wrong:
         raise ModelFormatError(
@@ -208,11 +213,11 @@ def verify_hf_dir(path: Path, trust_remote_code: bool = False) -> dict[str, Any]
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").exists():
         raise ModelFormatError(f"{path}: no config.json; give the directory of a Hugging Face model")
     for name in ("config.json", INDEX_FILE):  # bounded before transformers reads them whole
         try:
-            if name == "config.json" or (path / name).exists():
+            if (path / name).exists():
                 json.loads(read_regular(path / name, MAX_JSON_BYTES))
         except (OSError, ValueError, RecursionError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else short(exc)

@@ -4,6 +4,7 @@ a directory can be unfit for training caught with a message that says how."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -85,7 +86,12 @@ def _missing_tensor(path: Path) -> None:
     "breakage, message",
     [
         (lambda p: (p / "config.json").unlink(), "no config.json"),
-        (lambda p: (p / "config.json").write_text("{"), "config.json does not load"),
+        (lambda p: (p / "config.json").write_text("{"), "config.json: cannot be read as JSON"),
+        # a FIFO hung the stage, a link to /dev/zero filled memory (transformers reads config.json whole)
+        (lambda p: ((p / "config.json").unlink(), os.mkfifo(p / "config.json")),
+         "config.json: cannot be read as JSON \\(it is a FIFO, not a regular file\\)"),
+        (lambda p: ((p / "config.json").unlink(), (p / "config.json").symlink_to("/dev/zero")),
+         "config.json: cannot be read as JSON \\(it is a character device, not a regular file\\)"),
         (lambda p: (p / "model.safetensors").rename(p / "pytorch_model.bin"),
          "no safetensors weights \\(found pytorch_model.bin: convert it to safetensors\\)"),
         (lambda p: (_shard_into_two(p), (p / "model-00002-of-00002.safetensors").unlink()),
@@ -96,7 +102,7 @@ def _missing_tensor(path: Path) -> None:
         (_wrong_shape, "model.norm.weight \\(32,\\) \\(config says \\(64,\\)\\)"),
         (_missing_tensor, "1 weight tensor\\(s\\) missing, e.g. model.layers.1.mlp.down_proj.weight"),
     ],
-    ids=["no-config", "bad-config", "bin-only", "missing-shard", "index-lies", "not-safetensors", "shape", "missing-tensor"],
+    ids=["no-config", "bad-config", "fifo-config", "dev-zero-config", "bin-only", "missing-shard", "index-lies", "not-safetensors", "shape", "missing-tensor"],
 )
 def test_unfit_directories_are_refused_with_the_reason(tiny_model_dir, tmp_path, breakage, message):
     broken = _broken_copy(tiny_model_dir, tmp_path, breakage)

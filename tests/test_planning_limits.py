@@ -70,3 +70,49 @@ def test_a_custom_reward_training_could_not_load_is_refused_when_the_run_is_plan
         assert fragment in one_error_line(cli(*planned, f"algorithm.reward_function={spec}")), spec
     for name in ("exact", "math"):  # a function it defines, or any top-level name (imported, assigned)
         assert cli(*planned, f"algorithm.reward_function={reward}:{name}").returncode == 0
+
+
+@pytest.mark.parametrize(("settings", "fragment"), [
+    # TRL refused it after 63 s, 3 attempts
+    ({"algorithm": {"rollout_n": 1}}, "algorithm.rollout_n=1: GRPO scores each response against the others sampled "
+     "for its prompt, so a group needs at least 2; set algorithm.rollout_n >= 2"),
+    # the documented bound allocated 137 GB on the tiny model; its positions end at 512
+    ({"data": {"max_response_length": 16777216}}, "data.max_response_length=16777216: data.max_prompt_length 64 + "
+     "16777216 = 16777280 tokens, more than the model's max_position_embeddings 512; set data.max_response_length <= 448"),
+    ({"eval": {"max_new_tokens": 449}}, "eval.max_new_tokens=449: data.max_prompt_length 64 + 449 = 513 tokens"),
+    ({"data": {"max_prompt_length": 600}}, "lower data.max_prompt_length below 512"),
+    # refused only by the evaluation stage, after training
+    ({"eval": {"samples_per_prompt": 4, "temperature": 0}}, "eval.samples_per_prompt=4 with eval.temperature=0: greedy "
+     "decoding gives the same response every time"),
+    # 3 Ray jobs were submitted; the dry run itself gave a traceback for the roots
+    ({"trainer": {"entrypoint": "python3 -m verl\0.trainer.main_ppo"}}, "trainer.entrypoint='python3 -m verl\\x00.trainer"
+     ".main_ppo': contains a NUL character (\\0), which no path, name or command can hold; remove it"),
+    ({"data": {"root": "/tmp/data\0"}}, "data.root='/tmp/data\\x00': contains a NUL character"),
+    ({"model": {"root": "/tmp/models\0"}}, "model.root='/tmp/models\\x00': contains a NUL character"),
+    ({"model": {"files": ["*.json\0"]}}, "contains a NUL character"),
+], ids=["rollout-n-1", "response-longer-than-the-model", "eval-tokens-longer-than-the-model", "prompt-alone-too-long",
+        "greedy-eval-with-4-samples", "nul-in-entrypoint", "nul-in-data-root", "nul-in-model-root", "nul-in-model-files"])
+@pytest.mark.parametrize("target", [("--device", "cpu"), ("--device", "gpu", "--backend", "verl")], ids=["local", "verl"])
+def test_a_setting_that_would_fail_late_is_refused_at_planning(cli, tmp_path, settings, fragment, target):
+    """Each failed only once training ran (or was retried); planning knows it (a NUL cannot be given
+    by --set: argv holds none, so the profile file carries it)."""
+    import json
+
+    profile = tmp_path / "profile.yaml"
+    profile.write_text(json.dumps(settings))  # JSON is YAML; "\0" survives as its escape
+    line = one_error_line(cli("--model", "tiny", *target, "--profile-file", str(profile), "--dry-run",
+                              "--run-dir", str(tmp_path / "runs")))
+    assert fragment in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_model_whose_kv_heads_outnumber_its_heads_is_refused_at_planning(cli, tmp_path):
+    import json
+
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 8, "hidden_size": 64, "vocab_size": 512,
+              "intermediate_size": 128, "max_position_embeddings": 512}
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(config))
+    line = one_error_line(cli("--model", str(tmp_path / "model"), "--device", "cpu", "--dry-run"))
+    assert "model.architecture.num_kv_heads=8: the 4 attention heads do not split into groups of one KV head each" in line
