@@ -276,6 +276,13 @@ def run_flow(request: RunRequest, plan: RunPlan) -> int:
         return 0
     except BaseException as exc:
         signum = _stop_signal(exc)
+        if signum is None and isinstance(exc, Exception) and not isinstance(exc, UserError):
+            # A stage failed for good (its retries spent, or not retryable): the log holds its
+            # traceback and the report where it stopped; the terminal gets the one line.
+            said = next((line for line in str(exc).splitlines() if line.strip()), "")
+            print(f"error: the run failed: {type(exc).__name__}: {scrub(said)[:1000]}; see "
+                  f"{Path(plan.run_dir) / 'report.md'} for where", file=sys.stderr)
+            return 1
         if signum is None:
             raise
         print(f"stopped by {signal.Signals(signum).name}; see the run's report.md for where", file=sys.stderr)

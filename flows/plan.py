@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from backends import backend_for
 from backends.base import TrainingRun
+from common.file_faults import run_folder_problem
 from flows import run_lock
 from flows.request import RunRequest
 from profiles.errors import ProfileError, UserError
@@ -131,6 +132,8 @@ def check_run_dir(run_dir: Path, dry_run: bool) -> None:
     if too_long:
         raise UserError(f"--run-dir/--run-name: the name {too_long[0][:40]}... is {len(os.fsencode(too_long[0]))} bytes, "
                         f"more than the file system's limit of {name_max}; choose a shorter --run-name")
+    if _exists(run_dir) and (problem := run_folder_problem(run_dir)):
+        raise UserError(f"--run-dir/--run-name: {problem}")
     if dry_run:
         return
     try:

@@ -10,6 +10,7 @@ stage table). A config error (`UserError`) is never retried, whatever the row sa
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import logging
 import time
@@ -23,7 +24,9 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
 from prefect.tasks import exponential_backoff
 
+from backends.base import TrainingInterrupted
 from backends.metrics import StepMetrics, read_metrics
+from common.file_faults import file_fault
 from common.progress import reporting_to
 from common.store import fingerprint, verify_entry, what_is_checked
 from profiles.errors import UserError
@@ -61,11 +64,12 @@ TABLE_UPDATE_S = 2.0
 
 class RunLogFilter(logging.Filter):
     """On every handler of the run's logs (the terminal, and Prefect's API, which stores them): a
-    user error is reported by its one-line message (Prefect would log its traceback, which only
-    buries the line that says what to fix), and no secret value of this process reaches a line."""
+    user error, and training that stopped (a lost worker, a hang: its line says which and where), is
+    reported by its one-line message (Prefect would log its traceback, which only buries the line
+    that says what to fix), and no secret value of this process reaches a line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], UserError):
+        if record.exc_info and isinstance(record.exc_info[1], (UserError, TrainingInterrupted)):
             record.exc_info, record.exc_text = None, None
         if _cancelling() and (said := _CANCELLED_WORDING.get(record.getMessage().split("(")[0])):
             # A cancel reaches the process as SIGTERM: Prefect's engines call the running task crashed (an
@@ -191,14 +195,21 @@ def errors_scrubbed(fn):
     """A stage whose error would carry a secret value (a library's message quoting a URL with
     credentials, say) raises it scrubbed: Prefect stores a failed task's message in its database and
     pickles the exception into its result storage. The kind of error stays: a config error (UserError)
-    is still one, never retried; anything else is still retried. (functools.wraps: the task's cache key
+    is still one, never retried; an OSError no retry can fix (a full disk, a file where a folder
+    belongs: common/file_faults.py) becomes one; anything else is still retried. (functools.wraps: the task's cache key
     is still its own source.)"""
+
+    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
+            # A stage that writes in the run's folder: a full disk there is why, whatever the error says.
+            folder = signature.bind_partial(*args, **kwargs).arguments.get("run_dir")
+            if not isinstance(exc, UserError) and (fault := file_fault(exc, folder and Path(folder))):
+                raise type(fault)(scrub(str(fault))) from None  # no retry helps
             text = str(exc)
             if (clean := scrub(text)) == text:
                 raise

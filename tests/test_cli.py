@@ -272,3 +272,24 @@ def test_an_unreachable_ray_address_fails_in_seconds_before_anything_starts(cli,
                    env={"PREFECT_HOME": str(tmp_path / "prefect")})
         assert done.returncode == 2 and done.stderr.startswith(f"error: --ray-address: {fragment}"), done.stderr[-2000:]
         assert not (tmp_path / "prefect").exists() and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("entry", "folder", "fragment"), [
+    ("checkpoints", False, "checkpoints is a file, not the folder where the run keeps its checkpoints; move it away"),
+    ("eval", False, "eval is a file, not the folder where the run keeps its eval; move it away"),
+    ("metrics.jsonl", True, "metrics.jsonl is a folder, where the run writes its metrics.jsonl; move it away"),
+], ids=["file-at-checkpoints", "file-at-eval", "folder-at-metrics"])
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "run"])
+def test_a_run_folder_entry_of_the_wrong_kind_is_refused_at_planning(cli, tmp_path, entry, folder, fragment, dry_run):
+    """Each was retried as if transient and ended in up to 9 tracebacks: what is in the way is known
+    before anything starts."""
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / entry).mkdir() if folder else (run_dir / entry).write_text("")
+    done = cli("--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"), "--run-name", "r1",
+               *(["--dry-run"] if dry_run else []), env={"PREFECT_HOME": str(tmp_path / "prefect")})
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0] == f"error: --run-dir/--run-name: {run_dir}/{fragment}, or choose another " \
+        "--run-name", done.stderr[-2000:]
+    assert sorted(p.name for p in run_dir.iterdir()) == [entry] and not (tmp_path / "prefect").exists()

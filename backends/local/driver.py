@@ -21,6 +21,7 @@ from backends.base import TrainingInterrupted, TrainResult
 from backends.local.checkpoints import latest_step
 from backends.local.settings import LocalTrainSettings
 from backends.metrics import MetricsFollower, StepMetrics
+from common.file_faults import file_fault
 from common.ray_cluster import connect_ray, stop_ray_job
 from profiles.errors import UserError
 
@@ -89,7 +90,7 @@ def train_local(
     for record in follower.new():
         on_step(record)
     if "error" in outcome:
-        raise _as_project_error(outcome["error"]) from outcome["error"]
+        raise _as_project_error(outcome["error"], Path(settings.run_dir)) from outcome["error"]
     done = latest_step(settings.checkpoints)
     if done is None or done < settings.max_steps:
         raise TrainingInterrupted(f"the workers stopped at step {done or 0} of {settings.max_steps}")
@@ -106,10 +107,17 @@ def partial_result(settings: LocalTrainSettings, step: int | None) -> TrainResul
     )
 
 
-def _as_project_error(error: BaseException) -> Exception:
-    """A worker's UserError stays one (never retried); anything else interrupted training."""
-    for failure in getattr(error, "worker_failures", {}).values():
+def _as_project_error(error: BaseException, run_dir: Path) -> Exception:
+    """A worker's UserError stays one (never retried), and so does an OSError no retry can fix (a
+    full disk, a file where the run keeps a folder: common/file_faults.py); anything else
+    interrupted training, said by the first worker's own error (Ray's first line names none)."""
+    failures = list(getattr(error, "worker_failures", {}).values()) or [error]
+    for failure in failures:
         cause = getattr(failure, "cause", failure)
         if isinstance(cause, UserError):
             return cause
-    return TrainingInterrupted(f"training stopped: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+        if fault := file_fault(failure, run_dir):
+            return fault
+    first = getattr(failures[0], "cause", failures[0])
+    said = next((line for line in str(first).splitlines() if line.strip()), "")
+    return TrainingInterrupted(f"training stopped: {type(first).__name__}: {said[:500]}")

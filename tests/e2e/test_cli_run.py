@@ -221,3 +221,42 @@ def test_a_run_file_the_folder_refuses_fails_the_run_in_one_line_naming_it(tmp_p
                      "there, or choose another --run-name or --run-dir")
     report = (blocked.parent / "report.md").read_text()
     assert "Stage `write plan.json`: cannot write the run's file" in report
+
+
+def test_a_full_disk_fails_the_run_at_once_in_one_line_naming_enospc(tmp_path):
+    """The run folder on a real 600 KiB tmpfs: the first checkpoint fills it. It was retried twice as
+    if transient (torch's writer says only "unexpected pos 5952 vs 5844", safetensors "os error 28")
+    and ended in tracebacks; now the train stage fails once, naming the folder, ENOSPC and the fix."""
+    import shutil
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(runs)], capture_output=True, text=True)
+    assert mounted.returncode == 0, f"this test mounts a small tmpfs (root, or a mount namespace): {mounted.stderr}"
+    try:
+        done = run_cli("--run-name", "full", "--set", "trainer.total_training_steps=2", "--set", "trainer.save_freq=1",
+                       tmp_path=tmp_path)
+    finally:
+        subprocess.run(["umount", str(runs)], check=True)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr + done.stdout
+    (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: {runs / 'full'}: No space left on device (ENOSPC: ") and error.endswith(
+        "free space on that file system (or give --run-dir on another) and run again: training resumes from the "
+        "latest checkpoint"), error
+    assert "Retry" not in done.stderr + done.stdout  # one attempt: a retry cannot free the disk
+    assert shutil.disk_usage(tmp_path).free > 0
+
+
+def test_training_that_fails_after_its_retries_ends_the_cli_in_one_line(tmp_path):
+    """Every attempt is taken for a hang (no step within 1 s: loading the model alone takes longer):
+    the stage's retries are spent and the run fails. The CLI ended with an uncaught
+    TrainingInterrupted traceback (rc 1); now one line, rc 1, naming the report."""
+    done = run_cli("--run-name", "hangs", "--set", "trainer.step_timeout_s=1", tmp_path=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert lines[-1].startswith("error: the run failed: TrainingInterrupted: no training step finished in 1 s "
+                                "(trainer.step_timeout_s)"), lines[-3:]
+    assert lines[-1].endswith(f"see {tmp_path / 'runs' / 'hangs' / 'report.md'} for where")
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr[-3000:]
+    assert (tmp_path / "runs" / "hangs" / "report.md").is_file()
