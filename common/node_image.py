@@ -86,9 +86,16 @@ def _cann_version() -> str | None:
     return None
 
 
-def _installed(name: str, need: NodeRequirement | None) -> tuple[str | None, str]:
+def _installed(name: str, need: NodeRequirement | None, unreadable: dict[str, str]) -> tuple[str | None, str]:
+    """The version `name` is installed at, and under which name; a distribution whose metadata cannot
+    be read (not UTF-8, cut short) is put in `unreadable` with why, not raised: that is this node's answer."""
     for dist in (name, *(need.also_named if need else ())):
-        if (found := _version(dist)) is not None:
+        try:
+            found = _version(dist)
+        except Exception as exc:  # whatever a damaged METADATA raises while importlib reads it
+            unreadable[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            return None, dist
+        if found is not None:
             return found, dist
     return None, name
 
@@ -99,10 +106,11 @@ def look(requirements: dict[str, dict | None], timeout_s: float) -> dict:
     driver, gpus = _nvidia()
     versions: dict[str, str | None] = {"python": platform.python_version(), "cann": _cann_version(),
                                        "nvidia-driver": driver}
-    installed_as = {}
+    installed_as: dict[str, str] = {}
+    unreadable: dict[str, str] = {}
     for name in (*STACK, *needs):
         if name not in versions:
-            versions[name], found_as = _installed(name, needs.get(name))
+            versions[name], found_as = _installed(name, needs.get(name), unreadable)
             if found_as != name:
                 installed_as[name] = found_as
     npus = len(glob.glob("/dev/davinci[0-9]*"))
@@ -112,18 +120,19 @@ def look(requirements: dict[str, dict | None], timeout_s: float) -> dict:
     answers = {"imports": {}, "registries": {}}
     if deep["imports"] or deep["registries"]:
         answers = _import_in_child(deep, 0.8 * timeout_s)
-    return {"versions": versions, "installed_as": installed_as, "torch_build": _torch_build(),
+    return {"versions": versions, "installed_as": installed_as, "unreadable": unreadable, "torch_build": _torch_build(),
             "devices": max(gpus, npus), **answers}
 
 
 # The child: import each module or read each registry it is given, a marked JSON line before and after
-# each (a module may print too); what a crash leaves unanswered is the step it died in.
+# each (a module may print too, without a final newline: each mark starts a line of its own, and is
+# found wherever it is in one); what a crash leaves unanswered is the step it died in.
 _MARK = "@grpo-preflight@ "
 _CHILD = r"""
 import importlib, json, sys
 MARK = "@grpo-preflight@ "
 for kind, name in json.loads(sys.argv[1]):
-    print(MARK + json.dumps([kind, name, None]), flush=True)
+    print("\n" + MARK + json.dumps([kind, name, None]), flush=True)
     try:
         module, _, attribute = name.partition(":")
         found = importlib.import_module(module)
@@ -132,7 +141,7 @@ for kind, name in json.loads(sys.argv[1]):
         answer = "ok" if kind == "import" else sorted(map(str, found() if callable(found) else found))
     except BaseException as exc:
         answer = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-    print(MARK + json.dumps([kind, name, answer]), flush=True)
+    print("\n" + MARK + json.dumps([kind, name, answer]), flush=True)
 """
 
 
@@ -145,16 +154,16 @@ def _import_in_child(asked: dict, timeout_s: float) -> dict:
     while todo:
         try:
             done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(todo)], capture_output=True, text=True,
-                                  timeout=max(0.1, deadline - time.monotonic()))
+                                  errors="replace", timeout=max(0.1, deadline - time.monotonic()))
             output, ended, more = done.stdout, f"the importing process ended with exit code {done.returncode}", True
         except subprocess.TimeoutExpired as exc:
-            output = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             ended, more = f"the import did not finish in {timeout_s:.0f} s", False
         started = None
         for line in output.splitlines():
-            if not line.startswith(_MARK):
+            if _MARK not in line:
                 continue
-            kind, name, answer = json.loads(line[len(_MARK):])
+            kind, name, answer = json.loads(line.partition(_MARK)[2])
             started = [kind, name] if answer is None else None
             if answer is not None:
                 answers["imports" if kind == "import" else "registries"][name] = None if answer == "ok" else answer

@@ -13,6 +13,7 @@ what each image has, one column per distinct image, so 64 identical nodes are on
 from __future__ import annotations
 
 import json
+import re
 import time
 
 from pydantic import BaseModel, Field
@@ -25,6 +26,7 @@ from profiles.requirements import NodeFacts, NodeProblem, NodeRequirement, node_
 
 PREFLIGHT_FILE = "nodes.json"
 NODES_NAMED = 3  # a group of nodes names this many, then counts the rest
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class NodesCannotRun(UserError):
@@ -49,7 +51,7 @@ class Preflight(BaseModel):
         groups: dict[str, tuple[list[str], NodeFacts]] = {}
         names = self.shown_names()
         for facts in self.nodes:
-            key = json.dumps([[facts.versions.get(n) for n in names], facts.torch_build, facts.devices,
+            key = json.dumps([[facts.versions.get(n) for n in names], facts.unreadable, facts.torch_build, facts.devices,
                               facts.devices_offered, facts.imports, facts.registries], sort_keys=True, default=str)
             groups.setdefault(key, ([], facts))[0].append(facts.node)
         return list(groups.values())
@@ -139,8 +141,10 @@ def run_preflight(requirements: dict[str, NodeRequirement], resource: str | None
                           "workers did not start, or hung: see the node's Ray logs; cluster.preflight_timeout_s sets "
                           "the wait)")
         else:  # the task itself failed on that node: it cannot run the job either
-            silent.append(f"node {node_label(node)}: the check did not run ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:200]})")
+            cause = getattr(exc, "cause", None) or exc  # RayTaskError(X): X, without Ray's colours
+            said = next((line for line in _ANSI.sub("", str(cause)).splitlines() if line.strip()), "")
+            silent.append(f"node {node_label(node)}: the check did not run ({type(cause).__name__}: {said[:200]}); "
+                          "see the node's Ray logs")
     facts.sort(key=lambda f: f.node)
     return Preflight(stage=stage, seconds=round(time.monotonic() - started, 3), requirements=requirements,
                      nodes=facts, silent=silent)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
@@ -44,6 +44,17 @@ class NodeRequirement(Section):
     why: str = Field("", description="What needs it, for the message.")
     fix: str = Field("", description="How to fix a node that lacks it (a package and version, or a profile setting "
                      "that avoids it).")
+
+    @field_validator("version")
+    @classmethod
+    def a_pep_440_specifier(cls, version: str) -> str:
+        """Checked here, at planning: an invalid one matched no node's version, so every node was blamed."""
+        try:
+            SpecifierSet(version)
+        except InvalidSpecifier:
+            raise ValueError(f"{version!r} is not a PEP 440 version specifier; write one like ==0.9.1, >=0.16 or "
+                             ">=2.6,<2.8") from None
+        return version
 
     def describe(self, name: str) -> str:
         """One line for the dry run: what is checked, and why."""
@@ -74,6 +85,8 @@ class NodeFacts(BaseModel):
     imports: dict[str, str | None] = Field(default_factory=dict, description="Module -> None (imports) or its error.")
     registries: dict[str, list[str] | str] = Field(default_factory=dict, description="Registry -> the names it holds, "
                                                    "or the error reading it.")
+    unreadable: dict[str, str] = Field(default_factory=dict, description="Name -> why its installed metadata could "
+                                       "not be read (a damaged installation).")
     torch_build: str | None = Field(None, description="cuda <version>, rocm <version>, or cpu (torch/version.py).")
     devices: int = Field(0, description="Devices the node has (NVML for GPUs, /dev/davinci* for NPUs).")
     devices_offered: float = Field(0, description="What Ray offers on the node of the platform's resource.")
@@ -113,6 +126,9 @@ def _problem(name: str, need: NodeRequirement, facts: NodeFacts) -> str | None:
         return None
     found = facts.versions.get(name)
     shown = facts.installed_as.get(name, name)
+    if name in facts.unreadable:
+        return (f"{shown} is installed but its package metadata cannot be read ({facts.unreadable[name]}): the "
+                f"installation is damaged; reinstall {name} on the node")
     if found is None:
         return f"{name} is not installed"
     if need.torch_build and not (facts.torch_build or "").startswith(need.torch_build):
@@ -121,6 +137,10 @@ def _problem(name: str, need: NodeRequirement, facts: NodeFacts) -> str | None:
         return f"{shown} {found} is installed, the job needs {name}{need.version}"
     if need.same_release_as:
         other = facts.versions.get(need.same_release_as)
+        for named, version in ((shown, found), (need.same_release_as, other)):
+            if version is not None and _release(version) is None:
+                return (f"{named} {version} is not a PEP 440 version, so its release cannot be matched with "
+                        f"{need.same_release_as if named == shown else shown}'s; install a released build")
         if _release(found) != _release(other):
             return (f"{shown} {found} does not match {need.same_release_as} {other or '(not installed)'}: their "
                     "releases must be the same")

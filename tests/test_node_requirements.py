@@ -86,6 +86,46 @@ def test_torch_npu_and_vllm_ascend_must_be_releases_of_torch_and_vllm():
     assert [p.found for p in node_problems(off, needs)] == [
         "torch-npu 2.10.0.post4 does not match torch 2.11.0: their releases must be the same",
         "vllm-ascend 0.23.0 does not match vllm (not installed): their releases must be the same"]
+    # Neither had a release, so "both None" matched and the job was submitted.
+    unversioned = _facts(versions={"torch": "banana", "torch-npu": "banana", "vllm": "0.23.0", "vllm-ascend": "0.9.0-custom"})
+    assert [p.found for p in node_problems(unversioned, needs)] == [
+        "torch-npu banana is not a PEP 440 version, so its release cannot be matched with torch's; install a released build",
+        "vllm-ascend 0.9.0-custom is not a PEP 440 version, so its release cannot be matched with vllm's; install a "
+        "released build"]
+
+
+@pytest.mark.parametrize("version", ["=>banana", "==", "0.9.1", ">=1.0;<2"])
+def test_a_version_that_is_no_specifier_is_refused_at_planning(version):
+    """It passed planning and then matched no node's version: every node was blamed."""
+    from profiles.errors import ProfileError
+
+    with pytest.raises(ProfileError, match=f"requires.vllm.version={version!r}: .* is not a PEP 440 version specifier; "
+                       "write one like ==0.9.1"):
+        resolve_profile("qwen3.5-122b-a10b", "gpu", "verl", overrides=[f'requires.vllm={{version: "{version}"}}'])
+
+
+def test_a_package_whose_metadata_is_not_text_is_named_with_its_fix(tmp_path, monkeypatch):
+    """Garbage METADATA raised out of the node's task (RayTaskError(UnicodeDecodeError), in ANSI colours,
+    naming no package); it is that node's answer, judged like any other."""
+    from node_images import install
+
+    install(tmp_path, "vllm", "0.23.0")
+    (tmp_path / "vllm-0.23.0.dist-info" / "METADATA").write_bytes(b"Metadata-Version: 2.1\nName: vllm\nVersion: \xff\xfe\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    answer = look({"vllm": {"version": ">=0.20"}}, timeout_s=60)
+    assert answer["versions"]["vllm"] is None and answer["unreadable"]["vllm"].startswith("UnicodeDecodeError: ")
+    (problem,) = node_problems(_facts(versions=answer["versions"], unreadable=answer["unreadable"]),
+                               {"vllm": NodeRequirement(version=">=0.20")})
+    assert problem.found.startswith("vllm is installed but its package metadata cannot be read (UnicodeDecodeError: ")
+    assert problem.found.endswith("): the installation is damaged; reinstall vllm on the node")
+
+
+def test_an_import_that_prints_without_a_final_newline_is_still_read(tmp_path, monkeypatch):
+    """The marker line was glued to the module's output, and a healthy node was refused."""
+    (tmp_path / "chatty.py").write_text("import sys\nsys.stdout.write('loading kernels...')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    answer = look({"torch": {"imports": ["chatty"]}}, timeout_s=60)
+    assert answer["imports"] == {"chatty": None}
 
 
 def test_the_node_answers_from_metadata_and_a_crashing_import_is_named_not_fatal(tmp_path, monkeypatch):
