@@ -174,9 +174,24 @@ def print_layouts(request: RunRequest, as_json: bool) -> int:
         print("\n".join(suggestion_table(suggestions, facts, profile)))
     if not suggestions:
         print(f"error: no layout of {profile.model.name} fits {profile.cluster.nnodes} x {profile.cluster.devices_per_node} "
-              f"{profile.platform.accelerator or kind} devices; add nodes (--set cluster.nnodes=N)", file=sys.stderr)
+              f"{profile.platform.accelerator or kind} devices; {_no_layout_fix(profile, facts)}", file=sys.stderr)
         return EXIT_USER_ERROR
     return 0
+
+
+def _no_layout_fix(profile, facts: dict) -> str:
+    """Which way the cluster is wrong: layouts that were never estimated were refused for their batch
+    split (more data-parallel ranks than the batch's sequences split over: too many devices), those
+    estimated did not fit in memory (too few), and none at all means no layout divides this world."""
+    if facts.get("layouts") and not facts.get("estimates"):
+        d, n = profile.data, profile.algorithm.rollout_n
+        return (f"every layout has more data-parallel ranks than data.train_batch_size {d.train_batch_size} x "
+                f"algorithm.rollout_n {n} = {d.train_batch_size * n} sequences split over; use fewer nodes "
+                "(--set cluster.nnodes=N) or a larger data.train_batch_size")
+    if not facts.get("layouts"):
+        return ("no parallel layout divides this many devices for this model; change cluster.nnodes or "
+                "cluster.devices_per_node")
+    return "add nodes (--set cluster.nnodes=N)"
 
 
 def print_run_summary(result: dict) -> None:

@@ -116,3 +116,14 @@ def test_a_model_whose_kv_heads_outnumber_its_heads_is_refused_at_planning(cli, 
     (tmp_path / "model" / "config.json").write_text(json.dumps(config))
     line = one_error_line(cli("--model", str(tmp_path / "model"), "--device", "cpu", "--dry-run"))
     assert "model.architecture.num_kv_heads=8: the 4 attention heads do not split into groups of one KV head each" in line
+
+
+@pytest.mark.parametrize(("nnodes", "fix"), [
+    # said "add nodes": every layout's data-parallel ranks outnumbered the batch's sequences
+    ("16384", "every layout has more data-parallel ranks than data.train_batch_size 128 x algorithm.rollout_n 6 = 768 "
+              "sequences split over; use fewer nodes (--set cluster.nnodes=N) or a larger data.train_batch_size"),
+    ("1", "add nodes (--set cluster.nnodes=N)"),  # nothing fits in memory: more devices do help
+])
+def test_no_layout_fitting_names_the_way_the_cluster_is_wrong(cli, nnodes, fix):
+    line = one_error_line(cli(*QWEN, "--suggest-layout", "--set", f"cluster.nnodes={nnodes}"))
+    assert line.endswith(f"devices; {fix}"), line
