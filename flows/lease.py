@@ -16,6 +16,7 @@ Crashed, and their files (the lease, the local API's log) are removed.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import signal
 import socket
@@ -156,17 +157,18 @@ def stale_leases() -> list[Lease]:
 
 
 def reap(leases: list[Lease]) -> int:
-    """End every process that carries one of these leases' ids; remove their files. Returns how
-    many processes were ended."""
+    """End every process that carries one of these leases' ids, and every process of a local Ray
+    session their owners started; remove their files. Returns how many processes were ended."""
     import psutil
 
     ids = {lease.id for lease in leases}
     if not ids:
         return 0
+    sessions = [str(path) + os.sep for lease in leases for path in ray_sessions_of(lease)]
     left = []
     for process in psutil.process_iter():
         try:
-            if process.pid != os.getpid() and _lease_of(process) in ids:
+            if process.pid != os.getpid() and (_lease_of(process) in ids or _in_session(process, sessions)):
                 process.send_signal(signal.SIGTERM)
                 left.append(process)
         except psutil.Error:  # gone meanwhile, or another user's
@@ -181,6 +183,50 @@ def reap(leases: list[Lease]) -> int:
         lease.path.unlink(missing_ok=True)
         lease.api_log.unlink(missing_ok=True)
     return len(left)
+
+
+def ray_temp_root() -> Path:
+    """Where Ray puts its sessions (ray._private.utils.get_ray_temp_dir, read without importing Ray)."""
+    return Path(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp") / "ray"
+
+
+def ray_sessions_of(lease: Lease) -> list[Path]:
+    """The local Ray sessions the lease's owner started: Ray names a session's folder after the time
+    and the pid of the process whose ray.init started it (`session_2026-12-05_00-02-53_236149_10823`);
+    one from before the owner started belongs to an earlier process of the same pid."""
+    found = []
+    for path in ray_temp_root().glob(f"session_*_{lease.pid}"):
+        try:
+            started = time.mktime(time.strptime(path.name[len("session_"):].rsplit("_", 2)[0], "%Y-%m-%d_%H-%M-%S"))
+        except ValueError:
+            continue
+        if started >= lease.started - 1 and path.is_dir() and not path.is_symlink():
+            found.append(path)
+    return found
+
+
+def _in_session(process, sessions: list[str]) -> bool:
+    """The process belongs to one of these Ray sessions: its command line names the session's folder,
+    or it holds a file there open (its logs). Ray's agents (DashboardAgent, RuntimeEnvAgent) rename
+    themselves over both their command line and their environment, so the lease's variable is gone
+    from them: their open logs are what is left to know them by."""
+    if not sessions:
+        return False
+    command = " ".join(process.cmdline())
+    if any(re.search(re.escape(session.rstrip(os.sep)) + r"(?![0-9])", command) for session in sessions):
+        return True
+    try:
+        fds = os.listdir(f"/proc/{process.pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{process.pid}/fd/{fd}")
+        except OSError:
+            continue
+        if any(target.startswith(session) for session in sessions):
+            return True
+    return False
 
 
 def _lease_of(process) -> str | None:
