@@ -153,7 +153,7 @@ class DistCheckpointReader:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        if not (self.path / ".metadata").is_file():
+        if not (self.path / ".metadata").exists():  # a FIFO or a device there is load_metadata's to name
             raise CheckpointError(f"{self.path}: not a complete torch_dist checkpoint (no .metadata, which is written last)")
         self.metadata = load_metadata(self.path / ".metadata")
         # A model saved inside a wrapper (verl's `dist_checkpointing_prefix`, a VL model's

@@ -153,11 +153,14 @@ def _made_by_another(out: Path) -> None:
     (out / "theirs.txt").write_text("another process's output")
 
 
+def _replaced(folder: Path, name: str, make: Callable[[Path], None]) -> Path:
+    (folder / name).unlink()
+    make(folder / name)
+    return folder
+
+
 def _config_replaced(place: Place, make: Callable[[Path], None]) -> Path:
-    model = copy(place.sources.llama, place.tmp / "m")
-    (model / "config.json").unlink()
-    make(model / "config.json")
-    return model
+    return _replaced(copy(place.sources.llama, place.tmp / "m"), "config.json", make)
 
 
 def _fifo(path: Path) -> None:
@@ -285,6 +288,8 @@ BAD_INPUTS = [
              "refused: it asks to build builtins.bytearray from int 4294967296", run="cli"),
     BadInput("a-tensor-whose-name-is-5-mb", dist_metadata(lambda m: m.state_dict_metadata.update(
         {LONG_NAME: m.state_dict_metadata[QKV]})), "(5,000,021 characters), which its config.json has no place for"),
+    BadInput("metadata-a-fifo", to_hf(lambda p: _replaced(copy(p.sources.dist, p.tmp / "d"), ".metadata", _fifo)),
+             ".metadata: cannot be read (it is a FIFO, not a regular file)", run="cli"),
     BadInput("no-metadata", to_hf(lambda p: without(p.sources.dist, p.tmp / "d", ".metadata")),
              "not a complete torch_dist checkpoint (no .metadata"),
     # OUT
