@@ -18,6 +18,7 @@ from typing import Any, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from common.bounded_read import short
 from profiles.errors import ProfileError
 from profiles.hf_config import architecture_from_hf_config
 from profiles.schema import DeviceKind, Platform, RunProfile
@@ -237,5 +238,5 @@ def describe_validation_error(exc: ValidationError) -> str:
                 # A section's own rule names its fields itself.
                 problems.append(message if message.startswith(f"{field}.") else f"{field}: {message}")
             else:
-                problems.append(f"{field}={value!r}: {message}")
+                problems.append(f"{field}={short(repr(value))}: {message}")  # a value from a file may be megabytes
     return "invalid profile: " + "; ".join(problems)

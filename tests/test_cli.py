@@ -146,7 +146,10 @@ def _files(tmp_path):
     (tmp_path / "self.yaml").write_text("engine:\n  transformer_overrides: &me\n    again: *me\n")
     for name, config in (("list-config", b"[1, 2]"), ("string-text-config", b'{"text_config": "qwen"}'),
                          ("binary-config", bytes(range(256))),
-                         ("deep-config", b"[" * 200_000 + b"]" * 200_000)):
+                         ("deep-config", b"[" * 200_000 + b"]" * 200_000),
+                         ("long-type-config", json.dumps({"model_type": "x" * 5_000_000, "num_hidden_layers": 2,
+                                                          "num_attention_heads": 4, "hidden_size": 64,
+                                                          "vocab_size": 512}).encode())):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_bytes(config)
     for name in ("fifo-config", "endless-config"):
@@ -167,6 +170,7 @@ def _files(tmp_path):
         (["--model", "{tmp}/fifo-config"], "cannot read config.json (it is a FIFO, not a regular file)"),
         (["--model", "{tmp}/endless-config"], "cannot read config.json (it is a character device, not a regular file)"),
         (["--model", "{tmp}/deep-config"], "config.json is not JSON text"),
+        (["--model", "{tmp}/long-type-config"], "xxx' (5,000,002 characters): string should have at most 64 characters"),
         (["--model", "{tmp}/" + "m" * 300], "File name too long; give a shorter or accessible path"),
         (["--stages", ""], "--stages='' names no stage"),
         (["--stages", " , "], "names no stage"),
@@ -180,6 +184,7 @@ def _files(tmp_path):
     ],
     ids=["non-utf8-profile", "yaml-alias-bomb", "yaml-alias-to-itself", "config-json-list", "config-json-string-text-config",
          "config-json-binary", "config-json-a-fifo", "config-json-a-link-to-dev-zero", "config-json-nested-200000-deep",
+         "config-json-model-type-of-5-mb",
          "model-path-too-long", "empty-stages", "blank-stages", "bool-for-int", "bool-for-float",
          "unknown-builtin-model", "missing-data-source", "ray-port-out-of-range", "ray-address-without-port",
          "run-name-too-long"],
@@ -192,7 +197,7 @@ def test_a_dry_run_refuses_hostile_input_with_one_line(cli, tmp_path, args, frag
     assert done.returncode == 2, (done.stdout[-2000:], done.stderr[-2000:])
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert fragment in lines[0]
+    assert fragment in lines[0] and len(lines[0]) < 2000
     assert not (tmp_path / "runs").exists()
 
 
