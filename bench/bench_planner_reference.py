@@ -39,9 +39,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from profiles.errors import ProfileError  # noqa: E402
-from profiles.loader import resolve_run_profile  # noqa: E402
-from profiles.memory import GIB, MemoryPlan, plan_for  # noqa: E402
+from common.errors import ProfileError  # noqa: E402
+from flows.plan import checked_profile  # noqa: E402
+from planner.memory import GIB, MemoryPlan, plan_for  # noqa: E402
 
 REFERENCE = ROOT / "bench" / "reference" / "published_runs.yaml"
 PEAK_TOLERANCE = 0.2
@@ -199,7 +199,7 @@ def profile_for(point: dict[str, Any], scratch: Path):
         name = str(scratch / point["id"])
         Path(name).mkdir(parents=True, exist_ok=True)
         (Path(name) / "config.json").write_text(json.dumps(_config_json(model["config"], model["model_type"])))
-    return resolve_run_profile(name, device, "verl", overrides=settings)[0]
+    return checked_profile(name, device, "verl", overrides=settings)[0]
 
 
 # --- the verdict ----------------------------------------------------------------------------------

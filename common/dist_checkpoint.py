@@ -19,7 +19,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from profiles.errors import EXIT_USER_ERROR, UserError
+from common.errors import EXIT_USER_ERROR, UserError
 
 EXIT_INTERRUPTED = 130
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy
 import torch
 
-from profiles.errors import UserError
+from common.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from profiles.errors import ProfileError
+from common.errors import ProfileError
 from profiles.model_size import vision_tower_parameters
 from profiles.yaml_files import shown
 

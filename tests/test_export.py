@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from backends.base import TrainResult
-from profiles.errors import UserError
+from common.errors import UserError
 from stages.export import export_checkpoint
 from stages.model import ModelFormatError
 

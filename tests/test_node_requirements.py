@@ -14,7 +14,7 @@ from backends import backend_for
 from common.node_image import look
 from common.preflight import Preflight
 from node_images import TORCH_RELEASE
-from profiles.loader import resolve_profile
+from flows.plan import resolve_profile
 from profiles.requirements import NodeFacts, NodeRequirement, node_problems
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -75,8 +75,8 @@ def test_points_the_planner_cannot_be_held_to_say_why(rows):
                                    "qwen3.5-122b-a10b-grpo-32k-64xa3"])
 def test_suggest_layout_lists_the_documented_layout_among_those_that_fit(point, tmp_path):
     """Uneven pipeline stages (PP8 over 94 layers, PP12 over 61), a rollout engine over four nodes, CP 4."""
-    from profiles.layouts import parallel_dims, suggest_layouts
-    from profiles.parallel import Layout
+    from planner.layouts import parallel_dims, suggest_layouts
+    from planner.parallel import Layout
 
     profile = profile_for(next(p for p in load_points() if p["id"] == point), tmp_path)
     suggestions, _ = suggest_layouts(profile)

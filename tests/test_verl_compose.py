@@ -19,8 +19,9 @@ from hydra.errors import ConfigCompositionException
 from backends.verl.command import ADD_OR_OVERRIDE, entrypoint, verl_settings
 from backends.verl.job import FILE_LOGGER_PATH_VAR, job_spec
 from stages.train import PLANNED_DIST_CHECKPOINT, training_inputs
-from profiles.errors import ProfileError
-from profiles.loader import PROFILES_DIR, resolve_profile
+from common.errors import ProfileError
+from flows.plan import resolve_profile
+from profiles.loader import PROFILES_DIR
 from profiles.yaml_files import load_yaml_mapping
 from stages.environment import resolve_environment
 from upstream_recipe import upstream_overrides

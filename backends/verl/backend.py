@@ -51,12 +51,12 @@ from common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
 from common.ray_cluster import (
     ClusterLost, answer_timeout_s, cluster_address, connect_ray, disconnect_ray, parse_ray_address, wait_for_nodes,
 )
-from profiles.errors import UserError
-from profiles.memory import MemoryPlan, plan_for
+from common.errors import UserError
+from planner.memory import MemoryPlan, plan_for
 from profiles.model_size import size_problems
 from profiles.requirements import NodeRequirement, for_stage
 from profiles.schema import RunProfile
-from profiles.validation import batch_problems, layout_problems, rollout_problems
+from planner.rules import batch_problems, layout_problems, rollout_problems
 
 POLL_S = 1.0
 LOG_LINES_KEPT = 400  # the end of the job's log, where its failure is

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from profiles.errors import UserError
+from common.errors import UserError
 
 EXPORT_DIR = "huggingface-export"
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from backends.base import TrainingInputs
 from profiles.schema import RunProfile
-from profiles.validation import UNEVEN_PIPELINE_FIELDS
+from planner.rules import UNEVEN_PIPELINE_FIELDS
 
 VERL_VERSION = "0.9.1"
 FILE_LOGGER = "file"

@@ -3,7 +3,7 @@ and its parameters, split by TP (what TP shards) and by EP x ETP (routed experts
 
     python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --suggest-layout   # layouts, uneven stages included
 
-Stages are megatron-core's (profiles/validation.py `pipeline_split`: even, uneven first/last stages, or
+Stages are megatron-core's (planner/rules.py `pipeline_split`: even, uneven first/last stages, or
 the embedding and loss counted as layers); the first holds the embedding (and a vision tower), the last
 the output layer (a copy of a tied embedding) and, when trained, the MTP layers. What megatron-core keeps
 whole on every TP rank (norms, the router) is not divided by TP.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from profiles.validation import pipeline_split
+from planner.rules import pipeline_split
 
 if TYPE_CHECKING:
     from profiles.model_size import ModelSize

@@ -34,11 +34,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from profiles.activations import recompute
-from profiles.memory import GIB, MemoryPlan, estimate
-from profiles.parallel import Layout, stage_parameters
+from planner.activations import recompute
+from planner.memory import GIB, MemoryPlan, estimate
+from planner.parallel import Layout, stage_parameters
 from profiles.model_size import ModelSize, model_size
-from profiles.validation import UNEVEN_PIPELINE_FIELDS, batch_problems, layout_problems, rollout_problems, uneven_split
+from planner.rules import UNEVEN_PIPELINE_FIELDS, batch_problems, layout_problems, rollout_problems, uneven_split
 
 if TYPE_CHECKING:
     from profiles.platform import Accelerator
@@ -211,7 +211,7 @@ def suggestion_table(suggestions: list[Suggestion], facts: dict[str, float], p: 
     c = p.cluster
     head = (f"{p.model.name} on {c.nnodes} x {c.devices_per_node} {p.platform.accelerator or p.platform.kind}: "
             f"{facts['fit']} of {facts['layouts']} valid layouts fit ({facts['estimates']} estimates, "
-            f"{facts['seconds'] * 1000:.0f} ms); cost model: profiles/layouts.py")
+            f"{facts['seconds'] * 1000:.0f} ms); cost model: planner/layouts.py")
     lines = [head, "| rank | TP | PP | CP | EP | ETP | rollout TP | offload | micro batch | actor GiB | step s (model) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for rank, s in enumerate(suggestions[:limit], 1):

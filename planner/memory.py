@@ -10,7 +10,7 @@ the logits and any MTP layers; 1F1B keeps min(PP - stage, micro batches) micro b
 - actor, update: megatron-core's training step: bf16 parameters, fp32 gradients (verl's
   grad_reduce_in_fp32), Adam's state sharded over the data-parallel ranks (the distributed optimizer),
   the activations of the micro batches in flight under the recompute settings, and the logits of the
-  vocabulary-parallel loss (profiles/activations.py). verl loads offloaded parameters back for it.
+  vocabulary-parallel loss (planner/activations.py). verl loads offloaded parameters back for it.
   Megatron's CPU optimizer (`optimizer_cpu_offload` x `optimizer_offload_fraction` f) keeps Adam's
   moments and master weights on the host, except that without the precision-aware optimizer the fp32
   master stays on the device: 4 + 8 (1 - f) bytes per parameter of the shard (12 (1 - f) with it); the
@@ -36,11 +36,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from profiles.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE, layer_bytes, logits_bytes, micro_batch, \
+from planner.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE, layer_bytes, logits_bytes, micro_batch, \
     recompute, stage_activations, update_logits_coefficient
 from profiles.model_size import ModelSize, head_dim, kv_bytes_per_token, linear_state_bytes_per_sequence, \
     model_size, size_problems
-from profiles.parallel import Layout, Stage, stages
+from planner.parallel import Layout, Stage, stages
 
 if TYPE_CHECKING:
     from profiles.schema import RunProfile
