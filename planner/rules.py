@@ -191,3 +191,54 @@ def batch_problems(p: RunProfile, data_parallel: int) -> list[str]:
                     f"{a.ppo_micro_batch_size_per_gpu}; make {field} x rollout_n a multiple of {per_micro_round}"
                 )
     return problems
+
+
+# Megatron's engine settings, at their defaults; under FSDP any other value would be dropped silently.
+MEGATRON_DEFAULTS = {"tp": 1, "pp": 1, "vpp": None, "cp": 1, "ep": 1, "etp": 1, "mtp": False,
+                     **{name: None for name in UNEVEN_PIPELINE_FIELDS[:2]},
+                     **{name: False for name in UNEVEN_PIPELINE_FIELDS[2:]},
+                     "transformer_overrides": {}, "optimizer_overrides": {}}
+FSDP_DEFAULTS = {"fsdp_size": -1, "ulysses_sp": 1, "attn_implementation": "sdpa"}
+
+
+def fsdp_group(p: RunProfile) -> int:
+    """Ranks one copy of the model is sharded over: verl's create_device_mesh takes -1, or a size of
+    the world or more, as the whole world."""
+    size, world = p.engine.fsdp_size, p.world_size
+    return world if size < 0 or size >= world else size
+
+
+def fsdp_problems(p: RunProfile) -> list[str]:
+    """FSDP2's layout as verl 0.9.1 builds it (workers/engine/fsdp/transformer_impl.py, utils.py,
+    models/transformers/monkey_patch.py), and the Megatron settings it would ignore."""
+    e, arch, world = p.engine, p.model.architecture, p.world_size
+    problems = [f"engine.strategy=fsdp: engine.{name}={getattr(e, name)!r} is a Megatron setting FSDP does not read; "
+                f"set engine.{name}={_plain(default)} (FSDP shards over engine.fsdp_size ranks) or engine.strategy=megatron"
+                for name, default in MEGATRON_DEFAULTS.items() if getattr(e, name) != default]
+    if e.fsdp_size == 0 or (0 < e.fsdp_size < world and world % e.fsdp_size):
+        problems.append(f"engine.fsdp_size={e.fsdp_size}: an FSDP group must divide the world size {world} (verl "
+                        f"builds a (world / fsdp_size, fsdp_size) device mesh); use -1 or one of {_divisors(world)}")
+    sp = e.ulysses_sp
+    if world % sp:
+        problems.append(f"engine.ulysses_sp={sp}: must divide the world size {world}; use one of {_divisors(world)}")
+    if arch.num_attention_heads % sp:
+        problems.append(f"engine.ulysses_sp={sp}: Ulysses splits the {arch.num_attention_heads} attention heads over "
+                        f"its ranks; use one of {_divisors(arch.num_attention_heads)}")
+    if sp > 1 and not e.use_remove_padding:
+        problems.append(f"engine.ulysses_sp={sp}: Ulysses sequence parallelism needs packed sequences; set "
+                        "engine.use_remove_padding=true (verl refuses it otherwise)")
+    if p.model.dist_checkpoint:
+        problems.append("model.dist_checkpoint=true: a Megatron dist checkpoint is for engine.strategy=megatron; FSDP "
+                        "loads the Hugging Face weights; set model.dist_checkpoint=false")
+    return problems
+
+
+def megatron_problems(p: RunProfile) -> list[str]:
+    """FSDP settings given to the Megatron engine, which would ignore them."""
+    return [f"engine.strategy=megatron: engine.{name}={getattr(p.engine, name)} is an FSDP setting; set "
+            f"engine.strategy=fsdp, or leave engine.{name} out" for name, default in FSDP_DEFAULTS.items()
+            if getattr(p.engine, name) != default]
+
+
+def _plain(value: object) -> str:
+    return "null" if value is None else "{}" if value == {} else str(value).lower() if isinstance(value, bool) else str(value)
