@@ -39,6 +39,10 @@ class Layout:
     last_stage_layers: int | None = None
     embedding_in_split: bool = False  # engine.account_for_embedding/loss_in_pipeline_split
     loss_in_split: bool = False
+    strategy: str = "megatron"  # engine.strategy; with fsdp, tp ... etp are 1 and these three matter:
+    fsdp_size: int = -1  # engine.fsdp_size (-1: the world)
+    ulysses_sp: int = 1  # engine.ulysses_sp
+    checkpointing: bool = True  # model.enable_gradient_checkpointing (FSDP; Megatron recomputes by its overrides)
 
     @classmethod
     def of(cls, p: RunProfile) -> Layout:
@@ -50,10 +54,17 @@ class Layout:
                    first_stage_layers=e.num_layers_in_first_pipeline_stage,
                    last_stage_layers=e.num_layers_in_last_pipeline_stage,
                    embedding_in_split=e.account_for_embedding_in_pipeline_split,
-                   loss_in_split=e.account_for_loss_in_pipeline_split)
+                   loss_in_split=e.account_for_loss_in_pipeline_split, strategy=e.strategy, fsdp_size=e.fsdp_size,
+                   ulysses_sp=e.ulysses_sp, checkpointing=p.model.enable_gradient_checkpointing)
 
     def settings(self) -> dict[str, Any]:
         """The profile keys that make this layout (`--set` them)."""
+        if self.strategy == "fsdp":
+            return {"engine.strategy": "fsdp", "engine.fsdp_size": self.fsdp_size, "engine.ulysses_sp": self.ulysses_sp,
+                    "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
+                    "engine.optimizer_offload": self.optimizer_offload,
+                    "model.enable_gradient_checkpointing": self.checkpointing,
+                    "actor.ppo_micro_batch_size_per_gpu": self.micro_batch}
         return {"engine.tp": self.tp, "engine.pp": self.pp, "engine.cp": self.cp, "engine.ep": self.ep,
                 "engine.etp": self.etp, "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
                 "engine.optimizer_offload": self.optimizer_offload,

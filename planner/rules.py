@@ -224,6 +224,10 @@ def fsdp_problems(p: RunProfile) -> list[str]:
     if arch.num_attention_heads % sp:
         problems.append(f"engine.ulysses_sp={sp}: Ulysses splits the {arch.num_attention_heads} attention heads over "
                         f"its ranks; use one of {_divisors(arch.num_attention_heads)}")
+    if sp > 1 and e.attn_implementation != "flash_attention_2":
+        problems.append(f"engine.ulysses_sp={sp}: verl's Ulysses patches transformers' FlashAttention 2 path only "
+                        f"(with {e.attn_implementation} each rank would attend to its own slice); set "
+                        "engine.attn_implementation=flash_attention_2 (flash-attn on every node) or engine.ulysses_sp=1")
     if sp > 1 and not e.use_remove_padding:
         problems.append(f"engine.ulysses_sp={sp}: Ulysses sequence parallelism needs packed sequences; set "
                         "engine.use_remove_padding=true (verl refuses it otherwise)")

@@ -229,6 +229,7 @@ def test_fsdp_command_composes_with_profile_values(extra):
     (["engine.ulysses_sp=2"], "Ulysses splits the 9 attention heads"),
     (["engine.ulysses_sp=3", "cluster.devices_per_node=3", "rollout.tp=3", "engine.use_remove_padding=false"],
      "needs packed sequences"),
+    (["engine.ulysses_sp=3", "cluster.devices_per_node=3", "rollout.tp=3"], "patches transformers' FlashAttention 2 path only"),
     (["cluster.devices_per_node=4", "engine.fsdp_size=3"], "an FSDP group must divide the world size 4"),
     (["model.dist_checkpoint=true"], "a Megatron dist checkpoint is for engine.strategy=megatron"),
     (["engine.strategy=megatron", "engine.fsdp_size=2", "cluster.devices_per_node=2"], "engine.fsdp_size=2 is an FSDP setting"),
