@@ -133,7 +133,7 @@ def print_dry_run(plan, as_json: bool) -> None:
     for reference in plan.env.unset_references:
         print(f"#   {reference}: not set here; a run refuses to start without it")
     if plan.memory:
-        print("# memory plan (planner/memory.py)")
+        print("# memory plan (planner/)")
         for line in memory_table(plan.memory):
             print(f"#   {line}")
     elif note := backend_for(plan.profile.backend).memory_note(plan.profile):

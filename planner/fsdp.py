@@ -103,7 +103,7 @@ def estimate_fsdp(p: RunProfile, lay: Layout, device: str, capacity_gib: float |
     layer = max((sum(size.layer(i)) for i in range(size.num_layers)), default=0)
     gathered = COMPUTE_BYTES * (root + 2 * max(layer, size.embedding if size.output else 0, size.vision))
     state = {"weights": MASTER_BYTES * shard, "gradients": GRAD_BYTES * shard, "optimizer": ADAM_BYTES * shard}
-    where = f"FSDP2 over {group} ranks" + (f", Ulysses {sp}" if sp > 1 else "")
+    where = f"FSDP2 over {group} rank{'s' if group > 1 else ''}" + (f", Ulysses {sp}" if sp > 1 else "")
 
     sequences = actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp
     tokens, _ = micro_batch(sequences, max_length, sp, actor.use_dynamic_bsz, lay.micro_batch, actor.ppo_max_token_len_per_gpu)

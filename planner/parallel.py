@@ -64,7 +64,9 @@ class Layout:
                     "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
                     "engine.optimizer_offload": self.optimizer_offload,
                     "model.enable_gradient_checkpointing": self.checkpointing,
-                    "actor.ppo_micro_batch_size_per_gpu": self.micro_batch}
+                    "actor.ppo_micro_batch_size_per_gpu": self.micro_batch,
+                    # verl's Ulysses patches transformers' FlashAttention 2 path only (planner/rules.py)
+                    **({"engine.attn_implementation": "flash_attention_2"} if self.ulysses_sp > 1 else {})}
         return {"engine.tp": self.tp, "engine.pp": self.pp, "engine.cp": self.cp, "engine.ep": self.ep,
                 "engine.etp": self.etp, "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
                 "engine.optimizer_offload": self.optimizer_offload,
