@@ -43,7 +43,7 @@ class RunPlan(BaseModel):
     env: RuntimeEnv
     command: list[str] = Field(..., description="The training command (argv) the run will execute.")
     submission: dict | None = Field(None, description="What training submits to the cluster (a verl Ray job).")
-    memory: dict | None = Field(None, description="Device memory per role of the layout (planner/memory.py).")
+    memory: dict | None = Field(None, description="Device memory per role of the layout (planner/memory.py, planner/fsdp.py).")
     node_requirements: dict[str, dict[str, NodeRequirement]] = Field(
         default_factory=dict, description="What every node of the cluster must have, per stage, checked before the "
         "stage starts there.")
