@@ -231,6 +231,11 @@ def fsdp_problems(p: RunProfile) -> list[str]:
     if sp > 1 and not e.use_remove_padding:
         problems.append(f"engine.ulysses_sp={sp}: Ulysses sequence parallelism needs packed sequences; set "
                         "engine.use_remove_padding=true (verl refuses it otherwise)")
+    sequences = p.data.train_batch_size * p.algorithm.rollout_n
+    if sp > 1 and not p.actor.use_dynamic_bsz and sequences % world:  # verl's validate_config, beside batch_problems
+        problems.append(f"data.train_batch_size={p.data.train_batch_size}: x rollout_n {p.algorithm.rollout_n} = "
+                        f"{sequences} sequences must divide over the world's {world} devices (verl's FSDP check); "
+                        f"make data.train_batch_size x rollout_n a multiple of {world}")
     if p.model.dist_checkpoint:
         problems.append("model.dist_checkpoint=true: a Megatron dist checkpoint is for engine.strategy=megatron; FSDP "
                         "loads the Hugging Face weights; set model.dist_checkpoint=false")

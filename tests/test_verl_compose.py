@@ -230,6 +230,8 @@ def test_fsdp_command_composes_with_profile_values(extra):
     (["engine.ulysses_sp=3", "cluster.devices_per_node=3", "rollout.tp=3", "engine.use_remove_padding=false"],
      "needs packed sequences"),
     (["engine.ulysses_sp=3", "cluster.devices_per_node=3", "rollout.tp=3"], "patches transformers' FlashAttention 2 path only"),
+    (["engine.ulysses_sp=3", "cluster.devices_per_node=3", "rollout.tp=3", "engine.attn_implementation=flash_attention_2"],
+     "32 sequences must divide over the world's 3 devices"),
     (["cluster.devices_per_node=4", "engine.fsdp_size=3"], "an FSDP group must divide the world size 4"),
     (["model.dist_checkpoint=true"], "a Megatron dist checkpoint is for engine.strategy=megatron"),
     (["engine.strategy=megatron", "engine.fsdp_size=2", "cluster.devices_per_node=2"], "engine.fsdp_size=2 is an FSDP setting"),
