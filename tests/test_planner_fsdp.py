@@ -110,3 +110,21 @@ def test_suggest_layout_lists_fsdp_for_a_dense_model_and_not_for_moe():
 def test_gib_of_the_update_is_what_the_parts_add_up_to():
     plan = estimate(fsdp())
     assert plan.summary()["roles"][0]["estimate_gib"] == round(plan.roles[0].total / GIB, 1)
+
+
+def test_the_fsdp_probe_plans_its_layouts_with_this_planner():
+    """bench/fsdp_memory_probe.py sets each measured layout up as a profile; every layout it would
+    measure on the H200 is planned here (the probe's side of the comparison cannot drift from the planner)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from fsdp_memory_probe import RUNS, SMOKE, full_config, planned
+
+    for config in [*RUNS, *SMOKE]:
+        figures = planned(config)
+        assert figures["update"] > 0 and figures["log_prob"] > 0, config
+        assert {"weights", "gradients", "optimizer", "activations", "logits"} <= set(figures["update_parts"])
+        assert figures["update_parts"]["activations"] > 0 and full_config(config)["model"]["vocab_size"] > 0
+    on, off = planned({**RUNS[1], "checkpointing": True}), planned({**RUNS[1], "checkpointing": False})
+    assert off["update_parts"]["activations"] > 3 * on["update_parts"]["activations"]
