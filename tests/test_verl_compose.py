@@ -222,6 +222,8 @@ def test_fsdp_command_composes_with_profile_values(extra):
     assert select(composed, "actor_rollout_ref.actor.use_dynamic_bsz") is profile.actor.use_dynamic_bsz
     assert select(composed, "actor_rollout_ref.actor.use_kl_loss") is profile.algorithm.use_kl_loss
     assert select(composed, "trainer.logger")[-1] == "file"
+    # the export stage reads the policy's HF weights, which verl's FSDP checkpoint holds only when asked
+    assert select(composed, "actor_rollout_ref.actor.checkpoint.save_contents") == [*profile.actor.checkpoint_save_contents, "hf_model"]
 
 
 @pytest.mark.parametrize(("extra", "message"), [

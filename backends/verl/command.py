@@ -150,6 +150,10 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
     }
     if p.engine.strategy == "fsdp":
         settings["actor_rollout_ref.actor.strategy"] = FSDP_VERSION  # the reference follows the actor's
+        # FSDP's checkpoint is sharded .pt files; the export stage reads the policy's HF weights, which
+        # verl writes to actor/huggingface only when asked (backends/verl/checkpoint.py).
+        if "hf_model" not in a.checkpoint_save_contents:
+            settings["actor_rollout_ref.actor.checkpoint.save_contents"] = [*a.checkpoint_save_contents, "hf_model"]
         # verl loads the model with flash_attention_2 unless told otherwise (HFModelConfig).
         settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.model.override_config.attn_implementation"] = p.engine.attn_implementation
     else:
