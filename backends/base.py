@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
     from backends.metrics import StepMetrics
-    from profiles.memory import MemoryPlan
+    from planner.memory import MemoryPlan
     from profiles.requirements import NodeRequirement
     from profiles.schema import RunProfile
     from stages.evaluate import EvalSettings, Generate
@@ -104,7 +104,7 @@ class Backend(ABC):
 
     def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
                     detected_gib: list[float] | None = None) -> MemoryPlan | None:
-        """Device memory per role of this engine's layout (profiles/memory.py), with the devices detected
+        """Device memory per role of this engine's layout (planner/memory.py), with the devices detected
         here when there are any; None when this engine has no estimate or the architecture is incomplete."""
         return None
 

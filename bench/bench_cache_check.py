@@ -27,7 +27,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from profiles.loader import resolve_profile  # noqa: E402
+from flows.plan import resolve_profile  # noqa: E402
 from stages.dataset import DataSpec, fetch_dataset  # noqa: E402
 from stages.model import ModelSpec, prepare_model  # noqa: E402
 from common.store import Built, Store, verify_entry, what_is_checked  # noqa: E402

@@ -26,7 +26,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from profiles.loader import resolve_profile  # noqa: E402
+from flows.plan import resolve_profile  # noqa: E402
 from stages.evaluate import EvalSettings, transformers_generate  # noqa: E402
 from stages.model import ModelSpec, prepare_model  # noqa: E402
 from common.rl_data import arith_splits  # noqa: E402

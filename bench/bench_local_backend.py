@@ -38,7 +38,7 @@ from backends.local.driver import train_local  # noqa: E402
 from backends.metrics import StepMetrics  # noqa: E402
 from backends.local.settings import LocalTrainSettings, plan_local_training  # noqa: E402
 from backends.local.worker import GenerationTimer, training_rows  # noqa: E402
-from profiles.loader import resolve_profile  # noqa: E402
+from flows.plan import resolve_profile  # noqa: E402
 from common.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
 from common.rl_data import arith_splits  # noqa: E402
 

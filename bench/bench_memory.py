@@ -1,4 +1,4 @@
-"""The memory planner's actor estimate (profiles/memory.py) against the measured peak of real
+"""The memory planner's actor estimate (planner/memory.py) against the measured peak of real
 megatron-core training steps (bench/megatron_memory_probe.py), side by side, config by config.
 
     python3 bench/bench_memory.py --out $OUT/memory.json          # one GPU: measures every run, then compares
@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from megatron_memory_probe import RUNS, SHAPES, full_config, run_name  # noqa: E402
 
-from profiles.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE  # noqa: E402
+from planner.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE  # noqa: E402
 from profiles.loader import resolve_run_profile  # noqa: E402
-from profiles.memory import GIB, estimate  # noqa: E402
+from planner.memory import GIB, estimate  # noqa: E402
 
 
 HELD_OUT = [

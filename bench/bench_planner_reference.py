@@ -16,9 +16,9 @@ A point's verdict, by its outcome:
   verl 0.6 (rollout mode `sync`, vLLM inside the trainer process), the vLLM start row too.
 Not asserted (in the table with the planner's figure): Megatron-only and Megatron-Bridge training steps
 (not verl: their loss kernel, gradient dtype and optimizer precision are not published, and the
-planner's logits are verl's), and the points in NOT_ASSERTED. Out of scope (no figure): FSDP runs (the
-planner models Megatron), vLLM-only profiles (the rollout row is the `gpu_memory_utilization` budget by
-construction), and points whose settings were not published.
+planner's logits are verl's), and the points in NOT_ASSERTED. Out of scope (no figure): vLLM-only
+profiles (the rollout row is the `gpu_memory_utilization` budget by construction), and points whose
+settings were not published. FSDP points are planned with planner/fsdp.py (`engine.strategy: fsdp`).
 A rollout that uses vLLM's expert or data parallelism (not a profile setting) is judged on the trainer's
 rows only.
 """
@@ -39,9 +39,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from profiles.errors import ProfileError  # noqa: E402
-from profiles.loader import resolve_run_profile  # noqa: E402
-from profiles.memory import GIB, MemoryPlan, plan_for  # noqa: E402
+from common.errors import ProfileError  # noqa: E402
+from flows.plan import checked_profile  # noqa: E402
+from planner.memory import GIB, MemoryPlan, plan_for  # noqa: E402
 
 REFERENCE = ROOT / "bench" / "reference" / "published_runs.yaml"
 PEAK_TOLERANCE = 0.2
@@ -71,6 +71,12 @@ RECORDED_DISAGREEMENTS = {
     "fits up to about 17k tokens a micro batch, which the CI data's responses (not recorded) may never reach",
     "qwen2.5-7b-grpo-8xh100-tp2-offload-static": "static micro batches sized at max_prompt + max_response (10240 "
     "tokens a sequence); the run's responses were shorter (not recorded); exact: false",
+    "qwen2-72b-grpo-32xh20-fsdp": "FSDP2, sized at the 24000-token budget, the bound verl keeps (108 GiB on 91.6: 46 "
+    "of them the 80 layers' checkpointed inputs and one recomputed layer); the update fits up to about 17,500 tokens "
+    "a micro batch, which a rank's 40 GSM8K prompts and responses (lengths not recorded) may never reach",
+    "qwen2-7b-grpo-2xh800-fsdp": "FSDP2, static micro batches of 16 sized at max_prompt + max_response (2048 tokens a "
+    "sequence: 100 GiB on 75.6); with remove padding a micro batch holds only its real tokens, and the plan fits up "
+    "to about 700 tokens a sequence, where GSM8K's prompts and responses (not recorded) typically stay",
 }
 ACCELERATORS = {"H20": ("gpu", "H20"), "H100": ("gpu", "H100"), "H800": ("gpu", "H800"),
                 "Atlas A3": ("npu", "Atlas A3"), "Atlas 910B3 (A2)": ("npu", "Atlas A2")}
@@ -95,8 +101,6 @@ def load_points(path: Path = REFERENCE) -> list[dict[str, Any]]:
 def out_of_scope(point: dict[str, Any]) -> str | None:
     if point["harness"] == "vllm-rollout-only":
         return "vLLM only: the rollout row is the gpu_memory_utilization budget by construction"
-    if point["engine"].get("strategy") == "fsdp":
-        return "FSDP: the planner models verl's Megatron engine"
     return UNPUBLISHED.get(point["id"])
 
 
@@ -150,6 +154,8 @@ def overrides_for(point: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     fusion = (e.get("other_overrides") or {}).get("bias_activation_fusion")
     if fusion is not None:
         transformer["bias_activation_fusion"] = fusion
+    if e.get("strategy") == "fsdp":
+        return device, _fsdp_settings(point, platform)
     engine: dict[str, Any] = {"tp": e["tp"], "pp": e["pp"], "vpp": e.get("vpp"), "cp": e.get("cp", 1),
                               "ep": e.get("ep", 1), "etp": e.get("etp") or 1,
                               "param_offload": bool(e.get("param_offload")),
@@ -189,6 +195,32 @@ def overrides_for(point: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     return device, settings
 
 
+def _fsdp_settings(point: dict[str, Any], platform: dict[str, Any]) -> dict[str, Any]:
+    """An FSDP point's profile settings (verl's FSDP example scripts)."""
+    c, e, r = point["cluster"], point["engine"], point.get("rollout") or {}
+    dynamic = bool(e.get("use_dynamic_bsz"))
+    budget = e.get("ppo_max_token_len_per_gpu") or 16384
+    return {"backend": "verl", "platform": platform,
+            "cluster": {"nnodes": c["nnodes"], "devices_per_node": c["devices_per_node"]},
+            "engine": {"strategy": "fsdp", "param_offload": bool(e.get("param_offload")),
+                       "optimizer_offload": bool(e.get("optimizer_offload")),
+                       "use_remove_padding": bool(e.get("use_remove_padding", True)),
+                       "ulysses_sp": e.get("ulysses_sequence_parallel_size") or 1,
+                       **({"attn_implementation": "flash_attention_2"} if (e.get("ulysses_sequence_parallel_size") or 1) > 1 else {})},
+            "model": {"enable_gradient_checkpointing": bool(e.get("gradient_checkpointing"))},
+            "data": {"train_batch_size": e["train_batch_size"], "max_prompt_length": e["max_prompt_length"],
+                     "max_response_length": e["max_response_length"]},
+            "actor": {"ppo_mini_batch_size": e["ppo_mini_batch_size"], "use_dynamic_bsz": dynamic,
+                      "ppo_micro_batch_size_per_gpu": e.get("ppo_micro_batch_size_per_gpu") or 1,
+                      "ppo_max_token_len_per_gpu": budget},
+            "algorithm": {"rollout_n": e["rollout_n"], "use_kl_loss": bool(e.get("use_kl_loss")),
+                          "entropy_coeff": e.get("entropy_coeff") or 0},
+            "log_prob": {"micro_batch_size_per_gpu": e.get("log_prob_micro_batch_size_per_gpu") or 1,
+                         "use_dynamic_bsz": dynamic, "max_token_len_per_gpu": e.get("log_prob_max_token_len_per_gpu") or budget},
+            "rollout": {"tp": r["tp"], "gpu_memory_utilization": r["gpu_memory_utilization"],
+                        "max_num_seqs": r.get("max_num_seqs", 256), "max_model_len": r.get("max_model_len")}}
+
+
 def profile_for(point: dict[str, Any], scratch: Path):
     """The point's RunProfile (validated as planning validates it), or a ProfileError."""
     device, settings = overrides_for(point)
@@ -199,7 +231,7 @@ def profile_for(point: dict[str, Any], scratch: Path):
         name = str(scratch / point["id"])
         Path(name).mkdir(parents=True, exist_ok=True)
         (Path(name) / "config.json").write_text(json.dumps(_config_json(model["config"], model["model_type"])))
-    return resolve_run_profile(name, device, "verl", overrides=settings)[0]
+    return checked_profile(name, device, "verl", overrides=settings)[0]
 
 
 # --- the verdict ----------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from ray.job_submission import JobSubmissionClient  # noqa: E402
 from backends import backend_for  # noqa: E402
 from backends.base import TrainingInputs, TrainingRun  # noqa: E402
 from backends.verl.job import job_spec, read_record  # noqa: E402
-from profiles.loader import resolve_profile  # noqa: E402
+from flows.plan import resolve_profile  # noqa: E402
 from profiles.schema import DataSection  # noqa: E402
 from stages.dataset import DataSpec, fetch_dataset  # noqa: E402
 from stages.environment import resolve_environment  # noqa: E402

@@ -16,7 +16,7 @@ import importlib.util
 import random
 from pathlib import Path
 
-from profiles.errors import UserError
+from common.errors import UserError
 from common.progress import Bar
 
 CHAT_TEMPLATE = (

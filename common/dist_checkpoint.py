@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from common.bounded_read import short
-from profiles.errors import EXIT_USER_ERROR, UserError
+from common.errors import EXIT_USER_ERROR, UserError
 
 EXIT_INTERRUPTED = 130
 MAX_ERROR_LINE = 2000  # characters: two paths near PATH_MAX's 4096 would be longer, but not usefully

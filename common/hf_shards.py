@@ -17,7 +17,7 @@ import numpy
 import torch
 
 from common.bounded_read import MAX_JSON_BYTES, read_regular, short
-from profiles.errors import UserError
+from common.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

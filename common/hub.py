@@ -37,7 +37,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.hf_api import RepoFile
 from pydantic import BaseModel, Field
 
-from profiles.errors import UserError
+from common.errors import UserError
 from common.progress import Bar
 from common.store import HASH_THREADS, sha256_file, sha256_files
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common.ray_cluster import cluster_address, connect_ray, node_label
-from profiles.errors import UserError
+from common.errors import UserError
 
 NODE_CHECK_TIMEOUT_S = 120
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 from common.node_image import STACK, look
 from common.node_tasks import on_every_node
 from common.ray_cluster import node_label
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.requirements import NodeFacts, NodeProblem, NodeRequirement, node_problems
 
 PREFLIGHT_FILE = "nodes.json"

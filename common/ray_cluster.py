@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.secrets import redact_url_credentials
 
 # Reaching a cluster's head: a TCP connect first (a wrong host or port fails in seconds), then
@@ -186,7 +186,7 @@ def answer_timeout_s() -> float:
 
 # The packages this project's Ray tasks and workers import (all but the flow's own, `flows`), named
 # rather than imported: this module sits below them.
-PROJECT_PACKAGES = ("common", "backends", "profiles", "stages")
+PROJECT_PACKAGES = ("common", "backends", "planner", "profiles", "stages")
 
 
 def project_modules() -> list[str]:

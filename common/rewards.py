@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from profiles.errors import UserError
+from common.errors import UserError
 
 
 class Score(BaseModel):

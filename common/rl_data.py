@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from profiles.errors import UserError
+from common.errors import UserError
 
 GSM8K_SOURCE = "openai/gsm8k"
 GEO3K_SOURCE = "hiyouga/geometry3k"

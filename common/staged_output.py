@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.files import share_tree
-from profiles.errors import UserError
+from common.errors import UserError
 
 LOCK = ".writer.lock"
 

@@ -26,7 +26,7 @@ from pydantic import Field
 
 from flows.pipeline import FLOW_OPTIONS, run_pipeline
 from flows.request import OVERRIDE_LINES, RUN_NAME, STAGES, RunRequest
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.secrets import scrub
 
 Stage = Literal[STAGES]  # type: ignore[valid-type]  # the UI offers the names to pick from

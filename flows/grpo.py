@@ -25,9 +25,9 @@ from pydantic import ValidationError
 from backends import backend_for
 from flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
 from flows.request import STAGES, RunRequest
-from profiles.errors import EXIT_USER_ERROR, UserError
+from common.errors import EXIT_USER_ERROR, UserError
 from profiles.loader import builtin_models
-from profiles.memory import memory_table
+from planner.memory import memory_table
 from profiles.model_size import size_problems
 from profiles.secrets import scrub
 
@@ -133,7 +133,7 @@ def print_dry_run(plan, as_json: bool) -> None:
     for reference in plan.env.unset_references:
         print(f"#   {reference}: not set here; a run refuses to start without it")
     if plan.memory:
-        print("# memory plan (profiles/memory.py)")
+        print("# memory plan (planner/)")
         for line in memory_table(plan.memory):
             print(f"#   {line}")
     elif note := backend_for(plan.profile.backend).memory_note(plan.profile):
@@ -153,7 +153,7 @@ def print_dry_run(plan, as_json: bool) -> None:
 
 def print_layouts(request: RunRequest, as_json: bool) -> int:
     """`--suggest-layout`: the layouts that fit, cheapest first; exit 2 when none does."""
-    from profiles.layouts import suggest_layouts, suggestion_table
+    from planner.layouts import suggest_layouts, suggestion_table
     from profiles.loader import resolve_run_profile
     from stages.device import requested_device
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from profiles.errors import UserError
+from common.errors import UserError
 from common.files import write_json_atomic
 
 LEASE_VAR = "GRPO_PIPELINE_LEASE"

@@ -20,9 +20,10 @@ from backends.base import TrainingRun
 from common.file_faults import run_folder_problem
 from flows import run_lock
 from flows.request import RunRequest
-from profiles.errors import ProfileError, UserError
+from common.errors import ProfileError, UserError
 from profiles.loader import resolve_run_profile
-from profiles.memory import MemoryPlan
+from profiles.validation import profile_problems, refuse
+from planner.memory import MemoryPlan
 from profiles.requirements import NodeRequirement
 from profiles.schema import RunProfile
 from stages.dataset import DatasetFiles, DataSpec
@@ -43,7 +44,7 @@ class RunPlan(BaseModel):
     env: RuntimeEnv
     command: list[str] = Field(..., description="The training command (argv) the run will execute.")
     submission: dict | None = Field(None, description="What training submits to the cluster (a verl Ray job).")
-    memory: dict | None = Field(None, description="Device memory per role of the layout (profiles/memory.py).")
+    memory: dict | None = Field(None, description="Device memory per role of the layout (planner/memory.py, planner/fsdp.py).")
     node_requirements: dict[str, dict[str, NodeRequirement]] = Field(
         default_factory=dict, description="What every node of the cluster must have, per stage, checked before the "
         "stage starts there.")
@@ -90,9 +91,25 @@ def training_command(
     return command
 
 
+def checked_profile(model: str, device: str, backend: str = "auto", profile_file: str | Path | None = None,
+                    overrides: list[str] | dict[str, Any] | None = None) -> tuple[RunProfile, str]:
+    """The profile from its layers (profiles/loader.py), and why it has its backend, checked against every
+    rule at once: its backend's own (layout, batches over its ranks, what it cannot run: the planner's
+    rules, picked by the backend) and those that hold for any backend; all problems on one line."""
+    profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False)
+    refuse([*backend_for(profile.backend).profile_problems(profile), *profile_problems(profile)])
+    return profile, reason
+
+
+def resolve_profile(model: str, device: str, backend: str = "auto", profile_file: str | Path | None = None,
+                    overrides: list[str] | dict[str, Any] | None = None) -> RunProfile:
+    """`checked_profile`'s profile."""
+    return checked_profile(model, device, backend, profile_file, overrides)[0]
+
+
 def profile_for(request: RunRequest, device_kind: str) -> tuple[RunProfile, str]:
     """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide)."""
-    return resolve_run_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
+    return checked_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
 
 
 def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> MemoryPlan | None:

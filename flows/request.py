@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from profiles.errors import ProfileError, UserError
+from common.errors import ProfileError, UserError
 from profiles.loader import overrides_to_layer
 from profiles.secrets import (
     URL_CREDENTIALS_PATTERN, has_url_credentials, secret_literal_problems, secret_name_pattern,

@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from profiles.errors import UserError
+from common.errors import UserError
 
 LOCK_FILE = ".run.lock"
 # Folders this process holds, and the descriptor that holds each: POSIX locks belong to the process

@@ -24,7 +24,7 @@ from prefect.logging import get_logger
 from backends import backend_for
 from common.files import write_json_atomic
 from common.ray_cluster import stop_ray_job
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.schema import RunProfile
 from profiles.secrets import scrub
 from stages.device import DeviceInfo

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from profiles.errors import UserError
+from common.errors import UserError
 
 PREFECT_YAML = Path(__file__).resolve().parents[1] / "prefect.yaml"
 EXIT_USER_ERROR = 2

@@ -29,7 +29,7 @@ from backends.metrics import StepMetrics, read_metrics
 from common.file_faults import file_fault
 from common.progress import reporting_to
 from common.store import fingerprint, verify_entry, what_is_checked
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.secrets import scrub, secret_values
 
 # Task settings, per stage. Every stage fails at once on a config error (`retry_unless_user_error`).

@@ -1,5 +1,5 @@
-"""The engine sections of a profile: the training engine (Megatron, through verl), the inference
-engine that generates rollouts (vLLM) and log-prob recomputation.
+"""The engine sections of a profile: the training engine (Megatron or FSDP2, through verl), the
+inference engine that generates rollouts (vLLM) and log-prob recomputation.
 
     python -m flows.grpo --model qwen3.5-122b-a10b --device npu --set engine.pp=8 --dry-run
 
@@ -20,7 +20,25 @@ class EngineSection(Section):
     """Training-engine settings, declared once and rendered to every role that runs the model
     (actor and reference), so the roles can never disagree."""
 
-    strategy: Literal["megatron"] = Field("megatron", description="verl model engine.")
+    strategy: Literal["megatron", "fsdp"] = Field(
+        "megatron", description="verl's training engine. `megatron`: Megatron-core's TP/PP/CP/EP layouts (MoE models, "
+        "the largest dense ones; needs megatron-core, a bridge and, in practice, TransformerEngine); `fsdp`: PyTorch "
+        "FSDP2, parameters, gradients and Adam's state sharded over `engine.fsdp_size` ranks (dense models, up to "
+        "~32B on one node; Hugging Face transformers modelling code, no TransformerEngine). The `engine.tp` ... "
+        "`engine.etp`, pipeline, MTP and override settings are Megatron's; `fsdp_size`, `ulysses_sp` and "
+        "`attn_implementation` are FSDP's.")
+    fsdp_size: int = Field(
+        -1, ge=-1, le=MAX_DEVICES_PER_NODE * 1024,
+        description="FSDP: ranks one copy of the model is sharded over (verl's `fsdp_config.fsdp_size`); -1: the whole "
+        "world. A smaller group (e.g. one node's devices) is replicated over the rest (hybrid sharding).")
+    ulysses_sp: int = Field(
+        1, gt=0, le=MAX_DEVICES_PER_NODE,
+        description="FSDP: Ulysses sequence-parallel size; each sequence's tokens are split over this many ranks "
+        "(attention heads all-to-all). Must divide the attention heads; needs `use_remove_padding`.")
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = Field(
+        "sdpa",
+        description="FSDP: the transformers attention of the actor and reference (`model.override_config`). verl's "
+        "own default is `flash_attention_2`, which needs flash-attn on every node; `sdpa` needs nothing more.")
     tp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Tensor parallel size.")
     pp: int = Field(1, gt=0, le=MAX_LAYERS, description="Pipeline parallel size.")
     vpp: int | None = Field(None, gt=0, le=MAX_LAYERS, description="Virtual pipeline stages per rank (null: off).")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.bounded_read import MAX_JSON_BYTES, read_regular
-from profiles.errors import ProfileError
+from common.errors import ProfileError
 from profiles.model_size import vision_tower_parameters
 from profiles.yaml_files import shown
 

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from common.bounded_read import short
-from profiles.errors import ProfileError
+from common.errors import ProfileError
 from profiles.hf_config import architecture_from_hf_config
 from profiles.schema import DeviceKind, Platform, RunProfile
 from profiles.secrets import secret_literal_problems, secrets_of
@@ -157,7 +157,8 @@ def resolve_profile(
     profile_file: str | Path | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
 ) -> RunProfile:
-    """Merge the layers for (model, device), validate, and return the run's profile."""
+    """Merge the layers for (model, device), check the rules that hold for any backend, and return the
+    run's profile (flows/plan.py `resolve_profile` adds the backend's rules)."""
     return resolve_run_profile(model, device, backend, profile_file, overrides)[0]
 
 
@@ -191,7 +192,9 @@ def resolve_run_profile(
     validate: bool = True,
 ) -> tuple[RunProfile, str]:
     """`resolve_profile`, and why the profile has its backend (`choose_backend`). `validate=False`
-    skips the rules across fields (a layout search starts from a layout that may not be valid)."""
+    skips the rules across fields (a layout search starts from a layout that may not be valid). The
+    backend's own rules (its layout, batches over its ranks) are added where plans are checked:
+    flows/plan.py `checked_profile`."""
     if device not in DEVICE_KINDS:
         raise ProfileError(f"unknown device '{device}'; use one of {', '.join(DEVICE_KINDS)}")
     layers = [(f"device profile {device}", load_yaml_mapping(PROFILES_DIR / "devices" / f"{device}.yaml", "device profile"))]

@@ -6,7 +6,7 @@ token keeps in an inference engine's cache.
 
 Counted as the Hugging Face modules hold them (SmolLM2-135M: 134,515,008, exactly what its checkpoint
 holds; DeepSeek-V3 671,026,404,352 and Qwen3-235B-A22B 235,093,634,560, as transformers counts them);
-profiles/memory.py turns the parts into bytes per device. The families sized are `FAMILIES`; a
+planner/memory.py turns the parts into bytes per device. The families sized are `FAMILIES`; a
 checkpoint of another `model_type` is not estimated (`size_problems` says so), never guessed.
 """
 

@@ -22,7 +22,7 @@ RAY_BUILTIN_GPU = "GPU"
 
 class Accelerator(Section):
     """One model of device: what the memory planner and its layout cost model know of it
-    (profiles/memory.py, profiles/layouts.py). Bandwidths are per device, one direction."""
+    (planner/memory.py, planner/layouts.py). Bandwidths are per device, one direction."""
 
     memory_gib: float = Field(..., gt=0, le=MAX_GIB, description="Device memory as torch reports it (total_memory), GiB.")
     bf16_tflops: float = Field(..., gt=0, le=MAX_RATE, description="Dense bf16 peak, TFLOP/s.")

@@ -43,7 +43,7 @@ class ModelArchitecture(Section):
     linear_num_value_heads: int | None = Field(
         None, gt=0, le=MAX_HEADS, description="Value heads of the linear-attention (Gated DeltaNet) layers, if any."
     )
-    # The numbers below size the model (parameters, memory: profiles/model_size.py, profiles/memory.py);
+    # The numbers below size the model (parameters, memory: profiles/model_size.py, planner/memory.py);
     # a model directory's config.json gives them, a recipe records them.
     head_dim: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Width of one attention head; empty: hidden_size / num_attention_heads.")
     intermediate_size: int | None = Field(None, gt=0, le=MAX_WIDTH, description="Width of a dense MLP (dense models).")
@@ -277,7 +277,7 @@ class TrainerSection(Section):
 
 
 class PlannerSection(Section):
-    """The memory planner (profiles/memory.py): whether it may refuse a layout, and what it assumes of
+    """The memory planner (planner/memory.py): whether it may refuse a layout, and what it assumes of
     the image the run uses."""
 
     enforce: bool = Field(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.yaml_files import path_kind
 from profiles.schema import DataSection
 from common.store import Built, Store

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
-from profiles.errors import DeviceError
+from common.errors import DeviceError
 from profiles.loader import DEVICE_KINDS, platform_for
 
 if TYPE_CHECKING:
-    from profiles.memory import MemoryPlan
+    from planner.memory import MemoryPlan
     from profiles.schema import RunProfile
 from profiles.platform import DeviceKind
 

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from profiles.errors import ProfileError
+from common.errors import ProfileError
 from profiles.schema import RunProfile
 from profiles.secrets import hold_by_reference, is_secret, is_secret_entry, is_secret_value, parse_reference, redact
 from common.ray_cluster import parse_ray_address

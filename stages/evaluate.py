@@ -29,7 +29,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from profiles.engine import native_path, transformers_path
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.platform import Platform
 from profiles.schema import RunProfile
 from backends.metrics import METRICS

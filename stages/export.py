@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from backends import backend_for
 from backends.base import TrainResult
-from profiles.errors import UserError
+from common.errors import UserError
 from stages.model import ModelFormatError, verify_hf_dir
 
 

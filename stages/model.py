@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.hf_config import architecture_from_hf_config
 from profiles.yaml_files import path_kind
 from profiles.schema import ModelArchitecture, ModelSection

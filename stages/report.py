@@ -20,7 +20,7 @@ import yaml
 from backends.metrics import METRICS, read_metrics
 from common.files import write_text_atomic
 from common.preflight import PREFLIGHT_FILE, Preflight
-from profiles.memory import MemoryPlan, memory_table
+from planner.memory import MemoryPlan, memory_table
 
 REPORT = "report.md"
 REWARD_CURVE = "reward_curve.png"
@@ -226,7 +226,7 @@ def render(
         if (run_dir / REWARD_CURVE).is_file():
             parts += [media.image(REWARD_CURVE, "reward curve"), "", f"Step by step: {media.file(train['metrics_file'])}", ""]
     if profile and (memory := _memory_plan(profile, device or {})):
-        parts += ["## Memory plan", "", "Estimated device memory per role of the layout (profiles/memory.py):", ""]
+        parts += ["## Memory plan", "", "Estimated device memory per role of the layout (planner/):", ""]
         parts += memory_table(memory.summary()) + [""]
     if checked := _preflight(run_dir):
         parts += ["## Nodes", "", f"What each node's image has, asked before the job was submitted ({checked.summary_line()}):",

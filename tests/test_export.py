@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from backends.base import TrainResult
-from profiles.errors import UserError
+from common.errors import UserError
 from stages.export import export_checkpoint
 from stages.model import ModelFormatError
 
@@ -38,3 +38,17 @@ def test_a_verl_step_with_an_hf_export_is_used_as_it_is(tiny_model_dir, tmp_path
     exported = tmp_path / "global_step_50" / "actor" / "model" / "huggingface"
     shutil.copytree(tiny_model_dir, exported)
     assert export_checkpoint(trained("verl", str(tmp_path / "global_step_50"), 50)).path == str(exported)
+
+
+def test_an_fsdp_step_exports_the_hf_weights_verl_writes_beside_its_shards(tiny_model_dir, tmp_path):
+    """verl's FSDP checkpoint: sharded .pt files in actor/, the policy's HF weights in actor/huggingface
+    (`hf_model` in save_contents, which the rendering adds for FSDP)."""
+    step = tmp_path / "global_step_6"
+    shutil.copytree(tiny_model_dir, step / "actor" / "huggingface")
+    (step / "actor" / "model_world_size_2_rank_0.pt").write_bytes(b"")
+    assert export_checkpoint(trained("verl", str(step), 6)).path == str(step / "actor" / "huggingface")
+    shutil.rmtree(step / "actor" / "huggingface")
+    (step / "actor" / "huggingface").mkdir()
+    (step / "actor" / "huggingface" / "config.json").write_text("{}")  # what verl writes without hf_model
+    with pytest.raises(UserError, match="save_contents must hold 'hf_model'"):
+        export_checkpoint(trained("verl", str(step), 6))

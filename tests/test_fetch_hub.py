@@ -11,7 +11,7 @@ import pytest
 
 from datasets_fixtures import geo3k_repo_files, gsm8k_repo_files
 from hub_server import HubServer
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.schema import DataSection, ModelArchitecture, ModelSection
 from stages.dataset import DataSpec, dataset_dir, fetch_dataset
 from common.hub import SourceError, TransientFetchError

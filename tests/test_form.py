@@ -11,7 +11,7 @@ import pytest
 
 from flows.form import run_from_form
 from flows.request import OVERRIDE_LINES, RunRequest
-from profiles.errors import UserError
+from common.errors import UserError
 
 FORM = {name: p.default for name, p in inspect.signature(run_from_form.fn).parameters.items()
         if p.default is not inspect.Parameter.empty} | {"model": "tiny", "device": "cpu"}

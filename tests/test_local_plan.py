@@ -8,8 +8,8 @@ import pytest
 
 from backends.local.mapping import grpo_fields
 from backends.local.settings import check_prompt_lengths, plan_local_training
-from profiles.errors import ProfileError, UserError
-from profiles.loader import resolve_profile
+from common.errors import ProfileError, UserError
+from flows.plan import resolve_profile
 from common.rl_data import arith_splits
 
 

@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from profiles.layouts import parallel_dims, suggest_layouts
-from profiles.loader import resolve_profile, resolve_run_profile
-from profiles.memory import Layout, estimate
+from planner.layouts import parallel_dims, suggest_layouts
+from flows.plan import resolve_profile
+from profiles.loader import resolve_run_profile
+from planner.memory import Layout, estimate
 from profiles.model_size import model_size
 from stages.device import DeviceInfo
 from stages.model import verify_hf_dir

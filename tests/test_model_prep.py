@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from profiles.loader import resolve_profile
+from flows.plan import resolve_profile
 from profiles.schema import ModelSection
 from stages.model import ModelFormatError, ModelSpec, model_dir, prepare_model, verify_hf_dir
 
@@ -116,7 +116,7 @@ def test_a_correctly_sharded_directory_passes(tiny_model_dir, tmp_path):
 
 
 def test_unknown_builtin_and_missing_local_paths_are_user_errors(tmp_path):
-    from profiles.errors import UserError
+    from common.errors import UserError
 
     arch = resolve_profile("tiny", "cpu").model.architecture
     with pytest.raises(UserError, match="no such built-in model; use one of builtin:tiny, builtin:smollm2-135m"):

@@ -14,7 +14,7 @@ from backends import backend_for
 from common.node_image import look
 from common.preflight import Preflight
 from node_images import TORCH_RELEASE
-from profiles.loader import resolve_profile
+from flows.plan import resolve_profile
 from profiles.requirements import NodeFacts, NodeRequirement, node_problems
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _facts(node: str = "10.0.0.1 (aaaaaaaa)", **fields) -> NodeFacts:
     versions = {"python": "3.12.3", "torch": "2.11.0", "verl": "0.9.1", "megatron-core": "0.16.1", "vllm": "0.24.0",
-                "nvidia-driver": "570.86", "mbridge": "0.15.1"}
+                "nvidia-driver": "570.86", "mbridge": "0.15.1", "TransferQueue": "0.1.10"}
     versions |= fields.pop("versions", {})
     return NodeFacts(node=node, versions=versions, torch_build=fields.pop("torch_build", "cuda 12.8"),
                      devices=fields.pop("devices", 8), devices_offered=fields.pop("devices_offered", 8), **fields)
@@ -36,8 +36,8 @@ def _gpu_requirements(*overrides: str) -> dict[str, NodeRequirement]:
 def test_the_layers_fill_the_requirements_and_the_profile_wins_by_name():
     train = _gpu_requirements()
     # the platform's runtime, verl's own, the recipe's layers; the recipe's megatron-core floor (GDN) wins
-    assert {"torch", "nvidia-driver", "devices", "vllm", "verl", "megatron-core", "mbridge", "flash-linear-attention",
-            "transformer-engine"} == set(train)
+    assert {"torch", "nvidia-driver", "devices", "vllm", "verl", "TransferQueue", "megatron-core", "mbridge",
+            "flash-linear-attention", "transformer-engine"} == set(train)
     assert train["megatron-core"].version == ">=0.16" and train["verl"].version == "==0.9.1"
     assert (train["mbridge"].knows, train["mbridge"].registry) == ("qwen3_5_moe", "mbridge.core.bridge:_MODEL_REGISTRY")
     other = _gpu_requirements("engine.vanilla_mbridge=false")
@@ -68,12 +68,22 @@ def test_each_mismatch_is_named_with_what_was_found(change, expected):
     needs = {name: need for name, need in _gpu_requirements().items()
              if name not in ("flash-linear-attention", "transformer-engine")}
     healthy = _facts(registries={"mbridge.core.bridge:_MODEL_REGISTRY": ["qwen3_5", "qwen3_5_moe"]},
-                     imports={"vllm": None})
+                     imports={"vllm": None, "transfer_queue": None})
     assert node_problems(healthy, needs) == []
     broken = healthy.model_copy(update={k: (healthy.versions | v if k == "versions" else v) for k, v in change.items()})
     (problem,) = node_problems(broken, needs)
     assert problem.found == expected
     assert str(problem).startswith(expected + " (") and "; fix: " in str(problem)
+
+
+def test_fsdp_needs_neither_megatron_core_nor_a_bridge_and_flash_attn_only_when_chosen():
+    profile = resolve_profile("smollm2-135m", "gpu", "verl")
+    train = backend_for("verl").node_requirements(profile, "train")
+    assert {"torch", "nvidia-driver", "devices", "vllm", "verl", "TransferQueue"} == set(train)
+    assert train["TransferQueue"].imports == ["transfer_queue"] and "use_v1" in train["TransferQueue"].why
+    flash = resolve_profile("smollm2-135m", "gpu", "verl", overrides=["engine.attn_implementation=flash_attention_2"])
+    needs = backend_for("verl").node_requirements(flash, "train")
+    assert needs["flash-attn"].imports == ["flash_attn"] and "engine.attn_implementation=sdpa" in needs["flash-attn"].fix
 
 
 def test_torch_npu_and_vllm_ascend_must_be_releases_of_torch_and_vllm():

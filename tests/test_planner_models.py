@@ -10,15 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from profiles.activations import mlp_bytes
-from profiles.errors import ProfileError
+from planner.activations import mlp_bytes
+from common.errors import ProfileError
 from profiles.hf_config import architecture_from_hf_config
-from profiles.loader import resolve_profile, resolve_run_profile
-from profiles.memory import GIB, estimate
+from flows.plan import resolve_profile
+from profiles.loader import resolve_run_profile
+from planner.memory import GIB, estimate
 from profiles.model_size import kv_bytes_per_token, model_size
-from profiles.parallel import Layout, stages as pipeline_stages
+from planner.parallel import Layout, stages as pipeline_stages
 from profiles.schema import ModelArchitecture
-from profiles.validation import layout_problems
+from planner.rules import layout_problems
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -196,7 +197,7 @@ def test_the_estimate_is_the_fullest_stage_of_an_uneven_split():
 
 
 def test_the_suggested_layouts_split_unevenly_where_the_layers_do_not_divide():
-    from profiles.layouts import suggest_layouts
+    from planner.layouts import suggest_layouts
 
     base = {"model": {"architecture": {**UNSET, **QWEN3_235B}}, "cluster": {"nnodes": 4, "devices_per_node": 8},
             "data": {"train_batch_size": 32, "max_prompt_length": 2048, "max_response_length": 8192},

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from profiles.errors import ProfileError
-from profiles.loader import resolve_profile
+from common.errors import ProfileError
+from flows.plan import resolve_profile
 
 Q122 = "qwen3.5-122b-a10b"
 

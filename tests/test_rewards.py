@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from profiles.errors import UserError
+from common.errors import UserError
 from common.rewards import arith_score, boxed_content, geo3k_score, gsm8k_score, score
 
 

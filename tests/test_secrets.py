@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from flows.request import RunRequest
-from profiles.errors import ProfileError
-from profiles.loader import resolve_profile
+from common.errors import ProfileError
+from flows.plan import resolve_profile
 from profiles.secrets import is_secret, parse_reference, redact, scrub, secret_literal_problems
 from stages.environment import resolve_environment
 
@@ -192,7 +192,7 @@ def test_the_run_plan_prefect_stores_as_a_flow_parameter_holds_no_secret_value(m
 def test_a_stage_error_quoting_a_secret_is_raised_scrubbed_and_keeps_its_kind(monkeypatch):
     """Prefect stores a failed task's message and pickles its exception: neither may hold the value."""
     from flows.task_policy import errors_scrubbed
-    from profiles.errors import UserError
+    from common.errors import UserError
 
     monkeypatch.setenv("HF_TOKEN", "made-up-token-value-5150")
 

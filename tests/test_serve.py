@@ -10,7 +10,7 @@ import yaml
 from flows.form import run_from_form
 from flows.request import RunRequest
 from flows.serve import PREFECT_YAML, deployments_in, to_runner_deployment
-from profiles.errors import UserError
+from common.errors import UserError
 
 
 FORM_DEFAULTS = {name: p.default for name, p in inspect.signature(run_from_form.fn).parameters.items()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from profiles.errors import ProfileError
-from profiles.loader import resolve_profile
+from common.errors import ProfileError
+from flows.plan import resolve_profile
 
 Q122 = "qwen3.5-122b-a10b"
 Q35 = "qwen3.5-35b-a3b"

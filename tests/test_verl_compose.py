@@ -19,8 +19,9 @@ from hydra.errors import ConfigCompositionException
 from backends.verl.command import ADD_OR_OVERRIDE, entrypoint, verl_settings
 from backends.verl.job import FILE_LOGGER_PATH_VAR, job_spec
 from stages.train import PLANNED_DIST_CHECKPOINT, training_inputs
-from profiles.errors import ProfileError
-from profiles.loader import PROFILES_DIR, resolve_profile
+from common.errors import ProfileError
+from flows.plan import resolve_profile
+from profiles.loader import PROFILES_DIR
 from profiles.yaml_files import load_yaml_mapping
 from stages.environment import resolve_environment
 from upstream_recipe import upstream_overrides
@@ -183,3 +184,60 @@ def test_uneven_pipeline_stages_and_mtp_reach_both_roles_through_verls_config():
     even = compose_verl(render("qwen3.5-122b-a10b", "gpu")[3])
     assert "num_layers_in_first_pipeline_stage" not in select(even, "actor_rollout_ref.actor.megatron.override_transformer_config")
     assert select(even, "actor_rollout_ref.model.mtp.enable") is False
+
+
+FSDP_KEYS = ("param_offload", "optimizer_offload", "fsdp_size", "dtype", "ulysses_sequence_parallel_size")
+
+
+@pytest.mark.parametrize("extra", [
+    ["algorithm.use_kl_loss=false"],
+    ["algorithm.use_kl_loss=true", "engine.param_offload=true", "engine.optimizer_offload=true"],
+    ["algorithm.use_kl_loss=true", "engine.ulysses_sp=3", "engine.attn_implementation=flash_attention_2",
+     "cluster.devices_per_node=3", "rollout.tp=3", "actor.use_dynamic_bsz=true", "log_prob.use_dynamic_bsz=true"],
+], ids=["kl-off", "kl-on-offload", "ulysses-flash-dynamic"])
+def test_fsdp_command_composes_with_profile_values(extra):
+    """engine.strategy=fsdp: verl's `dp` model engine with FSDP2, every setting where verl reads it, the
+    reference built with the actor's engine settings, and no Megatron key rendered."""
+    profile, env, settings, overrides, spec = render("smollm2-135m", "gpu", ["backend=verl", *extra])
+    assert profile.engine.strategy == "fsdp"  # the dense recipe's engine
+    keys = [arg.split("=", 1)[0].removeprefix(ADD_OR_OVERRIDE) for arg in overrides]
+    assert len(keys) == len(set(keys)), "a key is rendered twice"
+    assert not any(".megatron." in key for key in keys)
+
+    composed = compose_verl(overrides)
+    for key, value in settings.items():
+        assert select(composed, key.removeprefix(ADD_OR_OVERRIDE)) == value, key
+    assert select(composed, "model_engine") == "dp"
+    assert select(composed, "actor_rollout_ref.actor.strategy") == select(composed, "actor_rollout_ref.ref.strategy") == "fsdp2"
+    actor = select(composed, "actor_rollout_ref.actor.fsdp_config")
+    ref = select(composed, "actor_rollout_ref.ref.fsdp_config")
+    for key in FSDP_KEYS:
+        assert ref[key] == actor[key] == settings[f"actor_rollout_ref.actor.fsdp_config.{key}"], key
+    assert actor["ulysses_sequence_parallel_size"] == profile.engine.ulysses_sp
+    assert actor["param_offload"] is profile.engine.param_offload
+    assert ref["forward_only"] is True and actor["forward_only"] is False
+    # verl's default attention is flash_attention_2: the profile's choice is what the model is loaded with.
+    assert select(composed, "actor_rollout_ref.model.override_config.attn_implementation") == profile.engine.attn_implementation
+    assert select(composed, "actor_rollout_ref.model.enable_gradient_checkpointing") is profile.model.enable_gradient_checkpointing
+    assert select(composed, "actor_rollout_ref.actor.use_dynamic_bsz") is profile.actor.use_dynamic_bsz
+    assert select(composed, "actor_rollout_ref.actor.use_kl_loss") is profile.algorithm.use_kl_loss
+    assert select(composed, "trainer.logger")[-1] == "file"
+    # the export stage reads the policy's HF weights, which verl's FSDP checkpoint holds only when asked
+    assert select(composed, "actor_rollout_ref.actor.checkpoint.save_contents") == [*profile.actor.checkpoint_save_contents, "hf_model"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["engine.tp=2"], "engine.tp=2 is a Megatron setting FSDP does not read"),
+    (["engine.ulysses_sp=2"], "Ulysses splits the 9 attention heads"),
+    (["engine.ulysses_sp=3", "cluster.devices_per_node=3", "rollout.tp=3", "engine.use_remove_padding=false"],
+     "needs packed sequences"),
+    (["engine.ulysses_sp=3", "cluster.devices_per_node=3", "rollout.tp=3"], "patches transformers' FlashAttention 2 path only"),
+    (["engine.ulysses_sp=3", "cluster.devices_per_node=3", "rollout.tp=3", "engine.attn_implementation=flash_attention_2"],
+     "32 sequences must divide over the world's 3 devices"),
+    (["cluster.devices_per_node=4", "engine.fsdp_size=3"], "an FSDP group must divide the world size 4"),
+    (["model.dist_checkpoint=true"], "a Megatron dist checkpoint is for engine.strategy=megatron"),
+    (["engine.strategy=megatron", "engine.fsdp_size=2", "cluster.devices_per_node=2"], "engine.fsdp_size=2 is an FSDP setting"),
+])
+def test_fsdp_layouts_verl_refuses_are_refused_at_planning(extra, message):
+    with pytest.raises(ProfileError, match=re.escape(message)):
+        resolve_profile("smollm2-135m", "gpu", "verl", overrides=extra)

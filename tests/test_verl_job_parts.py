@@ -17,8 +17,8 @@ from backends.verl.backend import planned_steps
 from backends.verl.failures import diagnose
 from backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
 from backends.verl.job import JobRecord, job_spec, submission_id
-from profiles.errors import ProfileError
-from profiles.loader import resolve_profile
+from common.errors import ProfileError
+from flows.plan import resolve_profile
 from stages.train import training_inputs
 
 

@@ -23,7 +23,7 @@ from backends.local.settings import LocalTrainSettings
 from backends.metrics import MetricsFollower, StepMetrics
 from common.file_faults import file_fault
 from common.ray_cluster import connect_ray, stop_ray_job
-from profiles.errors import UserError
+from common.errors import UserError
 
 POLL_S = 1.0
 

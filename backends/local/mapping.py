@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from profiles.schema import RunProfile
-from profiles.validation import batch_problems
+from planner.rules import batch_problems
 
 # verl's loss_agg_mode -> TRL's loss_type: how per-token losses become one number.
 LOSS_TYPES = {

@@ -18,7 +18,7 @@ from backends.local.mapping import grpo_fields
 from backends.metrics import METRICS
 from common.decoding import compile_cache_dir
 from profiles.engine import GenerationSection
-from profiles.errors import ProfileError, UserError
+from common.errors import ProfileError, UserError
 from profiles.platform import Platform
 from profiles.schema import RunProfile
 

@@ -4,7 +4,8 @@ Ray job, which the train stage submits, follows, stops and resumes.
     python -m flows.grpo --model qwen3.5-122b-a10b --device npu --ray-address head:6379
 
 Its layout rules (Megatron's TP x PP x CP against the world and the model, EP/ETP against the
-experts, vLLM's TP against a node and the heads, batch sizes against Megatron's data-parallel ranks)
+experts, or FSDP2's group and Ulysses size; vLLM's TP against a node and the heads, batch sizes against
+the engine's data-parallel ranks)
 and its entrypoint (shell words naming a command) are checked whenever a profile is resolved. An
 attempt of the train stage:
 1. adds to the run's records the steps its jobs trained while no flow followed them (the flow was
@@ -51,12 +52,12 @@ from common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
 from common.ray_cluster import (
     ClusterLost, answer_timeout_s, cluster_address, connect_ray, disconnect_ray, parse_ray_address, wait_for_nodes,
 )
-from profiles.errors import UserError
-from profiles.memory import MemoryPlan, plan_for
+from common.errors import UserError
+from planner.memory import MemoryPlan, plan_for
 from profiles.model_size import size_problems
 from profiles.requirements import NodeRequirement, for_stage
 from profiles.schema import RunProfile
-from profiles.validation import batch_problems, layout_problems, rollout_problems
+from planner.rules import batch_problems, fsdp_problems, layout_problems, megatron_problems, rollout_problems
 
 POLL_S = 1.0
 LOG_LINES_KEPT = 400  # the end of the job's log, where its failure is
@@ -107,14 +108,19 @@ class VerlBackend(Backend):
         if not p.platform.accelerated:
             return [f"backend=verl on device {p.platform.kind}: verl needs GPUs or NPUs and vLLM; use --backend local, "
                     "or --device gpu|npu with --dry-run to render the cluster command here"]
-        problems = layout_problems(p) + rollout_problems(p)
-        model_parallel = p.engine.tp * p.engine.pp * p.engine.cp
-        problems += batch_problems(p, data_parallel=p.data_parallel_size if p.world_size % model_parallel == 0 else 0)
-        if p.actor.use_dynamic_bsz and not p.engine.use_remove_padding:
-            problems.append(
-                "actor.use_dynamic_bsz=true: dynamic batch size needs packed sequences, but "
-                "engine.use_remove_padding=false; set actor.use_dynamic_bsz=false"
-            )
+        if p.engine.strategy == "fsdp":  # FSDP2: data parallel over the ranks Ulysses leaves
+            problems = fsdp_problems(p) + rollout_problems(p)
+            sp = p.engine.ulysses_sp
+            problems += batch_problems(p, data_parallel=p.world_size // sp if p.world_size % sp == 0 else 0)
+        else:
+            problems = layout_problems(p) + megatron_problems(p) + rollout_problems(p)
+            model_parallel = p.engine.tp * p.engine.pp * p.engine.cp
+            problems += batch_problems(p, data_parallel=p.data_parallel_size if p.world_size % model_parallel == 0 else 0)
+            if p.actor.use_dynamic_bsz and not p.engine.use_remove_padding:
+                problems.append(
+                    "actor.use_dynamic_bsz=true: dynamic batch size needs packed sequences, but "
+                    "engine.use_remove_padding=false; set actor.use_dynamic_bsz=false"
+                )
         problems += entrypoint_problems(p.trainer.entrypoint)
         if p.trainer.save_freq <= 0:
             problems.append(f"trainer.save_freq={p.trainer.save_freq}: the verl backend resumes and exports from "

@@ -3,8 +3,9 @@
     python -m flows.grpo --model qwen3.5-122b-a10b --device npu --dry-run
 
 Pinned to verl 0.9.1: the overrides compose against its `ppo_trainer` config with
-`model_engine=megatron` (tests/test_verl_compose.py composes every built-in model x device through
-verl's own Hydra config). The orchestrator never imports verl; the cluster image runs it.
+`model_engine=megatron`, or `model_engine=dp` for `engine.strategy: fsdp` (FSDP2;
+tests/test_verl_compose.py composes every built-in model x device, and both engines, through verl's own
+Hydra config). The orchestrator never imports verl; the cluster image runs it.
 
 Rules the rendering keeps:
 - engine settings are declared once in the profile and written to every role that runs the model
@@ -26,7 +27,7 @@ from typing import Any
 
 from backends.base import TrainingInputs
 from profiles.schema import RunProfile
-from profiles.validation import UNEVEN_PIPELINE_FIELDS
+from planner.rules import UNEVEN_PIPELINE_FIELDS
 
 VERL_VERSION = "0.9.1"
 FILE_LOGGER = "file"
@@ -53,7 +54,7 @@ VERL_TRANSFORMER_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _engine_settings(profile: RunProfile, role: str) -> dict[str, Any]:
+def _megatron_settings(profile: RunProfile, role: str) -> dict[str, Any]:
     e = profile.engine
     prefix = f"actor_rollout_ref.{role}.megatron"
     settings: dict[str, Any] = {
@@ -77,6 +78,33 @@ def _engine_settings(profile: RunProfile, role: str) -> dict[str, Any]:
     return settings
 
 
+# verl's `model_engine` config group for each engine.strategy (trainer/config/model_engine/*.yaml).
+MODEL_ENGINES = {"megatron": "megatron", "fsdp": "dp"}
+FSDP_VERSION = "fsdp2"  # verl 0.9.1's dp actor still defaults to FSDP1 (`strategy: fsdp`)
+
+
+def _fsdp_settings(profile: RunProfile, role: str) -> dict[str, Any]:
+    """FSDP2's settings of one role. The reference never offloads on its own terms: verl 0.9.1 gives a
+    forward-only FSDP2 model CPUOffloadPolicy whatever `param_offload` says (transformer_impl.py)."""
+    e = profile.engine
+    prefix = f"actor_rollout_ref.{role}"
+    return {
+        f"{prefix}.fsdp_config.param_offload": e.param_offload,
+        f"{prefix}.fsdp_config.optimizer_offload": e.optimizer_offload,
+        f"{prefix}.fsdp_config.fsdp_size": e.fsdp_size,
+        f"{prefix}.fsdp_config.dtype": e.dtype,
+        # The role's own key is deprecated but still read by verl's batch checks; both say the same.
+        f"{prefix}.ulysses_sequence_parallel_size": e.ulysses_sp,
+        f"{prefix}.fsdp_config.ulysses_sequence_parallel_size": e.ulysses_sp,
+    }
+
+
+def _engine_settings(profile: RunProfile, role: str) -> dict[str, Any]:
+    if profile.engine.strategy == "fsdp":
+        return _fsdp_settings(profile, role)
+    return _megatron_settings(profile, role)
+
+
 def _files(paths: list[str]) -> str | list[str]:
     """verl takes one path or a list; one file stays a plain path, as in verl's own examples."""
     return paths[0] if len(paths) == 1 else paths
@@ -87,7 +115,7 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
     absolute (a relative one would land in Ray's per-job working directory)."""
     p, a, alg, r, lp, t = profile, profile.actor, profile.algorithm, profile.rollout, profile.log_prob, profile.trainer
     settings: dict[str, Any] = {
-        "model_engine": p.engine.strategy,
+        "model_engine": MODEL_ENGINES[p.engine.strategy],
         "algorithm.adv_estimator": alg.adv_estimator,
         "algorithm.use_kl_in_reward": alg.use_kl_in_reward,
         "data.train_files": _files(inputs.train_files),
@@ -119,8 +147,17 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
         "actor_rollout_ref.actor.use_torch_compile": a.use_torch_compile,
         "actor_rollout_ref.actor.checkpoint.save_contents": a.checkpoint_save_contents,
         "actor_rollout_ref.actor.checkpoint.strict": a.checkpoint_strict,
-        "actor_rollout_ref.actor.megatron.optimizer_offload": p.engine.optimizer_offload,
     }
+    if p.engine.strategy == "fsdp":
+        settings["actor_rollout_ref.actor.strategy"] = FSDP_VERSION  # the reference follows the actor's
+        # FSDP's checkpoint is sharded .pt files; the export stage reads the policy's HF weights, which
+        # verl writes to actor/huggingface only when asked (backends/verl/checkpoint.py).
+        if "hf_model" not in a.checkpoint_save_contents:
+            settings["actor_rollout_ref.actor.checkpoint.save_contents"] = [*a.checkpoint_save_contents, "hf_model"]
+        # verl loads the model with flash_attention_2 unless told otherwise (HFModelConfig).
+        settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.model.override_config.attn_implementation"] = p.engine.attn_implementation
+    else:
+        settings["actor_rollout_ref.actor.megatron.optimizer_offload"] = p.engine.optimizer_offload
     settings.update(_engine_settings(p, "actor"))
     for name, value in p.engine.optimizer_overrides.items():
         settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.actor.optim.override_optimizer_config.{name}"] = value

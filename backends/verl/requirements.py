@@ -3,10 +3,12 @@ and the model recipe (its layers) put in the profile's `requires`, which win by 
 
     python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --dry-run   # "# node requirements"
 
-verl itself at the release the overrides are rendered for; megatron-core; and the bridge
-`engine.vanilla_mbridge` selects, which must know the model: mbridge looks the checkpoint's
-`model_type` up in its registry, Megatron-Bridge its architecture class
-(`verl/workers/engine/megatron/transformer_impl.py`, verl 0.9.1). Facts in
+verl itself at the release the overrides are rendered for, and TransferQueue (verl 0.9.1's default
+`trainer.use_v1=true` trainer imports `transfer_queue`, from verl's `verl-core` extra). With
+`engine.strategy: megatron`, megatron-core and the bridge `engine.vanilla_mbridge` selects, which must
+know the model: mbridge looks the checkpoint's `model_type` up in its registry, Megatron-Bridge its
+architecture class (`verl/workers/engine/megatron/transformer_impl.py`, verl 0.9.1). With `fsdp`,
+neither: the model is transformers' own; flash-attn only when `engine.attn_implementation` asks for it. Facts in
 `../shared/reference/verl-cluster-notes.md` (bridges and what a node's image needs).
 """
 
@@ -43,15 +45,36 @@ BRIDGES = {
 
 
 def verl_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
-    architecture = profile.model.architecture
-    bridge, other = BRIDGES[profile.engine.vanilla_mbridge], BRIDGES[not profile.engine.vanilla_mbridge]
-    knows = architecture.model_type if bridge.found_by == "model_type" else architecture.hf_architecture
-    return {
+    needs = {
         "verl": NodeRequirement(
             version=f"=={VERL_VERSION}", stages=["train"],
             why=f"the job's overrides are rendered for verl {VERL_VERSION}'s config: another release may refuse them "
                 "with Hydra's 'Could not override', or read them differently",
             fix=f"pip install verl=={VERL_VERSION} in the image"),
+        "TransferQueue": NodeRequirement(
+            version=">=0.1.10", imports=["transfer_queue"], stages=["train"],
+            why=f"verl {VERL_VERSION}'s trainer (trainer.use_v1=true, its default) imports transfer_queue",
+            fix=f"pip install 'verl[verl-core]=={VERL_VERSION}' (or 'TransferQueue>=0.1.10') in the image"),
+    }
+    if profile.engine.strategy == "fsdp":
+        return needs | _fsdp_requirements(profile)
+    return needs | _megatron_requirements(profile)
+
+
+def _fsdp_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
+    if profile.engine.attn_implementation != "flash_attention_2":
+        return {}
+    return {"flash-attn": NodeRequirement(
+        imports=["flash_attn"], stages=["train"],
+        why="engine.attn_implementation=flash_attention_2: the actor and reference load with FlashAttention 2",
+        fix="pip install flash-attn built for the image's torch and CUDA; or set engine.attn_implementation=sdpa")}
+
+
+def _megatron_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
+    architecture = profile.model.architecture
+    bridge, other = BRIDGES[profile.engine.vanilla_mbridge], BRIDGES[not profile.engine.vanilla_mbridge]
+    knows = architecture.model_type if bridge.found_by == "model_type" else architecture.hf_architecture
+    return {
         "megatron-core": NodeRequirement(
             version=">=0.13", stages=["train"], why="verl's Megatron engine, whose fused forward needs 0.13",
             fix="pip install 'megatron-core>=0.13' in the image"),

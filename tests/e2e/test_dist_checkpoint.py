@@ -299,7 +299,7 @@ def test_a_verl_step_exports_from_either_layout_and_is_scored(tiny_model_dir, tm
 
 def test_a_step_without_a_policy_is_one_line_naming_what_is_missing(tmp_path):
     from backends.verl.checkpoint import verl_hf_dir
-    from profiles.errors import UserError
+    from common.errors import UserError
 
     (tmp_path / "global_step_2" / "actor" / "model" / "huggingface").mkdir(parents=True)
     with pytest.raises(UserError, match="no policy to export: neither HF weights in actor/model/huggingface nor a "

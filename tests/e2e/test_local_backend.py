@@ -18,7 +18,7 @@ from backends.local.checkpoints import latest_step
 from backends.local.driver import train_local
 from backends.local.settings import plan_local_training
 from flows.request import RunRequest
-from profiles.loader import resolve_profile
+from flows.plan import resolve_profile
 from stages.dataset import DataSpec, fetch_dataset
 from stages.model import ModelSpec, prepare_model
 

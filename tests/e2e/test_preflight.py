@@ -21,7 +21,7 @@ from backends import backend_for
 from backends.base import TrainingInputs, TrainingRun
 from common.preflight import NodesCannotRun
 from node_images import node_image
-from profiles.loader import resolve_profile
+from flows.plan import resolve_profile
 from verl_cluster import CLUSTER, EVENT_WAIT_S, flow_process, npu_cluster
 
 pytestmark = pytest.mark.e2e

@@ -9,7 +9,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from profiles.loader import resolve_profile
+from flows.plan import resolve_profile
 from stages.environment import PROXY_VARS, resolve_environment
 
 

@@ -36,8 +36,8 @@ from common.hf_shards import HFTensors
 from flows.pipeline import grpo_pipeline
 from flows.plan import plan_run
 from flows.request import RunRequest
-from profiles.errors import UserError
-from profiles.loader import resolve_profile
+from common.errors import UserError
+from flows.plan import resolve_profile
 from profiles.schema import DataSection
 from stages.dataset import DataSpec, fetch_dataset
 from stages.environment import resolve_environment

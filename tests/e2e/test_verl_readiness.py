@@ -31,7 +31,7 @@ from common.node_tasks import NotSharedError, check_paths_on_nodes
 from common.ray_cluster import (
     ClusterNotReady, check_reachable, job_api_url, parse_ray_address, wait_for_nodes,
 )
-from profiles.loader import resolve_profile
+from flows.plan import resolve_profile
 from verl_cluster import ENTRYPOINT, EVENT_WAIT_S, wait_for
 
 

@@ -3,7 +3,7 @@ and its parameters, split by TP (what TP shards) and by EP x ETP (routed experts
 
     python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --suggest-layout   # layouts, uneven stages included
 
-Stages are megatron-core's (profiles/validation.py `pipeline_split`: even, uneven first/last stages, or
+Stages are megatron-core's (planner/rules.py `pipeline_split`: even, uneven first/last stages, or
 the embedding and loss counted as layers); the first holds the embedding (and a vision tower), the last
 the output layer (a copy of a tied embedding) and, when trained, the MTP layers. What megatron-core keeps
 whole on every TP rank (norms, the router) is not divided by TP.
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from profiles.validation import pipeline_split
+from planner.rules import pipeline_split
 
 if TYPE_CHECKING:
     from profiles.model_size import ModelSize
@@ -39,6 +39,10 @@ class Layout:
     last_stage_layers: int | None = None
     embedding_in_split: bool = False  # engine.account_for_embedding/loss_in_pipeline_split
     loss_in_split: bool = False
+    strategy: str = "megatron"  # engine.strategy; with fsdp, tp ... etp are 1 and these three matter:
+    fsdp_size: int = -1  # engine.fsdp_size (-1: the world)
+    ulysses_sp: int = 1  # engine.ulysses_sp
+    checkpointing: bool = True  # model.enable_gradient_checkpointing (FSDP; Megatron recomputes by its overrides)
 
     @classmethod
     def of(cls, p: RunProfile) -> Layout:
@@ -50,10 +54,19 @@ class Layout:
                    first_stage_layers=e.num_layers_in_first_pipeline_stage,
                    last_stage_layers=e.num_layers_in_last_pipeline_stage,
                    embedding_in_split=e.account_for_embedding_in_pipeline_split,
-                   loss_in_split=e.account_for_loss_in_pipeline_split)
+                   loss_in_split=e.account_for_loss_in_pipeline_split, strategy=e.strategy, fsdp_size=e.fsdp_size,
+                   ulysses_sp=e.ulysses_sp, checkpointing=p.model.enable_gradient_checkpointing)
 
     def settings(self) -> dict[str, Any]:
         """The profile keys that make this layout (`--set` them)."""
+        if self.strategy == "fsdp":
+            return {"engine.strategy": "fsdp", "engine.fsdp_size": self.fsdp_size, "engine.ulysses_sp": self.ulysses_sp,
+                    "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
+                    "engine.optimizer_offload": self.optimizer_offload,
+                    "model.enable_gradient_checkpointing": self.checkpointing,
+                    "actor.ppo_micro_batch_size_per_gpu": self.micro_batch,
+                    # verl's Ulysses patches transformers' FlashAttention 2 path only (planner/rules.py)
+                    **({"engine.attn_implementation": "flash_attention_2"} if self.ulysses_sp > 1 else {})}
         return {"engine.tp": self.tp, "engine.pp": self.pp, "engine.cp": self.cp, "engine.ep": self.ep,
                 "engine.etp": self.etp, "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
                 "engine.optimizer_offload": self.optimizer_offload,

@@ -1,4 +1,5 @@
-"""Will the layout fit? Device memory per role of a verl run, estimated from the profile alone.
+"""Will the layout fit? Device memory per role of a verl run, estimated from the profile alone
+(Megatron here; `engine.strategy: fsdp` is planner/fsdp.py's).
 
     python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --dry-run          # the table
     python -m flows.grpo --model qwen3.5-122b-a10b --device gpu --dry-run --json   # "memory": {...}
@@ -10,7 +11,7 @@ the logits and any MTP layers; 1F1B keeps min(PP - stage, micro batches) micro b
 - actor, update: megatron-core's training step: bf16 parameters, fp32 gradients (verl's
   grad_reduce_in_fp32), Adam's state sharded over the data-parallel ranks (the distributed optimizer),
   the activations of the micro batches in flight under the recompute settings, and the logits of the
-  vocabulary-parallel loss (profiles/activations.py). verl loads offloaded parameters back for it.
+  vocabulary-parallel loss (planner/activations.py). verl loads offloaded parameters back for it.
   Megatron's CPU optimizer (`optimizer_cpu_offload` x `optimizer_offload_fraction` f) keeps Adam's
   moments and master weights on the host, except that without the precision-aware optimizer the fp32
   master stays on the device: 4 + 8 (1 - f) bytes per parameter of the shard (12 (1 - f) with it); the
@@ -33,115 +34,22 @@ published runs (docs/memory-planner.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from profiles.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE, layer_bytes, logits_bytes, micro_batch, \
+from planner.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE, layer_bytes, logits_bytes, micro_batch, \
     recompute, stage_activations, update_logits_coefficient
-from profiles.model_size import ModelSize, head_dim, kv_bytes_per_token, linear_state_bytes_per_sequence, \
-    model_size, size_problems
-from profiles.parallel import Layout, Stage, stages
+from profiles.model_size import ModelSize, model_size, size_problems
+from planner.fsdp import estimate_fsdp
+from planner.parallel import Layout, Stage, stages
+from planner.roles import GIB, PARAM_BYTES, MemoryPlan, RoleMemory, gib, memory_table, rollout_rows  # noqa: F401
 
 if TYPE_CHECKING:
     from profiles.schema import RunProfile
 
-GIB = 2**30
-PARAM_BYTES = 2  # bf16 / fp16 weights
 GRAD_BYTES = 4  # verl's DDP: grad_reduce_in_fp32 unless a low-precision main_grads_dtype is asked for
 MASTER_BYTES = 4  # fp32 master weights
 HOST_GRAD_BYTES = 4  # the CPU optimizer's pinned fp32 copy of each offloaded gradient
 FOREACH_ADAM_BYTES = 4  # torch AdamW foreach: sqrt(exp_avg_sq) of the whole shard, fp32
-VLLM_OVERHEAD = 2 * GIB  # CUDA graphs, sampler and profiling buffers of one vLLM engine (approximate)
-
-
-@dataclass
-class RoleMemory:
-    """One role's peak on one device (host: one node), by part, in bytes."""
-
-    role: str
-    when: str
-    parts: dict[str, float]
-    capacity: float | None
-    fix: str = ""
-
-    @property
-    def total(self) -> float:
-        return sum(self.parts.values())
-
-    @property
-    def fits(self) -> bool:
-        return self.capacity is None or self.total <= self.capacity
-
-    def problem(self, device: str) -> str:
-        """One line: the role, its estimate, the capacity and a fix."""
-        where = "node's host memory" if self.role == "host" else f"{device} device"
-        return (f"{self.role} needs {gib(self.total)} GiB per {'node' if self.role == 'host' else 'device'} "
-                f"({self.when}) but one {where} has {gib(self.capacity)} GiB for it; {self.fix}")
-
-
-@dataclass
-class MemoryPlan:
-    device: str
-    device_memory: float | None  # bytes of one device
-    reserved: float
-    source: str
-    parameters: int
-    active_parameters: int
-    roles: list[RoleMemory] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    kv_sequences: int = 0  # full-length sequences the rollout's KV cache holds
-    enforced: bool = True  # planner.enforce: a plan that does not fit refuses the run
-
-    @property
-    def fits(self) -> bool:
-        return all(role.fits for role in self.roles)
-
-    def problems(self) -> list[str]:
-        """One message per role that does not fit: its first phase that does not."""
-        failing: dict[str, RoleMemory] = {}
-        for role in self.roles:
-            if not role.fits:
-                failing.setdefault(role.role, role)
-        return [role.problem(self.device) for role in failing.values()]
-
-    def refusal(self) -> str:
-        return "the layout does not fit in memory: " + "; ".join(self.problems())
-
-    def warning(self) -> str | None:
-        """What planning logs instead of refusing, under planner.enforce=false."""
-        if self.fits or self.enforced:
-            return None
-        return f"planner.enforce=false, planning goes on: {self.refusal()}"
-
-    def summary(self) -> dict[str, Any]:
-        """The plan as JSON: GiB, rounded."""
-        return {
-            "device": self.device, "device_memory_gib": gib(self.device_memory), "reserved_gib": gib(self.reserved),
-            "source": self.source, "parameters": self.parameters, "active_parameters": self.active_parameters,
-            "fits": self.fits, "enforced": self.enforced, "warning": self.warning(),
-            "roles": [{"role": r.role, "when": r.when, "estimate_gib": gib(r.total), "capacity_gib": gib(r.capacity),
-                       "fits": r.fits, "parts_gib": {k: gib(v) for k, v in r.parts.items()}} for r in self.roles],
-            "notes": self.notes,
-        }
-
-
-def memory_table(summary: dict[str, Any]) -> list[str]:
-    """A plan's summary as a small Markdown table, as the dry run and the report show it."""
-    s = summary
-    lines = [f"parameters {s['parameters']:,} ({s['active_parameters']:,} active per token); device {s['device']}: "
-             f"{s['device_memory_gib']} GiB, {s['reserved_gib']} GiB kept for the runtime ({s['source']})",
-             "| role | when | estimate GiB | capacity GiB | fits | largest parts |", "|---|---|---|---|---|---|"]
-    for r in s["roles"]:
-        largest = ", ".join(f"{k} {v}" for k, v in sorted(r["parts_gib"].items(), key=lambda kv: -kv[1])[:3] if v)
-        capacity = "-" if r["capacity_gib"] is None else r["capacity_gib"]
-        lines.append(f"| {r['role']} | {r['when']} | {r['estimate_gib']} | {capacity} | {'yes' if r['fits'] else 'NO'} "
-                     f"| {largest} |")
-    lines += [f"note: {note}" for note in s["notes"]]
-    return lines + ([f"warning: {s['warning']}"] if s.get("warning") else [])
-
-
-def gib(value: float | None) -> float | None:
-    return None if value is None else round(value / GIB, 1)
 
 
 # --- the parts ----------------------------------------------------------------------------------------
@@ -178,10 +86,13 @@ def _stage_label(stage: Stage, lay: Layout) -> str:
 
 def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, float | None, str] | None = None,
              size: ModelSize | None = None) -> MemoryPlan:
-    """The memory plan of a verl run's layout (the profile's own, or `lay`; `size`: the model's, when known)."""
+    """The memory plan of a verl run's layout (the profile's own, or `lay`; `size`: the model's, when known);
+    an FSDP layout's is planner/fsdp.py's."""
     lay = lay or Layout.of(p)
     arch, plat, actor, lp = p.model.architecture, p.platform, p.actor, p.log_prob
     device, capacity_gib, source = device_gib or plat.device_memory()
+    if lay.strategy == "fsdp":
+        return estimate_fsdp(p, lay, device, capacity_gib, source, size or model_size(arch))
     capacity = None if capacity_gib is None else capacity_gib * GIB
     usable = None if capacity is None else capacity - plat.reserved_memory_gib * GIB
     size = size or model_size(arch)
@@ -281,7 +192,7 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
 
     # rollout: vLLM's share must be free when it starts, and must hold one full sequence's cache
     trainer_resident = max(resident_by_stage[s.index] + ref_resident[s.index] for s in all_stages)
-    rollout_roles, plan.kv_sequences = _rollout(p, size, lay, capacity, usable, trainer_resident)
+    rollout_roles, plan.kv_sequences = rollout_rows(p, size, lay.rollout_tp, capacity, usable, trainer_resident)
     plan.roles.extend(rollout_roles)
 
     # host: everything offloaded, for the node's devices
@@ -294,40 +205,6 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
         "host", f"offloaded, {p.cluster.devices_per_node} devices a node", {"offloaded": per_device * p.cluster.devices_per_node},
         host_capacity, "spread the run over more nodes (cluster.nnodes) or offload less"))
     return plan
-
-
-def _rollout(p: RunProfile, size: ModelSize, lay: Layout, capacity: float | None, usable: float | None,
-             resident: float) -> tuple[list[RoleMemory], int]:
-    """vLLM's rows, and how many full-length sequences its KV cache holds."""
-    r, arch = p.rollout, p.model.architecture
-    if capacity is None:
-        return [], 0
-    budget = r.gpu_memory_utilization * capacity
-    rtp = lay.rollout_tp
-    weights = PARAM_BYTES * size.total / rtp
-    # One profiling forward of max_num_batched_tokens (verl: 8192) tokens, one layer's widest tensor,
-    # plus the sampler's fp32 logits for max_num_seqs sequences.
-    widest = max(2 * (arch.intermediate_size or 0), 2 * (arch.num_experts_per_tok or 0) * (arch.moe_intermediate_size or 0),
-                 arch.num_attention_heads * head_dim(arch) * 3)
-    working = 8192 * (4 * arch.hidden_size + widest / rtp) * 2 + 3 * r.max_num_seqs * arch.vocab_size * 4 + VLLM_OVERHEAD
-    kv_cache = budget - weights - working
-    max_len = r.max_model_len or p.data.max_prompt_length + p.data.max_response_length
-    per_sequence = kv_bytes_per_token(arch, rtp) * max_len + linear_state_bytes_per_sequence(arch, rtp)
-    sequences = int(kv_cache // per_sequence) if kv_cache > 0 else 0
-    free = None if usable is None else usable - resident
-    start = RoleMemory(
-        "rollout", f"vLLM start: gpu_memory_utilization {r.gpu_memory_utilization} of the device must be free",
-        {"vLLM share": budget, "trainer resident": resident}, usable,
-        "set engine.param_offload=true and engine.optimizer_offload=true" if resident else
-        f"lower rollout.gpu_memory_utilization to {max(round((free or 0) / capacity - 0.005, 2), 0.05)}")
-    cache = RoleMemory(
-        "rollout", f"KV cache: {sequences} sequence(s) of {max_len} tokens fit (max_num_seqs {r.max_num_seqs})",
-        {"weights": weights, "engine working memory": working, "one sequence's cache": per_sequence}, budget,
-        "raise rollout.gpu_memory_utilization or rollout.tp, or lower rollout.max_model_len")
-    if 0 < sequences < r.max_num_seqs:
-        cache.when += "; fewer than max_num_seqs: vLLM queues the rest"
-    return [start, cache], sequences
-
 
 def _actor_fix(p: RunProfile, lay: Layout, parts: dict[str, float], log_probs: bool = False) -> str:
     """The change that frees most of the largest part (of the update step, or of a log-prob pass)."""

@@ -34,11 +34,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from profiles.activations import recompute
-from profiles.memory import GIB, MemoryPlan, estimate
-from profiles.parallel import Layout, stage_parameters
+from planner.activations import recompute
+from planner.fsdp import group_size as fsdp_group_size
+from planner.memory import GIB, MemoryPlan, estimate
+from planner.parallel import Layout, stage_parameters
 from profiles.model_size import ModelSize, model_size
-from profiles.validation import UNEVEN_PIPELINE_FIELDS, batch_problems, layout_problems, rollout_problems, uneven_split
+from planner.rules import FSDP_DEFAULTS, MEGATRON_DEFAULTS, UNEVEN_PIPELINE_FIELDS, batch_problems, fsdp_problems, \
+    layout_problems, rollout_problems, uneven_split
 
 if TYPE_CHECKING:
     from profiles.platform import Accelerator
@@ -71,23 +73,39 @@ def _divisors(n: int) -> list[int]:
 
 
 def with_layout(p: RunProfile, lay: Layout) -> RunProfile:
-    """The profile with `lay`'s settings (no validation: the rule functions check it)."""
+    """The profile with `lay`'s settings (no validation: the rule functions check it). An FSDP layout
+    leaves Megatron's settings at their defaults, a Megatron one FSDP's."""
     prefix = "engine.optimizer_overrides."
     overrides = {**p.engine.optimizer_overrides,
                  **{k.removeprefix(prefix): v for k, v in lay.settings().items() if k.startswith(prefix)}}
+    fsdp = lay.strategy == "fsdp"
     engine = p.engine.model_copy(update={"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp,
                                          "param_offload": lay.param_offload, "optimizer_offload": lay.optimizer_offload,
                                          "optimizer_overrides": overrides,
                                          "num_layers_in_first_pipeline_stage": lay.first_stage_layers,
                                          "num_layers_in_last_pipeline_stage": lay.last_stage_layers,
                                          "account_for_embedding_in_pipeline_split": lay.embedding_in_split,
-                                         "account_for_loss_in_pipeline_split": lay.loss_in_split})
-    return p.model_copy(update={"engine": engine, "rollout": p.rollout.model_copy(update={"tp": lay.rollout_tp}),
-                                "actor": p.actor.model_copy(update={"ppo_micro_batch_size_per_gpu": lay.micro_batch})})
+                                         "account_for_loss_in_pipeline_split": lay.loss_in_split,
+                                         "strategy": lay.strategy, "fsdp_size": lay.fsdp_size, "ulysses_sp": lay.ulysses_sp,
+                                         **(fsdp_engine_settings(lay) if fsdp else FSDP_DEFAULTS)})
+    if fsdp:
+        engine = engine.model_copy(update={k: v for k, v in MEGATRON_DEFAULTS.items() if k not in ("tp", "pp", "cp", "ep", "etp")})
+    update = {"engine": engine, "rollout": p.rollout.model_copy(update={"tp": lay.rollout_tp}),
+              "actor": p.actor.model_copy(update={"ppo_micro_batch_size_per_gpu": lay.micro_batch})}
+    if fsdp:
+        update["model"] = p.model.model_copy(update={"enable_gradient_checkpointing": lay.checkpointing})
+    return p.model_copy(update=update)
+
+
+def fsdp_engine_settings(lay: Layout) -> dict:
+    """Ulysses patches only transformers' FlashAttention 2 path (planner/rules.py)."""
+    return {"attn_implementation": "flash_attention_2"} if lay.ulysses_sp > 1 else {}
 
 
 def step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) -> dict[str, float]:
     """The cost model of the module's docstring, seconds per step by part."""
+    if lay.strategy == "fsdp":
+        return fsdp_step_cost(p, size, lay, spec)
     arch, c = p.model.architecture, p.cluster
     world, per_node = p.world_size, c.devices_per_node
     tokens = p.data.train_batch_size * p.algorithm.rollout_n * (p.data.max_prompt_length + p.data.max_response_length)
@@ -128,6 +146,54 @@ def step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) ->
     return cost
 
 
+def fsdp_step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) -> dict[str, float]:
+    """FSDP2's step: the same compute; per micro batch, each parameter gathered in bf16 for the forward
+    and again for the backward and its gradient reduce-scattered in fp32 (verl syncs every micro batch),
+    over the node's links when the group stays in a node; across groups (hybrid sharding), the shard's
+    gradients all-reduced over the network; Ulysses' all-to-alls (4 a layer forward, 4 backward)."""
+    arch, per_node, world = p.model.architecture, p.cluster.devices_per_node, p.world_size
+    length = p.data.max_prompt_length + p.data.max_response_length
+    tokens = p.data.train_batch_size * p.algorithm.rollout_n * length
+    group = fsdp_group_size(world, lay.fsdp_size)
+    dp = world // lay.ulysses_sp
+    compute = (8 if lay.checkpointing else 6) * size.active * tokens / (world * spec.bf16_tflops * 1e12 * MFU)
+    link, network, host = spec.link_gb_s * 1e9, spec.network_gb_s * 1e9, spec.host_gb_s * 1e9
+    rank_tokens = tokens / dp
+    if p.actor.use_dynamic_bsz:
+        micro_batches = max(rank_tokens / lay.ulysses_sp / p.actor.ppo_max_token_len_per_gpu, 1)
+    else:
+        micro_batches = max(p.data.train_batch_size * p.algorithm.rollout_n / dp / lay.micro_batch, 1)
+    gather = (2 + 2 + 4) * size.total * (group - 1) / group * micro_batches
+    cost = {"compute": compute, "data parallel": gather / (link if group <= per_node else network)}
+    if world > group:
+        replicas = world // group
+        cost["data parallel"] += 2 * 4 * size.total / group * (replicas - 1) / replicas / network
+    if lay.ulysses_sp > 1:
+        cost["sequence parallel"] = (8 * rank_tokens / lay.ulysses_sp * arch.num_layers * arch.hidden_size * 2
+                                     * (lay.ulysses_sp - 1) / lay.ulysses_sp / link)
+    moved = (2 * 4 * size.total / group if lay.param_offload else 0.0) + (2 * 8 * size.total / group if lay.optimizer_offload else 0.0)
+    cost["offload"] = moved / host
+    return cost
+
+
+def fsdp_layouts(p: RunProfile) -> list[Layout]:
+    """FSDP2 layouts of a dense model: the group over the world or one node, Ulysses where a sequence
+    leaves each rank LONG_CONTEXT_CHUNK tokens or more, with and without gradient checkpointing."""
+    arch, world, per_node = p.model.architecture, p.world_size, p.cluster.devices_per_node
+    if arch.num_experts or p.model.dist_checkpoint:  # MoE stays Megatron's (expert parallelism)
+        return []
+    length = p.data.max_prompt_length + p.data.max_response_length
+    groups = [-1] + ([per_node] if world > per_node else [])
+    sps = [sp for sp in _divisors(per_node) if sp == 1 or length / sp >= LONG_CONTEXT_CHUNK]
+    out = []
+    for group, sp, checkpointing in itertools.product(groups, sps, (False, True)):
+        lay = Layout(1, 1, 1, 1, 1, 1, False, False, False, 1, strategy="fsdp", fsdp_size=group, ulysses_sp=sp,
+                     checkpointing=checkpointing)
+        if not fsdp_problems(with_layout(p, lay)):
+            out.append(lay)
+    return out
+
+
 def candidate_layouts(p: RunProfile) -> list[Layout]:
     """Layouts (TP, PP with its stage split, CP, EP, ETP) that pass the layout rules (rollout and batches
     are checked per layout)."""
@@ -145,7 +211,7 @@ def candidate_layouts(p: RunProfile) -> list[Layout]:
                 lay = Layout(tp, pp, cp, ep, etp, 1, False, False, False, 1, first, last)
                 if not layout_problems(with_layout(p, lay)):
                     out.append(lay)
-    return out
+    return out + fsdp_layouts(p)
 
 
 def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
@@ -162,13 +228,14 @@ def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
     layouts = candidate_layouts(p)
     estimates = 0
     for candidate in layouts:
-        for param_off, opt_off, cpu_off in OFFLOAD_LEVELS:  # the least offloading under which some micro batch fits
+        levels = OFFLOAD_LEVELS[:3] if candidate.strategy == "fsdp" else OFFLOAD_LEVELS  # no CPU Adam in FSDP
+        for param_off, opt_off, cpu_off in levels:  # the least offloading under which some micro batch fits
             fitting = []
             for micro in MICRO_BATCHES:
                 lay = replace(candidate, rollout_tp=rollout_tps[0] if rollout_tps else p.rollout.tp,
                               param_offload=param_off, optimizer_offload=opt_off, optimizer_cpu_offload=cpu_off,
                               micro_batch=micro)
-                if batch_problems(with_layout(p, lay), p.world_size // (lay.tp * lay.pp * lay.cp)):
+                if batch_problems(with_layout(p, lay), p.world_size // (lay.tp * lay.pp * lay.cp * lay.ulysses_sp)):
                     continue
                 estimates += 1
                 if not all(role.fits for role in estimate(p, lay, size=size).roles if role.role != "rollout"):
@@ -201,7 +268,10 @@ def _with_rollout(p: RunProfile, lay: Layout, rollout_tps: list[int], size: Mode
     return None
 
 
-def parallel_dims(lay: Layout) -> tuple[int, int, int, int, int]:
+def parallel_dims(lay: Layout) -> tuple:
+    """What tells layouts apart in the table: the engine and its parallel sizes."""
+    if lay.strategy == "fsdp":
+        return "fsdp", lay.fsdp_size, lay.ulysses_sp, lay.checkpointing
     return lay.tp, lay.pp, lay.cp, lay.ep, lay.etp
 
 
@@ -211,27 +281,46 @@ def suggestion_table(suggestions: list[Suggestion], facts: dict[str, float], p: 
     c = p.cluster
     head = (f"{p.model.name} on {c.nnodes} x {c.devices_per_node} {p.platform.accelerator or p.platform.kind}: "
             f"{facts['fit']} of {facts['layouts']} valid layouts fit ({facts['estimates']} estimates, "
-            f"{facts['seconds'] * 1000:.0f} ms); cost model: profiles/layouts.py")
-    lines = [head, "| rank | TP | PP | CP | EP | ETP | rollout TP | offload | micro batch | actor GiB | step s (model) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"{facts['seconds'] * 1000:.0f} ms); cost model: planner/layouts.py")
+    lines = [head, "| rank | engine | TP | PP | CP | EP | ETP | rollout TP | offload | micro batch | actor GiB | step s (model) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rank, s in enumerate(suggestions[:limit], 1):
         lay = s.layout
         offload = "+".join(name for name, on in (("params", lay.param_offload), ("optimizer", lay.optimizer_offload),
                                                  ("cpu-adam", lay.optimizer_cpu_offload)) if on) or "none"
         pp = f"{lay.pp} ({lay.first_stage_layers}/../{lay.last_stage_layers})" if lay.first_stage_layers else lay.pp
-        lines.append(f"| {rank} | {lay.tp} | {pp} | {lay.cp} | {lay.ep} | {lay.etp} | {lay.rollout_tp} | {offload} | "
-                     f"{lay.micro_batch} | {s.actor_gib()} | {s.seconds:.1f} |")
-    own = parallel_dims(Layout.of(p))
+        dims = " | ".join(["-"] * 5) if lay.strategy == "fsdp" else f"{lay.tp} | {pp} | {lay.cp} | {lay.ep} | {lay.etp}"
+        lines.append(f"| {rank} | {_engine(lay)} | {dims} | {lay.rollout_tp} | {offload} | {lay.micro_batch} | "
+                     f"{s.actor_gib()} | {s.seconds:.2f} |")
+    mine = Layout.of(p)
+    own = parallel_dims(mine)
     rank = next((i for i, s in enumerate(suggestions, 1) if parallel_dims(s.layout) == own), None)
-    shown = f"TP {own[0]} PP {own[1]} CP {own[2]} EP {own[3]} ETP {own[4]}"
+    shown = _engine(mine) if mine.strategy == "fsdp" else f"TP {own[0]} PP {own[1]} CP {own[2]} EP {own[3]} ETP {own[4]}"
     lines.append(f"the profile's layout ({shown}): " + (f"fits, rank {rank} of {len(suggestions)}" if rank else
                                                        "does not fit or does not validate here"))
     if suggestions:
-        best = " ".join(f"--set {k}={str(v).lower() if isinstance(v, bool) else v}"
-                        for k, v in suggestions[0].layout.settings().items())
-        # The profile's own uneven split, where the cheapest layout has none, is turned off on the same line.
-        best += "".join(f" --set engine.{name}={'false' if name.startswith('account') else 'null'}"
-                        for name in UNEVEN_PIPELINE_FIELDS
-                        if getattr(p.engine, name) and f"engine.{name}" not in suggestions[0].layout.settings())
-        lines.append(f"best: {best}")
+        best_layout = suggestions[0].layout
+        settings = best_layout.settings()
+        # What the profile sets that the cheapest layout's engine would refuse goes back to its default on the
+        # same line: Megatron's settings under FSDP, FSDP's under Megatron, an uneven split the layout lacks.
+        resets = dict(MEGATRON_DEFAULTS) if best_layout.strategy == "fsdp" else {"strategy": "megatron", **FSDP_DEFAULTS}
+        resets.update({name: None if name.endswith("stage") else False for name in UNEVEN_PIPELINE_FIELDS})
+        settings.update({f"engine.{name}": value for name, value in resets.items()
+                         if f"engine.{name}" not in settings and getattr(p.engine, name) != value})
+        lines.append("best: " + " ".join(f"--set {k}={_value(v)}" for k, v in settings.items()))
     return lines
+
+
+def _engine(lay: Layout) -> str:
+    if lay.strategy != "fsdp":
+        return "megatron"
+    group = "world" if lay.fsdp_size < 0 else lay.fsdp_size
+    return f"fsdp (group {group}, Ulysses {lay.ulysses_sp}, checkpointing {'on' if lay.checkpointing else 'off'})"
+
+
+def _value(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "{}" if value == {} else str(value)
