@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from profiles.errors import UserError
+from common.errors import UserError
 
 _FIXES = {
     errno.ENOSPC: "free space on that file system (or give --run-dir on another) and run again: training resumes "

@@ -8,7 +8,7 @@ import errno
 import pytest
 
 from common.file_faults import FileFault, file_fault
-from profiles.errors import UserError
+from common.errors import UserError
 
 
 def _raised_from(outer: Exception, inner: BaseException) -> Exception:

@@ -107,7 +107,7 @@ def test_torch_npu_and_vllm_ascend_must_be_releases_of_torch_and_vllm():
 @pytest.mark.parametrize("version", ["=>banana", "==", "0.9.1", ">=1.0;<2"])
 def test_a_version_that_is_no_specifier_is_refused_at_planning(version):
     """It passed planning and then matched no node's version: every node was blamed."""
-    from profiles.errors import ProfileError
+    from common.errors import ProfileError
 
     with pytest.raises(ProfileError, match=f"requires.vllm.version={version!r}: .* is not a PEP 440 version specifier; "
                        "write one like ==0.9.1"):
