@@ -25,6 +25,7 @@ from pydantic import Field
 from flows.pipeline import FLOW_OPTIONS, run_pipeline
 from flows.form_rules import json_schema
 from flows.request import STAGES, RunRequest
+from flows.task_policy import filter_run_logs
 from profiles.errors import UserError
 from profiles.secrets import scrub
 
@@ -75,6 +76,7 @@ def run_from_form(
         profile_file: A YAML file of profile settings on the worker's host, applied before the
             overrides; empty: none.
     """
+    filter_run_logs()  # before the form's fields are read: a refusal is its one line, with no traceback after it
     try:
         request = RunRequest.from_form(model=model, device=device, backend=backend, overrides=overrides, stages=stages,
                                        run_name=run_name, run_root=run_root, ray_address=ray_address,
