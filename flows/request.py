@@ -123,6 +123,9 @@ class RunRequest(BaseModel):
             raise ValueError(str(exc)) from None
         if problems := secret_literal_problems(layer, "--set"):
             raise ValueError("; ".join(problems))
+        if any(has_url_credentials(line) for line in overrides):  # where YAML does not look: a comment
+            raise ValueError("--set: a line holds credentials in a URL outside its value (a # comment); the line is "
+                             "stored as written: remove them")
         return overrides
 
     @field_validator("model", "profile_file", "run_root", "ray_address")

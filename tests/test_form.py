@@ -198,3 +198,11 @@ def test_a_nul_in_a_path_is_refused_in_one_line_by_every_door():
     with pytest.raises(Exception, match=r"--run-dir must be printable characters on one line") as refused:
         RunRequest(run_root="/tmp/a\x00b")
     assert "a\x00b" not in str(refused.value)
+
+
+def test_every_door_refuses_credentials_in_a_comment_of_an_override_line_which_is_stored_as_written():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="holds credentials in a URL outside its value") as refused:
+        RunRequest(overrides=[f"data.source=https://mirror/x  # was https://u:{SECRET}@mirror/x"])
+    assert SECRET not in str(refused.value)
