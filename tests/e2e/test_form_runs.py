@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from flows.form import run_from_form
+from flows.form_rules import FORM_RULES
 
 pytestmark = pytest.mark.e2e
 
@@ -52,3 +53,39 @@ def test_a_refused_form_run_fails_with_one_line_and_logs_no_traceback(prefect_ap
     assert any(line.startswith(message) for line in logs), logs
     assert not [line for line in logs if "Traceback" in line or "FailedRun" in line or "unexpected exception" in line]
     assert "made-up-9f3e" not in "".join(logs) + state.message
+
+
+PROBES = {  # the issue's probes that the form stored before, as a client of the API sends them
+    "overrides": ["trainer.total_training_steps=2\x0benv.HF_TOKEN=made-up-9f3e", "env={HF_TOKEN: made-up-9f3e}",
+                  "env.HF_TOKEN.x=made-up-9f3e", "env.HF-TOKEN=made-up-9f3e", 'env.MIRROR_AUTH="${HF_TOKEN:-made-up-9f3e}"',
+                  'data.source="https\\x3a//u:made-up-9f3e@mirror/x"', "trainer={<<: *x, a: made-up-9f3e}"],
+    "model": ["https://u:made-up-9f3e@host/x"],
+    "run_root": ["runs\x00made-up-9f3e"],
+    "ray_address": ["ray://u:made-up-9f3e@head:10001"],
+    "profile_file": ["https://u:made-up-9f3e@host/p.yaml"],
+}
+
+
+def test_the_api_refuses_the_probes_before_storing_a_run_naming_the_field_and_rule_not_the_value(prefect_api):
+    """The deployment as `prefect deploy` makes it (its parameter schema enforced): the API answers 409
+    naming the field and the rule, and no flow run, nor its parameters, is stored."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    deployment_id = run_from_form.to_deployment(name="form-probes", enforce_parameter_schema=True).apply()
+    with get_client(sync_client=True) as client:
+        before = len(client.read_flow_runs())
+        accepted = client.create_flow_run_from_deployment(deployment_id, parameters={
+            "model": "tiny", "overrides": 'env.HF_TOKEN="${HF_TOKEN}"  # exported on the worker'})
+        assert accepted.parameters["overrides"].startswith("env.HF_TOKEN=")  # what the run accepts, the form does
+        for field, values in PROBES.items():
+            for value in values:
+                with pytest.raises(PrefectHTTPStatusError) as refused:
+                    client.create_flow_run_from_deployment(deployment_id, parameters={"model": "tiny", field: value})
+                detail = refused.value.response.json()["detail"]
+                assert refused.value.response.status_code == 409
+                rule = next(rule.says for rule in FORM_RULES[field] if rule.broken(value))
+                assert detail == f"Error creating flow run: Validation failed for field '{field}'. Failure reason: {rule!r} " \
+                                 "was expected"
+                assert "made-up-9f3e" not in detail and len(detail) < 400, detail
+        assert len(client.read_flow_runs()) == before + 1  # only the accepted one
