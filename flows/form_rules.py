@@ -57,10 +57,12 @@ _FLOW_CHAR = rf"(?![,\[\]{{}}#]){_NON_SPACE}"
 _FLOW_INSIDE = rf"(?:(?!:){_FLOW_CHAR}|:(?={_FLOW_CHAR}))"
 _FLOW_PLAIN = rf"(?:(?!{_INDICATOR}){_FLOW_CHAR}|-(?=[0-9.])){_FLOW_INSIDE}*(?:[ \t]+{_FLOW_INSIDE}+)*"
 _ITEM = rf"(?:{_SINGLE_QUOTED}|{_DOUBLE_QUOTED}|{_FLOW_PLAIN})"
-_LIST = rf"\[[ \t]*(?:{_ITEM}[ \t]*(?:,[ \t]*{_ITEM}[ \t]*)*,?[ \t]*)?\]"
+_LIST = rf"\[[ \t]*(?:{_ITEM}[ \t]*(?:,[ \t]*{_ITEM}[ \t]*)*(?:,[ \t]*)?)?\]"
 _VALUE = rf"(?:{_LIST}|{_SINGLE_QUOTED}|{_DOUBLE_QUOTED}|{_PLAIN})"
 _COMMENT = rf"#{CHAR}*"
-_ENTRY = rf"{_KEY}[ \t]*=[ \t]*(?:{_VALUE}(?:[ \t]+{_COMMENT})?|{_COMMENT})?[ \t]*"
+# Never two runs of blanks (or a comment and blanks) side by side: on a line that fails, a regex would
+# try every split of a long run between them (quadratic); each alternative here has one way to match.
+_ENTRY = rf"{_KEY}[ \t]*=(?:[ \t]*{_VALUE}(?:[ \t]+{_COMMENT}|[ \t]*)|[ \t]*{_COMMENT}|[ \t]*)"
 OVERRIDE_LINE = rf"[ \t]*(?:{_ENTRY}|{_COMMENT})?"
 _OVERRIDE_TEXT = rf"\A(?:{OVERRIDE_LINE}{_BREAK})*{OVERRIDE_LINE}\Z"
 
@@ -69,7 +71,7 @@ _REFERENCE = rf"\$\{{{_NAME}\}}"
 _REFERENCE_VALUE = rf"(?:{_REFERENCE}|'[ \t]*{_REFERENCE}[ \t]*'|\"[ \t]*{_REFERENCE}[ \t]*\")"
 _SECRET_LITERAL = (rf"{_LINE_START}[ \t]*env\.{_SECRET}[ \t]*="
                    rf"(?![ \t]*{_REFERENCE_VALUE}[ \t]*(?:[ \t]{_COMMENT})?{_LINE_END})")
-_SECRET_DEFAULT = rf"{_LINE_START}[ \t]*env\.{_NAME}[ \t]*=[ \t]*['\"]?[ \t]*\$\{{{_SECRET}:-"
+_SECRET_DEFAULT = rf"{_LINE_START}[ \t]*env\.{_NAME}[ \t]*=[ \t]*(?:['\"][ \t]*)?\$\{{{_SECRET}:-"
 RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
