@@ -87,6 +87,7 @@ def test_the_form_is_the_fields_a_person_fills_each_described_and_checked(deploy
 
     deployment = _api(deployed, lambda c: c.read_deployment_by_name("grpo_pipeline/local-smoke"))
     schema = deployment.parameter_openapi_schema
+    assert deployment.enforce_parameter_schema  # the API checks the form's rules before it stores a run
     fields = schema["properties"]
     assert list(fields) == ["model", "device", "backend", "overrides", "stages", "run_name", "run_root", "ray_address",
                             "profile_file"]
