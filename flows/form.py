@@ -7,10 +7,11 @@ right signature for the command line (it passes the plan it checked, and the flo
 but the wrong form: a wrapper object, an internal `plan` switch of ~170 fields, and `str | None`
 toggles. `run_from_form` is the same flow (`grpo_pipeline`, the same body and failure hooks) behind
 flat fields: text boxes where empty means the default, enums as dropdowns, the stages as a
-multi-select, `model` required. What a JSON-schema pattern can check (override lines, secrets given
-as literals, a run name's characters) is checked by the form before a run is created
-(flows/request.py); what only the run can check fails it in its first seconds with one line as the
-state's message, and no traceback in its logs.
+multi-select, `model` required. What a JSON schema can decide (the override box's grammar, secrets
+given as literals, credentials in a URL, control characters, a run name's characters) is checked by
+the Prefect API before it stores a run, and by the run again, from one definition
+(flows/form_rules.py); what only the run can check fails it in its first seconds with one line as
+the state's message, and no traceback in its logs.
 """
 
 from __future__ import annotations
@@ -21,28 +22,33 @@ from prefect import flow, get_run_logger
 from prefect.states import Failed
 from pydantic import Field
 
-# The patterns are JSON schema only (`json_schema_extra`): the Prefect API checks them with Python's
-# `re`, and pydantic's own regex engine has no look-ahead; the run checks the same rules again.
-
 from flows.pipeline import FLOW_OPTIONS, run_pipeline
-from flows.request import OVERRIDE_LINES, RUN_NAME, STAGES, RunRequest
+from flows.form_rules import json_schema
+from flows.request import STAGES, RunRequest
+from flows.task_policy import filter_run_logs
 from common.errors import UserError
 from profiles.secrets import scrub
 
 Stage = Literal[STAGES]  # type: ignore[valid-type]  # the UI offers the names to pick from
 
 
+def checked(field: str):
+    """The form's rules for a text box, as JSON schema only (`json_schema_extra`): the Prefect API checks
+    them with Python's `re` (pydantic's regex engine has no look-ahead); the run checks them again."""
+    return Field(json_schema_extra=json_schema(field))
+
+
 @flow(**FLOW_OPTIONS)
 def run_from_form(
-    model: Annotated[str, Field(min_length=1)],
+    model: Annotated[str, Field(min_length=1), checked("model")],
     device: Literal["auto", "gpu", "npu", "cpu"] = "auto",
     backend: Literal["auto", "local", "verl"] = "auto",
-    overrides: Annotated[str, Field(json_schema_extra={"pattern": OVERRIDE_LINES})] = "",
+    overrides: Annotated[str, checked("overrides")] = "",
     stages: list[Stage] = list(STAGES),
-    run_name: Annotated[str, Field(json_schema_extra={"pattern": rf"^(?:{RUN_NAME})?$"})] = "",
-    run_root: str = "runs",
-    ray_address: str = "",
-    profile_file: str = "",
+    run_name: Annotated[str, checked("run_name")] = "",
+    run_root: Annotated[str, checked("run_root")] = "runs",
+    ray_address: Annotated[str, checked("ray_address")] = "",
+    profile_file: Annotated[str, checked("profile_file")] = "",
 ):
     """GRPO post-training, from a bare machine to an evaluated checkpoint.
 
@@ -55,8 +61,9 @@ def run_from_form(
             Ray Train, any device), or `auto`: verl for a recipe that trains with Megatron on GPUs/NPUs,
             local otherwise.
         overrides: Profile settings, one KEY=VALUE a line, e.g. `trainer.total_training_steps=20` or
-            `engine.tp=4`; empty: the recipe as it is. Never a secret's value (this form is stored):
-            name it as `env.HF_TOKEN=${HF_TOKEN}` and export it in the worker's environment.
+            `engine.tp=4`, a trailing `# comment` allowed; values plain, quoted or a [list] (nested
+            settings by dotted keys); empty: the recipe as it is. Never a secret's value (this form is
+            stored): name it as `env.HF_TOKEN=${HF_TOKEN}` and export it in the worker's environment.
         stages: Stages to run, in flow order; empty: all. The stages a picked one reads from run with
             it (cached, they take about a second), and any work ends with the report.
         run_name: Name of the run's folder (letters, digits, '.', '_', '-'); empty:
@@ -69,6 +76,7 @@ def run_from_form(
         profile_file: A YAML file of profile settings on the worker's host, applied before the
             overrides; empty: none.
     """
+    filter_run_logs()  # before the form's fields are read: a refusal is its one line, with no traceback after it
     try:
         request = RunRequest.from_form(model=model, device=device, backend=backend, overrides=overrides, stages=stages,
                                        run_name=run_name, run_root=run_root, ray_address=ray_address,

@@ -9,10 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from common.errors import ProfileError, UserError
 from profiles.loader import overrides_to_layer
-from profiles.secrets import (
-    URL_CREDENTIALS_PATTERN, has_url_credentials, secret_literal_problems, secret_name_pattern,
-)
+from profiles.secrets import has_url_credentials, secret_literal_problems
 from common.ray_cluster import parse_ray_address
+from flows.form_rules import FORM_RULES, ONE_LINE, RUN_NAME, first_broken, override_lines
 
 # The stages of the flow in order. `--stages` picks a subset.
 PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")
@@ -24,18 +23,6 @@ INPUT_STAGES = {
     "export_checkpoint": ("train",),
     "evaluate": ("fetch_dataset", "prepare_checkpoint"),
 }
-
-
-# What the UI's form checks before a run is created (JSON-schema patterns the Prefect API enforces):
-# a run name is a folder's name; each override line is KEY=VALUE, a secret-named env entry holds only
-# a reference `${NAME}`, and no value carries a URL's credentials. The same rules hold at run time
-# (the validators below), for every other way a request arrives.
-RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_REFERENCE_ONLY = r"[ \t]*\$\{[A-Za-z_][A-Za-z0-9_]*\}[ \t]*(?:\r?\n|$)"
-_OVERRIDE_LINE = (rf"(?:[ \t]*|(?![ \t]*env\.{secret_name_pattern()}[ \t]*=(?!{_REFERENCE_ONLY}))"
-                  rf"(?![^=\n]*=[ \t]*\$\{{{secret_name_pattern()}:-)"  # a secret's reference has no literal default
-                  rf"(?![^\n]*{URL_CREDENTIALS_PATTERN})[ \t]*[A-Za-z_][^=\n]*=[^\n]*)")
-OVERRIDE_LINES = rf"^(?:{_OVERRIDE_LINE}(?:\r?\n|$))*$"
 
 
 class RunRequest(BaseModel):
@@ -93,11 +80,16 @@ class RunRequest(BaseModel):
     @classmethod
     def from_form(cls, *, overrides: str, profile_file: str, run_name: str, ray_address: str, **fields) -> RunRequest:
         """The request a deployment's form makes: text boxes, where empty means the default and the
-        overrides are one KEY=VALUE a line."""
-        lines = [line.strip() for line in overrides.splitlines() if line.strip()]
+        overrides are one KEY=VALUE a line. The form's rules (flows/form_rules.py) first, as the
+        Prefect API checked them, so a run from the form accepts exactly what the form accepts."""
+        texts = {"model": fields.get("model", ""), "overrides": overrides, "run_name": run_name,
+                 "run_root": fields.get("run_root", ""), "ray_address": ray_address, "profile_file": profile_file}
+        for field, text in texts.items():
+            if field in FORM_RULES and isinstance(text, str) and (problem := first_broken(field, text)):
+                raise UserError(problem)
         try:
-            return cls(overrides=lines, profile_file=profile_file.strip() or None, run_name=run_name.strip() or None,
-                       ray_address=ray_address.strip() or None, **fields)
+            return cls(overrides=override_lines(overrides), profile_file=profile_file.strip() or None,
+                       run_name=run_name.strip() or None, ray_address=ray_address.strip() or None, **fields)
         except ValidationError as exc:
             error = exc.errors()[0]
             raise UserError(f"{'.'.join(map(str, error['loc']))}: {error['msg'].removeprefix('Value error, ')}") from None
@@ -131,14 +123,25 @@ class RunRequest(BaseModel):
             raise ValueError(str(exc)) from None
         if problems := secret_literal_problems(layer, "--set"):
             raise ValueError("; ".join(problems))
+        if any(has_url_credentials(line) for line in overrides):  # where YAML does not look: a comment
+            raise ValueError("--set: a line holds credentials in a URL outside its value (a # comment); the line is "
+                             "stored as written: remove them")
         return overrides
+
+    @field_validator("model", "profile_file", "run_root", "ray_address")
+    @classmethod
+    def one_line(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A path or an address is printable text on one line: a NUL would fail the first file call."""
+        if value and ONE_LINE.broken(value):
+            raise ValueError(f"{_option(info.field_name)} must be {ONE_LINE.says}")
+        return value
 
     @field_validator("model", "profile_file", "run_root")
     @classmethod
     def no_url_credentials(cls, value: str | None, info: ValidationInfo) -> str | None:
         """Stored and shown as written, like the overrides; unlike an env value, never a reference."""
         if value and has_url_credentials(value):
-            option = {"run_root": "--run-dir"}.get(info.field_name, f"--{info.field_name.replace('_', '-')}")
+            option = _option(info.field_name)
             raise ValueError(f"{option} holds credentials in a URL; it is stored and shown as written: give a repo id or "
                              "a path, and put a hub token in HF_TOKEN (export it; downloads send it)")
         return value
@@ -159,3 +162,8 @@ class RunRequest(BaseModel):
         if name is not None and not re.fullmatch(RUN_NAME, name):
             raise ValueError(f"run name {name!r} must be letters, digits, '.', '_' or '-' (it names a directory)")
         return name
+
+
+def _option(field: str) -> str:
+    """The command line's name of a request's field."""
+    return {"run_root": "--run-dir"}.get(field, f"--{field.replace('_', '-')}")

@@ -22,6 +22,7 @@ from pathlib import Path
 from prefect import task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import INPUTS, TASK_SOURCE, CachePolicy
+from prefect.exceptions import FailedRun
 from prefect.tasks import exponential_backoff
 
 from backends.base import TrainingInterrupted
@@ -71,6 +72,10 @@ class RunLogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], (UserError, TrainingInterrupted)):
             record.exc_info, record.exc_text = None, None
+        if record.exc_info and isinstance(record.exc_info[1], FailedRun) and record.getMessage() == _ENGINE_EXIT:
+            # The flow ended its own run Failed with the one line that says what to fix (flows/form.py); the
+            # engine that ran it then reads the state's result, gets FailedRun and logs it with a traceback.
+            return False
         if _cancelling() and (said := _CANCELLED_WORDING.get(record.getMessage().split("(")[0])):
             # A cancel reaches the process as SIGTERM: Prefect's engines call the running task crashed (an
             # ERROR) and the flow "Finished in state Running()" (the worker records Cancelled after).
@@ -83,6 +88,7 @@ class RunLogFilter(logging.Filter):
         return True
 
 
+_ENGINE_EXIT = "Engine execution exited with unexpected exception"  # prefect.flow_engine.run_flow's words
 _CANCELLED_WORDING = {
     "Crash detected! Execution was aborted by a termination signal.": "Stopped: the flow run was cancelled",
     "Finished in state Crashed": "Finished: cancelled",
