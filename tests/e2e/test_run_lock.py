@@ -18,7 +18,7 @@ import pytest
 
 from flows import run_lock
 from flows.grpo import main
-from profiles.errors import UserError
+from common.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
