@@ -10,7 +10,7 @@ mean / p95, truncation rate) are computed from exactly those records.
 Generation happens at one boundary, `Generate(model_dir, prompts, settings) -> responses`, so the
 engine can change and tests can stand in a known model. Engines: vLLM (`vllm` / `vllm-ascend`) when
 it is importable and the device is a GPU or NPU; otherwise the transformers model, batched, decoded by
-the rollouts' native decoder or by `generate` (`generation.decoder`, stages/generation_batches.py). With
+the rollouts' native decoder or by `generate` (`generation.decoder`, generation/batches.py). With
 several accelerators the prompts are split into contiguous shards, one Ray task per device, and the
 results are put back in prompt order.
 """
@@ -33,7 +33,7 @@ from profiles.errors import UserError
 from profiles.platform import Platform
 from profiles.schema import RunProfile
 from backends.metrics import METRICS
-from common.decoding import compile_cache_dir
+from generation.decoding import compile_cache_dir
 from common.files import write_text_atomic
 from common.progress import Bar
 
@@ -163,8 +163,8 @@ def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.decoding import unsupported
-    from stages.generation_batches import generate_batches, native_batches
+    from generation.decoding import unsupported
+    from generation.batches import generate_batches, native_batches
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     if tokenizer.pad_token is None:

@@ -22,7 +22,7 @@ def main(model_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.generation import greedy_with_logprobs
+    from generation.compiled import greedy_with_logprobs
     from common.rewards import score
     from stages.evaluate import EvalSettings, transformers_generate
 

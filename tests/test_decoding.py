@@ -1,4 +1,4 @@
-"""The native decoder (common/decoding.py) on the CPU, in float32, against transformers' eager
+"""The native decoder (generation/decoding.py) on the CPU, in float32, against transformers' eager
 `generate` on the same tiny random models: the same greedy tokens and log-probs for Llama, Qwen2
 (q/k/v biases) and Qwen3 (q/k norms) with left padding; end-of-sequence, max length, min_new_tokens,
 left truncation, a smaller batch in a larger cache, weights changed in place, sampling, and models it
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.decode_step import Splits, product_splits
-from common.decoding import NativeDecoder, Sampling, unsupported
+from generation.decode_step import Splits, product_splits
+from generation.decoding import NativeDecoder, Sampling, unsupported
 
 QUESTIONS = ["What is 3 + 4?", "What is 12 + 30? Answer with the number only.", "7 * 8 =", "Add 100 and 1, then 123456."]
 
@@ -105,7 +105,7 @@ def test_only_the_narrowing_products_of_a_small_batch_are_split():
 
 
 def test_the_sampler_draws_from_softmax_across_vocabulary_chunks():
-    from common.decode_step import VOCAB_CHUNK, choose_token
+    from generation.decode_step import VOCAB_CHUNK, choose_token
 
     vocab = 2 * VOCAB_CHUNK + 5  # three chunks, the last one short
     support = [0, 1, VOCAB_CHUNK - 1, VOCAB_CHUNK, vocab - 1]
@@ -185,7 +185,7 @@ def test_a_prefill_in_chunks_of_rows_gives_the_same_tokens(tokenizer, monkeypatc
     model = random_model("llama", tokenizer)
     prompts = chat_ids(tokenizer)
     whole = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(prompts, 8, Sampling(temperature=0))
-    monkeypatch.setattr("common.decoding.PREFILL_TOKENS", 2 * max(len(p) for p in prompts))  # two rows at a time
+    monkeypatch.setattr("generation.decoding.PREFILL_TOKENS", 2 * max(len(p) for p in prompts))  # two rows at a time
     chunked = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(prompts, 8, Sampling(temperature=0))
     assert chunked.completions == whole.completions
 

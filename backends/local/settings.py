@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 from backends.local.checkpoints import CHECKPOINTS
 from backends.local.mapping import grpo_fields
 from backends.metrics import METRICS
-from common.decoding import compile_cache_dir
+from generation.decoding import compile_cache_dir
 from profiles.engine import GenerationSection
 from profiles.errors import ProfileError, UserError
 from profiles.platform import Platform

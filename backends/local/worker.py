@@ -22,8 +22,8 @@ from transformers import TrainerCallback
 from backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
 from backends.local.settings import LocalTrainSettings, prompt_length
 from backends.metrics import StepMetrics, append_metrics, keep_metrics_up_to
-from common.decoding import use_compile_cache
-from common.generation import compiled_decoding
+from generation.decoding import use_compile_cache
+from generation.compiled import compiled_decoding
 
 
 def worker_loop(config: dict[str, Any]) -> None:

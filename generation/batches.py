@@ -4,7 +4,7 @@
     python -m flows.grpo --model tiny --device cpu --stages evaluate --set generation.decoder=native
 
 `generate_batches`: transformers' `generate` (left padding, inference mode, `generation.cache` and
-`generation.compile`); `native_batches`: the native decoder (common/decoding.py), the rollouts' own
+`generation.compile`); `native_batches`: the native decoder (generation/decoding.py), the rollouts' own
 generator. Each yields, per batch of `eval.batch_size` prompts, the new token ids of every sample.
 """
 
@@ -23,7 +23,7 @@ def generate_batches(model, tokenizer, texts: list[str], settings: EvalSettings)
 
     fast = {"cache_implementation": "static"} if settings.cache == "static" else {}
     if settings.compile:
-        from common.generation import compiled_decoding
+        from generation.compiled import compiled_decoding
 
         compiled_decoding(model.generation_config, settings.torch_device != "cpu")
     else:
@@ -49,9 +49,9 @@ def generate_batches(model, tokenizer, texts: list[str], settings: EvalSettings)
 
 
 def native_batches(model, tokenizer, texts: list[str], settings: EvalSettings, stop_ids: list[int]):
-    """The native decoder (common/decoding.py), the rollouts' generator: each batch's new token ids
+    """The native decoder (generation/decoding.py), the rollouts' generator: each batch's new token ids
     per sample; the cache is sized once for the longest prompt expected."""
-    from common.decoding import NativeDecoder, Sampling, use_compile_cache
+    from generation.decoding import NativeDecoder, Sampling, use_compile_cache
 
     if settings.compile and settings.compile_cache_dir:
         use_compile_cache(Path(settings.compile_cache_dir))
