@@ -237,18 +237,21 @@ def test_models_it_cannot_run_are_named(tokenizer):
 
 
 def test_cuda_gpus_decode_natively_by_default_and_the_old_paths_stay_selectable():
+    from generation.plan import plan_generation
     from profiles.loader import resolve_profile
     from stages.evaluate import EvalSettings
 
     gpu, cpu, npu = (resolve_profile(model, kind) for model, kind in (("tiny", "gpu"), ("tiny", "cpu"),
                                                                         ("qwen3.5-122b-a10b", "npu")))
-    assert [p.generation.resolved_decoder(p.platform.torch_device) for p in (gpu, cpu, npu)] == ["native", "generate", "generate"]
-    assert gpu.generation.describe(True, "cuda") == ("native decoding (static KV cache, compiled step captured in a CUDA "
-                                                     "graph, sampling on the device; Llama-family models), 4 step(s)' "
-                                                     "prompts per generation")
-    assert EvalSettings.from_profile(gpu).decoder == "native" and EvalSettings.from_profile(cpu).decoder == "generate"
-    assert EvalSettings.from_profile(gpu).compile_cache_dir.endswith("torch-compile-cache")
-    old = resolve_profile("tiny", "gpu", overrides=["generation.decoder=generate"])
-    assert old.generation.describe(True, "cuda").startswith("transformers generate (static cache, compiled decoding")
-    native_cpu = resolve_profile("tiny", "cpu", overrides=["generation.decoder=native"])
-    assert native_cpu.generation.describe(False, "cpu").startswith("native decoding (static KV cache, eager step,")
+    plans = [plan_generation(p) for p in (gpu, cpu, npu)]
+    assert [plan.decoder for plan in plans] == ["native", "generate", "generate"]  # no vllm importable here
+    assert plans[0].describe() == ("native decoding (static KV cache, compiled step captured in a CUDA "
+                                   "graph, sampling on the device; Llama-family models), 4 step(s)' "
+                                   "prompts per generation")
+    assert EvalSettings.from_profile(gpu, plans[0]).plan.decoder == "native"
+    assert EvalSettings.from_profile(cpu, plans[1]).plan.decoder == "generate"
+    assert EvalSettings.from_profile(gpu, plans[0]).compile_cache_dir.endswith("torch-compile-cache")
+    old = plan_generation(resolve_profile("tiny", "gpu", overrides=["generation.decoder=generate"]))
+    assert old.describe().startswith("transformers generate (static cache, compiled decoding")
+    native_cpu = plan_generation(resolve_profile("tiny", "cpu", overrides=["generation.decoder=native"]))
+    assert native_cpu.describe().startswith("native decoding (static KV cache, eager step,")

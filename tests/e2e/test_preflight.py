@@ -20,6 +20,7 @@ from ray.job_submission import JobSubmissionClient
 from backends import backend_for
 from backends.base import TrainingInputs, TrainingRun
 from common.preflight import NodesCannotRun
+from generation.plan import plan_generation
 from node_images import node_image
 from profiles.loader import resolve_profile
 from verl_cluster import CLUSTER, EVENT_WAIT_S, flow_process, npu_cluster
@@ -86,7 +87,8 @@ def _train(cluster, tmp_path, name: str, *overrides: str):
     data.write_bytes(b"PAR1")
     inputs = TrainingInputs(model_path=str(tmp_path), train_files=[str(data)], val_files=[str(data)],
                             checkpoint_dir=str(run_dir / "checkpoints"))
-    run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name=name, devices_here=0, ray_address=cluster.address)
+    run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name=name, devices_here=0, ray_address=cluster.address,
+                      generation=plan_generation(profile))
 
     class Notes:
         notes, tables = [], []
@@ -156,7 +158,7 @@ def test_the_cluster_evaluation_checks_only_what_its_engines_need(mixed, tmp_pat
 
     cluster, labels = mixed
     profile = resolve_profile("tiny", "npu", overrides=[*CLUSTER, "cluster.nnodes=4"])
-    settings, generate = backend_for("verl").evaluation(profile, EvalSettings.from_profile(profile), 0,
+    settings, generate = backend_for("verl").evaluation(profile, EvalSettings.from_profile(profile, plan_generation(profile)), 0,
                                                         cluster.address, {})
     try:
         with pytest.raises(NodesCannotRun) as refused:  # before any engine is started on a node
