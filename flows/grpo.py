@@ -125,6 +125,7 @@ def print_dry_run(plan, as_json: bool) -> None:
     summary = plan.summary()
     print(f"# device: {plan.device.kind} ({plan.device.decided_by}: {plan.device.reason})")
     print(f"# backend: {plan.profile.backend} ({plan.backend_reason})")
+    print(f"# generation (rollouts and evaluation; generation/plan.py): {plan.generation.describe()}")
     print("# resolved profile")
     print(yaml.safe_dump(summary["profile"], sort_keys=False).rstrip())
     print("# environment of every process (secrets redacted; source: profile default or user export)")
