@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from generation.plan import GenerationPlan
+from profiles.backend_table import BACKEND_TABLE, BackendCard
 
 if TYPE_CHECKING:
     from backends.metrics import StepMetrics
@@ -95,7 +96,12 @@ class TrainingProgress(Protocol):
 
 
 class Backend(ABC):
-    name: str
+    name: str  # its row of profiles/backend_table.py
+
+    @property
+    def card(self) -> BackendCard:
+        """This backend's row of the table: what the flow and the profile know of it without importing it."""
+        return BACKEND_TABLE[self.name]
 
     @abstractmethod
     def profile_problems(self, profile: RunProfile) -> list[str]:

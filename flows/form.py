@@ -26,6 +26,7 @@ from pydantic import Field
 
 from flows.pipeline import FLOW_OPTIONS, run_pipeline
 from flows.request import OVERRIDE_LINES, RUN_NAME, STAGES, RunRequest
+from profiles.backend_table import BackendChoice
 from profiles.errors import UserError
 from profiles.secrets import scrub
 
@@ -36,7 +37,7 @@ Stage = Literal[STAGES]  # type: ignore[valid-type]  # the UI offers the names t
 def run_from_form(
     model: Annotated[str, Field(min_length=1)],
     device: Literal["auto", "gpu", "npu", "cpu"] = "auto",
-    backend: Literal["auto", "local", "verl"] = "auto",
+    backend: BackendChoice = "auto",
     overrides: Annotated[str, Field(json_schema_extra={"pattern": OVERRIDE_LINES})] = "",
     stages: list[Stage] = list(STAGES),
     run_name: Annotated[str, Field(json_schema_extra={"pattern": rf"^(?:{RUN_NAME})?$"})] = "",
@@ -51,9 +52,8 @@ def run_from_form(
             the path of a Hugging Face model directory on the worker's host.
         device: Where to train. `auto` probes NPU, then CUDA, then uses the CPU (the worker's DEVICE
             variable, if set, decides instead).
-        backend: `verl` (Megatron + vLLM on GPUs/NPUs, as a Ray job on the cluster), `local` (TRL on
-            Ray Train, any device), or `auto`: verl for a recipe that trains with Megatron on GPUs/NPUs,
-            local otherwise.
+        backend: The training backend (profiles/backend_table.py): `auto` takes the recipe's, or one
+            that runs without accelerators on a device that has none.
         overrides: Profile settings, one KEY=VALUE a line, e.g. `trainer.total_training_steps=20` or
             `engine.tp=4`; empty: the recipe as it is. Never a secret's value (this form is stored):
             name it as `env.HF_TOKEN=${HF_TOKEN}` and export it in the worker's environment.

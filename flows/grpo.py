@@ -17,7 +17,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import yaml
 from pydantic import ValidationError
@@ -25,6 +25,7 @@ from pydantic import ValidationError
 from backends import backend_for
 from flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
 from flows.request import STAGES, RunRequest
+from profiles.backend_table import BackendChoice, backend_help, layout_planner
 from profiles.errors import EXIT_USER_ERROR, UserError
 from profiles.loader import builtin_models
 from profiles.memory import memory_table
@@ -60,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--backend", default="auto",
-        help="auto | local | verl (default: auto = the recipe's choice): verl runs Megatron + vLLM on "
-        "GPUs/NPUs; local runs TRL on Ray Train on any device",
+        help=f"{' | '.join(get_args(BackendChoice))} (default: auto): {backend_help()}",
     )
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--suggest-layout", action="store_true",
-        help="list the parallel layouts (TP, PP, CP, EP, ETP, rollout TP, offload, micro batch) of the verl backend "
+        help=f"list the parallel layouts (TP, PP, CP, EP, ETP, rollout TP, offload, micro batch) of the "
+        f"{layout_planner().name} backend "
         "that pass validation and fit in memory on cluster.nnodes x cluster.devices_per_node devices of --device, "
         "cheapest first by a simple cost model; runs nothing",
     )
@@ -160,10 +161,11 @@ def print_layouts(request: RunRequest, as_json: bool) -> int:
 
     kind = requested_device(request.device)
     if kind not in ("gpu", "npu"):
-        raise UserError(f"--suggest-layout plans the verl backend's layouts on GPUs or NPUs, not device {kind!r}; "
-                        "pass --device gpu or --device npu")
+        raise UserError(f"--suggest-layout plans the {layout_planner().name} backend's layouts on GPUs or NPUs, not "
+                        f"device {kind!r}; pass --device gpu or --device npu")
     # The profile's own layout may not be valid for this cluster size: the search does not start from it.
-    profile, _ = resolve_run_profile(request.model, kind, "verl", request.profile_file, request.overrides, validate=False)
+    profile, _ = resolve_run_profile(request.model, kind, layout_planner().name, request.profile_file,
+                                     request.overrides, validate=False)
     if problems := size_problems(profile.model.architecture):
         raise UserError(f"--suggest-layout needs the model's size: {'; '.join(problems)}")
     suggestions, facts = suggest_layouts(profile)

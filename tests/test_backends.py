@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from backends import BACKENDS, backend_for
+from backends import backend_for
+from profiles.backend_table import BACKEND_NAMES
 from backends.base import Backend
 from flows.grpo import main
 from flows.plan import check_plan
@@ -19,7 +20,7 @@ from stages.device import detect_device
 
 
 def test_every_backend_is_found_by_its_name_and_implements_the_interface():
-    for name in BACKENDS:
+    for name in BACKEND_NAMES:
         backend = backend_for(name)
         assert isinstance(backend, Backend) and backend.name == name and backend_for(name) is backend
 
@@ -54,9 +55,11 @@ def test_verl_training_without_a_cluster_is_refused_at_planning_and_staging_is_n
 @pytest.mark.parametrize(
     ("model", "device", "flag", "overrides", "chosen", "reason"),
     [("qwen3.5-122b-a10b", "npu", "auto", [], "verl",
-      "model recipe qwen3.5-122b-a10b trains with Megatron + vLLM through verl, and device npu has accelerators"),
+      "model recipe qwen3.5-122b-a10b trains with the verl backend (Megatron + vLLM through verl, as a Ray job on a "
+      "GPU or NPU cluster), and device npu has accelerators"),
      ("qwen3.5-35b-a3b", "gpu", "auto", [], "verl",
-      "model recipe qwen3.5-35b-a3b trains with Megatron + vLLM through verl, and device gpu has accelerators"),
+      "model recipe qwen3.5-35b-a3b trains with the verl backend (Megatron + vLLM through verl, as a Ray job on a "
+      "GPU or NPU cluster), and device gpu has accelerators"),
      ("tiny", "gpu", "auto", [], "local", "model recipe tiny trains with the local backend"),
      ("tiny", "npu", "auto", ["backend=verl"], "verl", "backend: verl in --set"),
      ("tiny", "npu", "verl", [], "verl", "--backend verl")],

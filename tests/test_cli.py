@@ -30,8 +30,9 @@ def test_dry_run_json_plans_for_a_named_device_without_requiring_it(cli, tmp_pat
     assert set(plan) == {"device", "profile", "backend", "generation", "command", "env", "job", "memory",
                          "node_requirements"}
     assert plan["device"]["kind"] == "npu" and plan["device"]["decided_by"] == "requested"
-    assert plan["backend"] == {"name": "verl", "reason": "model recipe qwen3.5-122b-a10b trains with Megatron + vLLM "
-                                                         "through verl, and device npu has accelerators"}
+    assert plan["backend"] == {"name": "verl", "reason": "model recipe qwen3.5-122b-a10b trains with the verl backend "
+                               "(Megatron + vLLM through verl, as a Ray job on a GPU or NPU cluster), and device npu has "
+                               "accelerators"}
     assert plan["command"][:3] == ["python3", "-m", "verl.trainer.main_ppo"]
     # What the train stage submits: this very command, the run's environment as the job's runtime_env.
     job = plan["job"]
