@@ -1,14 +1,17 @@
 """The house rules DESIGN.md states, kept by a test: modules about one thing stay small, only
-backends/ knows a backend by its name, and common/ imports nothing above it."""
+backends/ knows a backend by its name, every package imports only from the floors below it, no
+modules import each other around a loop, and docs/layout.md is the map the modules make
+(tests/house_map.py)."""
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
+import house_map
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("flows", "stages", "common", "backends", "profiles")
+PACKAGES = ("flows", "stages", "common", "generation", "backends", "profiles")
 MAX_MODULE_LINES = 400
 
 
@@ -23,22 +26,35 @@ def test_no_module_is_past_the_size_that_asks_for_a_split():
 
 def test_nothing_outside_backends_branches_on_a_backends_name():
     branch = re.compile(r"\.backend\s*(==|!=|in)\s|backend\s*==\s*[\"'](verl|local)[\"']")
-    found = [f"{p.relative_to(ROOT)}:{i}" for p in modules("flows", "stages", "common", "profiles")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in modules("flows", "stages", "common", "generation", "profiles")
              for i, line in enumerate(p.read_text().splitlines(), 1) if branch.search(line)]
     assert found == []
 
 
-def test_common_imports_no_package_above_it():
-    """common/ is shared by the stages and backends; importing them back would make a cycle (and Ray
-    job packaging used to import every package only to find its folder)."""
-    above = {"flows", "stages", "backends"}
-    found = []
-    for path in modules("common"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
-            found += [f"{path.relative_to(ROOT)}: {name}" for name in names if name.split(".")[0] in above]
-    assert found == []
+def test_every_package_has_a_floor():
+    assert set(house_map.packages()) == set(house_map.FLOORS) == set(PACKAGES), (
+        "a new top-level package gets its floor in tests/house_map.py's FLOORS")
+
+
+def test_no_import_goes_up_a_floor():
+    """Each package imports only from the floors below it (profiles < common < generation < backends <
+    stages < flows): common/ is shared by everything above, generation/ by the backends' rollouts and
+    the evaluation stage; an import back up would make them unreadable apart (and Ray job packaging
+    used to import every package only to find its folder). Imports inside functions count too."""
+    found = house_map.upward_imports()
+    assert found - set(house_map.PENDING) == set(), "an import goes up a floor"
+    assert set(house_map.PENDING) - found == set(), "gone: delete its line from tests/house_map.py's PENDING"
+
+
+def test_no_modules_import_each_other_around_a_loop():
+    assert house_map.cycles(house_map.edges_without_pending()) == []
+
+
+def test_the_layout_doc_is_the_map_the_modules_make():
+    """docs/layout.md's picture and module tables are generated; re-run `tests/house_map.py --write`."""
+    text = house_map.DOC.read_text()
+    assert text == house_map.current_doc(text), "docs/layout.md is not current: run .venv/bin/python tests/house_map.py --write"
+    assert all(house_map.first_sentence(path) for path in house_map.modules().values()), "a module without a docstring"
 
 
 def test_the_packages_a_ray_job_carries_are_the_projects_own_folders():
