@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
         "that pass validation and fit in memory on cluster.nnodes x cluster.devices_per_node devices of --device, "
         "cheapest first by a simple cost model; runs nothing",
     )
+    parser.add_argument(
+        "--preflight", action="store_true",
+        help="ask every node of the Ray cluster (--ray-address) whether its image has what the run's stages need "
+        "there (the dry run's node requirements); submits and starts nothing; exit 2 when a node cannot run one",
+    )
     parser.add_argument("--json", action="store_true", help="with --dry-run or --suggest-layout: print one JSON object instead")
     return parser
 
@@ -246,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print_dry_run(plan_run(request, dry_run=True), args.json)
             return 0
+        if args.preflight:
+            from flows.node_check import check_nodes
+
+            return check_nodes(request, plan_run(request, dry_run=True))
         # Validate everything (device usable, profile valid, run folder writable, cluster answering)
         # before a Prefect API or Ray starts; the flow uses the folder named here.
         plan = plan_run(request, dry_run=False)

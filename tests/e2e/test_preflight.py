@@ -170,3 +170,22 @@ def test_the_cluster_evaluation_checks_only_what_its_engines_need(mixed, tmp_pat
     assert lines[0] == "1 of 4 Ray nodes cannot run the evaluate stage; nothing was started:"
     assert lines[1].strip().startswith(f"node {labels['no vllm-ascend']}: vllm-ascend is not installed")
     assert len(lines) == 2
+
+
+def test_the_preflight_alone_names_what_each_image_lacks_and_submits_nothing(mixed, tmp_path, capsys):
+    """`--preflight` (docs/install.md's check of a cluster's images): both stages' requirements asked
+    of every node, the tables printed, exit 2 with the preflight's own lines."""
+    from flows.grpo import main
+
+    cluster, labels = mixed
+    code = main(["--model", "tiny", "--device", "npu", "--ray-address", cluster.address, "--preflight",
+                 *(f"--set={item}" for item in [*CLUSTER, "cluster.nnodes=4"])])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "# train: preflight: 4 nodes answered" in out and "# evaluate: preflight: 4 nodes answered" in out
+    assert "| can run evaluate |" in out
+    assert "error: 3 of 4 Ray nodes cannot run the train stage; nothing was submitted:" in err
+    assert "error: 1 of 4 Ray nodes cannot run the evaluate stage; nothing was started:" in err
+    assert f"node {labels['no vllm-ascend']}: vllm-ascend is not installed" in err
+    assert not ray.is_initialized()  # it let go of the cluster
+    _nothing_submitted(cluster.address, tmp_path / "none")
