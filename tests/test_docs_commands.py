@@ -93,3 +93,33 @@ def test_the_dry_run_json_keys_the_docs_list_are_the_dry_runs(cli):
     done = cli(*shlex.split(line.split(" #")[0])[3:])
     assert done.returncode == 0, done.stderr
     assert listed == list(json.loads(done.stdout))
+
+
+def test_the_readme_sets_up_deployments_as_docs_deployments_md_does():
+    """Every work queue a cluster's deployments share (prefect.yaml, those whose runs reach a Ray
+    cluster) is created with a limit of one run in both, and the pool, queue and worker lines agree."""
+    def setup(path: Path) -> list[str]:
+        return [line.split(" #")[0].strip() for line in bash_lines(path)
+                if re.match(r"\.venv/bin/prefect (work-pool|work-queue|worker) ", line)]
+
+    readme, deployments = setup(ROOT / "README.md"), setup(ROOT / "docs" / "deployments.md")
+    assert readme == deployments
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    cluster_queues = {d["work_pool"]["work_queue_name"] for d in spec["deployments"]
+                      if "RAY_ADDRESS" in d["work_pool"].get("job_variables", {}).get("env", {})}
+    assert cluster_queues and all(
+        f".venv/bin/prefect work-queue create {queue} --pool grpo-process --limit 1" in readme for queue in cluster_queues)
+
+
+def test_the_verl_keys_docs_local_backend_md_names_are_verls_own():
+    """Each key of the table's verl column is a key of the config verl's `main_ppo` composes (the
+    rendered overrides of a recipe), written in full, so none reads like a profile setting."""
+    from test_verl_compose import render
+    from verl_config import compose_verl, flatten
+
+    text = (ROOT / "docs" / "local-backend.md").read_text()
+    table = text.split("| profile key | verl's own key", 1)[1].split("\n\n", 1)[0]
+    keys = {key.split("=")[0] for row in table.splitlines()[2:]
+            for key in re.findall(r"`([a-z_]+\.[a-z_.]+(?:=[a-z]+)?)`", row.split("|")[2])}
+    composed = flatten(compose_verl(render("qwen3.5-35b-a3b", "gpu")[3]))
+    assert len(keys) >= 20 and sorted(k for k in keys if k not in composed) == []
