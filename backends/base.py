@@ -21,12 +21,15 @@ from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from generation.plan import GenerationPlan
+from profiles.backend_table import BACKEND_TABLE, BackendCard
+
 if TYPE_CHECKING:
     from backends.metrics import StepMetrics
     from planner.memory import MemoryPlan
     from profiles.requirements import NodeRequirement
     from profiles.schema import RunProfile
-    from stages.evaluate import EvalSettings, Generate
+    from generation.protocol import Generate, GenerationSettings
 
 
 class TrainingInputs(BaseModel):
@@ -52,6 +55,8 @@ class TrainingRun(BaseModel):
     devices_here: int = Field(..., description="Devices (on cpu: cores) of this host, as detected.")
     ray_address: str | None = Field(None, description="An existing Ray cluster; empty: a local Ray.")
     runtime_env: dict = Field(default_factory=dict, description="Ray runtime_env of every worker.")
+    generation: GenerationPlan = Field(..., description="How rollouts generate (generation/plan.py, resolved at "
+                                       "planning).")
 
 
 class TrainResult(BaseModel):
@@ -91,7 +96,12 @@ class TrainingProgress(Protocol):
 
 
 class Backend(ABC):
-    name: str
+    name: str  # its row of profiles/backend_table.py
+
+    @property
+    def card(self) -> BackendCard:
+        """This backend's row of the table: what the flow and the profile know of it without importing it."""
+        return BACKEND_TABLE[self.name]
 
     @abstractmethod
     def profile_problems(self, profile: RunProfile) -> list[str]:
@@ -113,14 +123,13 @@ class Backend(ABC):
         lacks), for the dry run; None when there is nothing to say."""
         return None
 
-    def evaluation(self, profile: RunProfile, settings: EvalSettings, devices_here: int, ray_address: str | None,
-                   runtime_env: dict) -> tuple[EvalSettings, Generate]:
-        """Where and how the evaluation stage generates for this engine's runs: by default on this
-        host's devices, with the engine `generation.engine` resolves to (the same path as rollouts)."""
-        from stages.evaluate import choose_engine
+    def evaluation(self, profile: RunProfile, settings: GenerationSettings, devices_here: int, ray_address: str | None,
+                   runtime_env: dict) -> tuple[GenerationSettings, Generate]:
+        """Where the evaluation stage generates for this engine's runs: by default on this host's
+        devices, with the engine of the run's plan (`settings.plan`: the same path as rollouts)."""
+        from generation.sharding import choose_engine
 
-        engine = profile.generation.resolved_engine(profile.platform.accelerated)
-        return settings, choose_engine(profile.platform, devices_here, engine)
+        return settings, choose_engine(profile.platform, devices_here, settings.plan)
 
     def node_requirements(self, profile: RunProfile, stage: str) -> dict[str, NodeRequirement]:
         """What every node of the run's cluster must have for `stage` (`train`, `evaluate`), checked on

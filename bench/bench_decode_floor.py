@@ -1,4 +1,4 @@
-"""Decoding against the hardware floor on one GPU: the native decoder (common/decoding.py), the current
+"""Decoding against the hardware floor on one GPU: the native decoder (generation/decoding.py), the current
 path (transformers `generate`, static cache + compiled decoding) and bare TRL (TRL 1.16's own
 `generate` call) side by side, across model shapes, vocabularies, batch sizes and lengths; then
 correctness (bench/decode_checks.py) and the compile cache's first vs second process.
@@ -116,7 +116,7 @@ def native_cells(model, prompts, lengths, decoder_factory) -> tuple[dict, list[d
     (the cache is sized once for the longest: FlexAttention reads only up to each step's length)."""
     import torch
 
-    from common.decoding import Sampling
+    from generation.decoding import Sampling
 
     decoder = decoder_factory(model)
     started = time.perf_counter()
@@ -140,12 +140,12 @@ def trl_generation_config(tokenizer, new_tokens: int, fast: bool, dynamic: bool 
     """The GenerationConfig TRL 1.16's GRPOTrainer builds for its own `generate` (grpo_trainer.py,
     `generation_kwargs` then `GenerationConfig(**generation_kwargs, disable_compile=True)`) with
     GRPOConfig's defaults (temperature 1, top_p 1, top_k 0, no min_p, repetition_penalty 1); `fast`:
-    the current path on top of it (static cache, the decode step compiled: common/generation.py);
+    the current path on top of it (static cache, the decode step compiled: generation/compiled.py);
     `dynamic`: its step compiled with dynamic shapes from the first call, as transformers' default
     (dynamic=None) compiles it from the second shape on."""
     from transformers import CompileConfig, GenerationConfig
 
-    from common.generation import compiled_decoding
+    from generation.compiled import compiled_decoding
 
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -276,7 +276,7 @@ def matrix(result: dict, args, tokenizer, device: str, bare: bool, log) -> None:
     """The native decoder, and bare TRL beside it, on every model x vocabulary x batch x length."""
     import torch
 
-    from common.decoding import NativeDecoder
+    from generation.decoding import NativeDecoder
 
     factory = lambda m: NativeDecoder(m, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     for shape in args.models.split(","):

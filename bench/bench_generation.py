@@ -6,7 +6,7 @@ compiled decode step, the GPU's `generation` defaults).
     python bench/bench_generation.py --compare fast --model qwen3-0.6b --device gpu --prompts 128 --max-new-tokens 256
 
 Greedy decoding of `--max-new-tokens` on the arith validation prompts, through
-`stages.evaluate.transformers_generate`, the sides alternating for `--rounds`; prints each side's
+`generation.engines.transformers_generate`, the sides alternating for `--rounds`; prints each side's
 time, prompts/s and generated tokens/s, and the speed-up. The fast side's first round includes its
 compilation and is left out when there is more than one.
 """
@@ -27,7 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from flows.plan import resolve_profile  # noqa: E402
-from stages.evaluate import EvalSettings, transformers_generate  # noqa: E402
+from generation.engines import transformers_generate  # noqa: E402
+from generation.plan import GenerationPlan  # noqa: E402
+from stages.evaluate import EvalSettings  # noqa: E402
 from stages.model import ModelSpec, prepare_model  # noqa: E402
 from common.rl_data import arith_splits  # noqa: E402
 
@@ -56,12 +58,14 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = model_dir_for(args.model)
     prompts = [row["prompt"] for row in arith_splits(8, args.prompts, seed=0)["test"].to_pylist()]
-    base = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                torch_device="cuda" if args.device == "gpu" else "cpu", dtype="bfloat16" if args.device == "gpu" else "float32")
+    device = "cuda" if args.device == "gpu" else "cpu"
+    base = dict(max_new_tokens=args.max_new_tokens, batch_size=args.batch, plan=GenerationPlan(torch_device=device),
+                dtype="bfloat16" if args.device == "gpu" else "float32")
     if args.compare == "batching":
         sides = {f"batch {args.batch}": EvalSettings(**base), "batch 1": EvalSettings(**{**base, "batch_size": 1})}
     else:
-        sides = {"eager": EvalSettings(**base), "fast": EvalSettings(**base, cache="static", compile=True)}
+        fast = GenerationPlan(torch_device=device, cache="static", compile=True)
+        sides = {"eager": EvalSettings(**base), "fast": EvalSettings(**{**base, "plan": fast})}
     seconds: dict[str, list[float]] = {name: [] for name in sides}
     tokens: dict[str, int] = {}
     for round_index in range(args.rounds):

@@ -37,6 +37,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from backends.local.driver import train_local  # noqa: E402
 from backends.metrics import StepMetrics  # noqa: E402
 from backends.local.settings import LocalTrainSettings, plan_local_training  # noqa: E402
+from generation.plan import plan_generation  # noqa: E402
 from backends.local.worker import GenerationTimer, training_rows  # noqa: E402
 from flows.plan import resolve_profile  # noqa: E402
 from common.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
@@ -142,10 +143,11 @@ def main() -> None:
     sides = {}
     for name, extra in (("bare_trl", plain), ("local_backend", [])):
         profile = resolve_profile("tiny", args.device, overrides=overrides + extra)
-        sides[name] = plan_local_training(profile, [str(train_file)], str(model_dir), work / "run", devices_here)
+        sides[name] = plan_local_training(profile, [str(train_file)], str(model_dir), work / "run", devices_here,
+                                          plan_generation(profile))
         sides[name].grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
     fast = sides["local_backend"].generation
-    described = fast.describe(args.device != "cpu", sides["local_backend"].platform.torch_device)
+    described = fast.describe()
     print(f"local backend generation: {described}", flush=True)
 
     timed: dict[str, list[tuple[float, float]]] = {"bare_trl": [], "local_backend": []}

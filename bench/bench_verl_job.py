@@ -41,6 +41,7 @@ from backends import backend_for  # noqa: E402
 from backends.base import TrainingInputs, TrainingRun  # noqa: E402
 from backends.verl.job import job_spec, read_record  # noqa: E402
 from flows.plan import resolve_profile  # noqa: E402
+from generation.plan import plan_generation  # noqa: E402
 from profiles.schema import DataSection  # noqa: E402
 from stages.dataset import DataSpec, fetch_dataset  # noqa: E402
 from stages.environment import resolve_environment  # noqa: E402
@@ -76,7 +77,7 @@ def make_run(cluster, data, work: Path, name: str, steps: int, env: dict[str, st
                             checkpoint_dir=str(run_dir / "checkpoints"))
     runtime_env = resolve_environment(profile, ray_address=cluster.address).ray_runtime_env()
     return profile, TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name=name, devices_here=0,
-                                ray_address=cluster.address, runtime_env=runtime_env)
+                                ray_address=cluster.address, runtime_env=runtime_env, generation=plan_generation(profile))
 
 
 def time_to_running(cluster, jobs, data, work: Path, rounds: int) -> dict:

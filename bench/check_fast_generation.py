@@ -24,7 +24,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench_generation import model_dir_for
-    from common.generation import greedy_with_logprobs
+    from generation.compiled import greedy_with_logprobs
     from common.rewards import score
     from common.rl_data import arith_splits
 

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_floor import PROMPT_ROOM, build_model, ceilings, chat_prompts, floor, write  # noqa: E402
 
-from common.decode_step import Splits  # noqa: E402
+from generation.decode_step import Splits  # noqa: E402
 
 COMBO = {"combo_kernels": True}
 AUTOTUNE = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON,ATEN", "coordinate_descent_tuning": True}
@@ -48,12 +48,12 @@ VARIANTS = {  # NativeDecoder's keyword arguments beside its defaults (what each
 
 
 def sampler_check(device: str, rows: int = 1024, replays: int = 32) -> dict:
-    """The compiled sampler (common/decode_step.choose_token) captured in a CUDA graph, as the decode
+    """The compiled sampler (generation/decode_step.choose_token) captured in a CUDA graph, as the decode
     step runs it: each replay draws anew, and the draws' frequencies match softmax (six logits spread
     over the chunks of a 151,936-entry vocabulary, the rest -inf)."""
     import torch
 
-    from common.decode_step import Sampling, choose_token
+    from generation.decode_step import Sampling, choose_token
 
     picked = [0, 1, 4095, 4096, 70000, 151935]
     logits = torch.full((rows, 151936), float("-inf"), device=device)
@@ -90,11 +90,11 @@ PRODUCTS = {  # (inner, outer) of the decode step's four products: qkv, o, gate_
 
 def product_bench(rows_list=(16, 64, 256), splits_list=(1, 2, 4, 8), layers: int = 28, replays: int = 20) -> list[dict]:
     """Each product of the decode step alone, as one matmul and split over its inner dimension
-    (common/decode_step.partial_products), over `layers` distinct weights (as a step reads them: from
+    (generation/decode_step.partial_products), over `layers` distinct weights (as a step reads them: from
     memory, not from L2), in a CUDA graph: microseconds per product and the weight's read rate."""
     import torch
 
-    from common.decode_step import partial_products
+    from generation.decode_step import partial_products
 
     out = []
     for model, products in PRODUCTS.items():
@@ -130,7 +130,7 @@ def kernel_profile(decoder, prompts, new_tokens: int, replays: int = 20) -> dict
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from common.decoding import Sampling
+    from generation.decoding import Sampling
 
     sampling = Sampling(temperature=1.0, min_new_tokens=new_tokens)
     decoder.generate(prompts, 4, sampling)
@@ -161,7 +161,7 @@ def kernel_profile(decoder, prompts, new_tokens: int, replays: int = 20) -> dict
 def measure(model, prompts, new_tokens: int, variant: dict, eos: int, pad: int, profile_it: bool) -> dict:
     import torch
 
-    from common.decoding import NativeDecoder, Sampling
+    from generation.decoding import NativeDecoder, Sampling
 
     decoder = NativeDecoder(model, [eos], pad, **variant)
     started = time.perf_counter()

@@ -186,7 +186,7 @@ def answer_timeout_s() -> float:
 
 # The packages this project's Ray tasks and workers import (all but the flow's own, `flows`), named
 # rather than imported: this module sits below them.
-PROJECT_PACKAGES = ("common", "backends", "planner", "profiles", "stages")
+PROJECT_PACKAGES = ("common", "generation", "backends", "planner", "profiles", "stages")
 
 
 def project_modules() -> list[str]:

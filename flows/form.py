@@ -26,6 +26,7 @@ from flows.pipeline import FLOW_OPTIONS, run_pipeline
 from flows.form_rules import json_schema
 from flows.request import STAGES, RunRequest
 from flows.task_policy import filter_run_logs
+from profiles.backend_table import BackendChoice
 from common.errors import UserError
 from profiles.secrets import scrub
 
@@ -42,7 +43,7 @@ def checked(field: str):
 def run_from_form(
     model: Annotated[str, Field(min_length=1), checked("model")],
     device: Literal["auto", "gpu", "npu", "cpu"] = "auto",
-    backend: Literal["auto", "local", "verl"] = "auto",
+    backend: BackendChoice = "auto",
     overrides: Annotated[str, checked("overrides")] = "",
     stages: list[Stage] = list(STAGES),
     run_name: Annotated[str, checked("run_name")] = "",
@@ -57,9 +58,8 @@ def run_from_form(
             the path of a Hugging Face model directory on the worker's host.
         device: Where to train. `auto` probes NPU, then CUDA, then uses the CPU (the worker's DEVICE
             variable, if set, decides instead).
-        backend: `verl` (Megatron + vLLM on GPUs/NPUs, as a Ray job on the cluster), `local` (TRL on
-            Ray Train, any device), or `auto`: verl for a recipe that trains with Megatron on GPUs/NPUs,
-            local otherwise.
+        backend: The training backend (profiles/backend_table.py): `auto` takes the recipe's, or one
+            that runs without accelerators on a device that has none.
         overrides: Profile settings, one KEY=VALUE a line, e.g. `trainer.total_training_steps=20` or
             `engine.tp=4`, a trailing `# comment` allowed; values plain, quoted or a [list] (nested
             settings by dotted keys); empty: the recipe as it is. Never a secret's value (this form is

@@ -17,7 +17,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import yaml
 from pydantic import ValidationError
@@ -26,6 +26,7 @@ from backends import backend_for
 from flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
 from flows.request import STAGES, RunRequest
 from common.errors import EXIT_USER_ERROR, UserError
+from profiles.backend_table import BackendChoice, backend_help, layout_planner
 from profiles.loader import builtin_models
 from planner.memory import memory_table
 from profiles.model_size import size_problems
@@ -60,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--backend", default="auto",
-        help="auto | local | verl (default: auto = the recipe's choice): verl runs Megatron + vLLM on "
-        "GPUs/NPUs; local runs TRL on Ray Train on any device",
+        help=f"{' | '.join(get_args(BackendChoice))} (default: auto): {backend_help()}",
     )
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -82,9 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--suggest-layout", action="store_true",
-        help="list the parallel layouts (TP, PP, CP, EP, ETP, rollout TP, offload, micro batch) of the verl backend "
+        help=f"list the parallel layouts (TP, PP, CP, EP, ETP, rollout TP, offload, micro batch) of the "
+        f"{layout_planner().name} backend "
         "that pass validation and fit in memory on cluster.nnodes x cluster.devices_per_node devices of --device, "
         "cheapest first by a simple cost model; runs nothing",
+    )
+    parser.add_argument(
+        "--preflight", action="store_true",
+        help="ask every node of the Ray cluster (--ray-address) whether its image has what the run's stages need "
+        "there (the dry run's node requirements); submits and starts nothing; exit 2 when a node cannot run one",
     )
     parser.add_argument("--json", action="store_true", help="with --dry-run or --suggest-layout: print one JSON object instead")
     return parser
@@ -125,6 +131,7 @@ def print_dry_run(plan, as_json: bool) -> None:
     summary = plan.summary()
     print(f"# device: {plan.device.kind} ({plan.device.decided_by}: {plan.device.reason})")
     print(f"# backend: {plan.profile.backend} ({plan.backend_reason})")
+    print(f"# generation (rollouts and evaluation; generation/plan.py): {plan.generation.describe()}")
     print("# resolved profile")
     print(yaml.safe_dump(summary["profile"], sort_keys=False).rstrip())
     print("# environment of every process (secrets redacted; source: profile default or user export)")
@@ -159,10 +166,11 @@ def print_layouts(request: RunRequest, as_json: bool) -> int:
 
     kind = requested_device(request.device)
     if kind not in ("gpu", "npu"):
-        raise UserError(f"--suggest-layout plans the verl backend's layouts on GPUs or NPUs, not device {kind!r}; "
-                        "pass --device gpu or --device npu")
+        raise UserError(f"--suggest-layout plans the {layout_planner().name} backend's layouts on GPUs or NPUs, not "
+                        f"device {kind!r}; pass --device gpu or --device npu")
     # The profile's own layout may not be valid for this cluster size: the search does not start from it.
-    profile, _ = resolve_run_profile(request.model, kind, "verl", request.profile_file, request.overrides, validate=False)
+    profile, _ = resolve_run_profile(request.model, kind, layout_planner().name, request.profile_file,
+                                     request.overrides, validate=False)
     if problems := size_problems(profile.model.architecture):
         raise UserError(f"--suggest-layout needs the model's size: {'; '.join(problems)}")
     suggestions, facts = suggest_layouts(profile)
@@ -258,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print_dry_run(plan_run(request, dry_run=True), args.json)
             return 0
+        if args.preflight:
+            from flows.node_check import check_nodes
+
+            return check_nodes(request, plan_run(request, dry_run=True))
         # Validate everything (device usable, profile valid, run folder writable, cluster answering)
         # before a Prefect API or Ray starts; the flow uses the folder named here.
         plan = plan_run(request, dry_run=False)

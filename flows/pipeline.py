@@ -36,6 +36,7 @@ from flows.stage_tasks import (
     train_task,
 )
 from flows.task_policy import filter_run_logs, reuse_only_if_intact
+from generation.plan import plan_generation
 from stages.dataset import DataSpec, dataset_dir
 from stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
 
@@ -90,6 +91,8 @@ def _run_planning_and_stages(request: RunRequest, plan: RunPlan | None, flow_run
     if "resolve_profile" in request.stages:
         record.profile = record.run("resolve_profile", resolve_profile_task, request, device, run_dir,
                                     plan.profile if plan else None, plan.backend_reason if plan else None)
+        # How rollouts and evaluation generate: decided once (generation/plan.py), read by both stages.
+        record.generation = plan.generation if plan else plan_generation(record.profile)
     if "prepare_environment" in request.stages:
         record.env = record.run("prepare_environment", prepare_environment_task, record.profile, run_dir,
                                 request.ray_address, plan.env if plan else None)
@@ -126,17 +129,19 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
         record.write("model.json", model.model_dump(mode="json"))
         result["model"] = model.model_dump(mode="json")
     command = training_command(request, profile, run_dir, data, model)
-    record.write("plan.json", {"backend": profile.backend, "command": command})
+    record.write("plan.json", {"backend": profile.backend, "command": command,
+                               "generation": record.generation.model_dump(mode="json")})
     result["command"] = command
     if "train" in request.stages:
-        train = record.run("train", train_task, profile, record.device, env, data, model, run_dir, request.ray_address)
+        train = record.run("train", train_task, profile, record.device, env, data, model, run_dir, request.ray_address,
+                           record.generation)
         result["train"] = train.model_dump(mode="json")
         if "export_checkpoint" in request.stages:
             policy = record.run("export_checkpoint", export_checkpoint_task, train, run_dir)
             result["policy"] = policy.model_dump(mode="json")
     if "evaluate" in request.stages:
         evaluation = record.run("evaluate", evaluate_task, profile, record.device, data, model, policy, run_dir,
-                                request.ray_address, env.ray_runtime_env())
+                                record.generation, request.ray_address, env.ray_runtime_env())
         result["eval"] = evaluation.model_dump(mode="json")
     if "report" in request.stages:
         result["report"] = str(record.run("report", report_task, record))

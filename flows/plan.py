@@ -21,6 +21,7 @@ from common.file_faults import run_folder_problem
 from flows import run_lock
 from flows.request import RunRequest
 from common.errors import ProfileError, UserError
+from generation.plan import GenerationPlan, plan_generation
 from profiles.loader import resolve_run_profile
 from profiles.validation import profile_problems, refuse
 from planner.memory import MemoryPlan
@@ -42,6 +43,7 @@ class RunPlan(BaseModel):
     profile: RunProfile
     backend_reason: str = Field(..., description="Why the profile has its backend.")
     env: RuntimeEnv
+    generation: GenerationPlan = Field(..., description="How rollouts and evaluation generate (generation/plan.py).")
     command: list[str] = Field(..., description="The training command (argv) the run will execute.")
     submission: dict | None = Field(None, description="What training submits to the cluster (a verl Ray job).")
     memory: dict | None = Field(None, description="Device memory per role of the layout (planner/memory.py, planner/fsdp.py).")
@@ -55,6 +57,7 @@ class RunPlan(BaseModel):
             "device": self.device.model_dump(),
             "profile": self.profile.model_dump(mode="json"),
             "backend": {"name": self.profile.backend, "reason": self.backend_reason},
+            "generation": self.generation.model_dump() | {"path": self.generation.describe()},
             "command": self.command,
             "env": self.env.redacted(),
         }
@@ -179,11 +182,14 @@ def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
         env.check_references()
     run_dir = run_dir_for(request, device.kind)
     check_run_dir(run_dir, dry_run)
+    generation = plan_generation(profile)  # the one decision; the stages and backends read it
     run = TrainingRun(inputs=training_inputs(profile, run_dir), run_dir=str(run_dir), run_name=run_dir.name,
-                      devices_here=device.count, ray_address=request.ray_address, runtime_env=env.ray_runtime_env())
+                      devices_here=device.count, ray_address=request.ray_address, runtime_env=env.ray_runtime_env(),
+                      generation=generation)
     backend = backend_for(profile.backend)
     return RunPlan(
         run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
+        generation=generation,
         command=training_command(request, profile, run_dir), submission=backend.submission(profile, run),
         memory=memory.summary() if memory else None,
         # What the backend checks on the cluster's nodes, per stage it runs there.

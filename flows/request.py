@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from common.errors import ProfileError, UserError
+from profiles.backend_table import BackendChoice, backend_help
 from profiles.loader import overrides_to_layer
 from profiles.secrets import has_url_credentials, secret_literal_problems
 from common.ray_cluster import parse_ray_address
@@ -41,12 +42,7 @@ class RunRequest(BaseModel):
         description="Where to train. `auto` probes NPU, then CUDA, then uses the CPU; the DEVICE env var "
         "is used when this is `auto`.",
     )
-    backend: Literal["auto", "local", "verl"] = Field(
-        "auto",
-        title="Training backend",
-        description="`verl` (Megatron + vLLM on GPUs/NPUs, as a Ray job), `local` (TRL on Ray Train, any "
-        "device), or `auto`: verl for a recipe that trains with Megatron on GPUs/NPUs, local otherwise.",
-    )
+    backend: BackendChoice = Field("auto", title="Training backend", description=backend_help())
     overrides: list[str] = Field(
         default_factory=list,
         title="Overrides",

@@ -25,6 +25,7 @@ from backends import backend_for
 from common.files import write_json_atomic
 from common.ray_cluster import stop_ray_job
 from common.errors import UserError
+from generation.plan import GenerationPlan
 from profiles.schema import RunProfile
 from profiles.secrets import scrub
 from stages.device import DeviceInfo
@@ -40,6 +41,7 @@ class RunRecord:
     device: DeviceInfo
     profile: RunProfile | None = None
     env: RuntimeEnv | None = None
+    generation: GenerationPlan | None = None
     result: dict = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     stage: str | None = None

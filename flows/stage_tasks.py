@@ -25,6 +25,8 @@ from flows.plan import check_plan, check_run_dir, profile_for
 from flows.request import RunRequest
 from flows.run_record import RunRecord, write_run_report
 from flows.task_policy import CACHED_ACROSS_RUNS, StepTable, progress_artifact, stage_task
+from generation.engines import engine_label
+from generation.plan import GenerationPlan
 from profiles.schema import ModelArchitecture, RunProfile
 from stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from stages.device import DeviceInfo, detect_device, requested_device
@@ -154,12 +156,12 @@ class StepLog:
 @stage_task("train")
 def train_task(
     profile: RunProfile, device: DeviceInfo, env: RuntimeEnv, data: DatasetFiles, model: ModelCheckpoint,
-    run_dir: Path, ray_address: str | None,
+    run_dir: Path, ray_address: str | None, generation: GenerationPlan,
 ) -> TrainResult:
     progress = StepLog(run_dir)
     try:
         with progress_artifact("train", f"GRPO {profile.model.name} ({profile.world_size} workers)"):
-            return train(profile, device, env, data, model, run_dir, ray_address, progress)
+            return train(profile, device, env, data, model, run_dir, ray_address, progress, generation)
     finally:
         progress.close()
 
@@ -175,7 +177,8 @@ def export_checkpoint_task(train: TrainResult, run_dir: Path) -> ExportedPolicy:
 @stage_task("evaluate")
 def evaluate_task(
     profile: RunProfile, device: DeviceInfo, data: DatasetFiles, model: ModelCheckpoint,
-    policy: ExportedPolicy | None, run_dir: Path, ray_address: str | None = None, runtime_env: dict | None = None,
+    policy: ExportedPolicy | None, run_dir: Path, generation: GenerationPlan, ray_address: str | None = None,
+    runtime_env: dict | None = None,
 ) -> EvalReport:
     """Where the models generate is the backend's choice (`Backend.evaluation`): a verl run's policy
     is too big for this host and is evaluated on its cluster; any other run here, on this host's devices."""
@@ -185,9 +188,9 @@ def evaluate_task(
     else:
         models = {"base": Path(model.path)} | ({"trained": Path(policy.path)} if policy else {})
     settings, engine = backend_for(profile.backend).evaluation(
-        profile, EvalSettings.from_profile(profile), device.count, ray_address, runtime_env or {})
+        profile, EvalSettings.from_profile(profile, generation), device.count, ray_address, runtime_env or {})
     with progress_artifact("evaluate", f"evaluate {', '.join(models)}"):
-        logger.info("generation engine: %s", engine.__name__)
+        logger.info("generation: %s", engine_label(engine, settings))
         report = evaluate(models, Path(data.val_files[0]), settings, run_dir / "eval", engine)
         logger.info("generated with: %s", report.engine)
     for metrics in report.models:

@@ -107,7 +107,8 @@ class RolloutSection(Section):
 class GenerationSection(Section):
     """How the local backend generates its rollouts and the evaluation stage its responses: the same
     model doing the same work, on the same settings. Library options only (transformers' generate,
-    TRL, vLLM); the device profiles hold the fastest measured for each device."""
+    TRL, vLLM); the device profiles hold the fastest measured for each device. What `auto` means on the
+    host is decided once, at planning, by generation/plan.py (`GenerationPlan`)."""
 
     engine: Literal["auto", "transformers", "vllm"] = Field(
         "auto",
@@ -142,42 +143,6 @@ class GenerationSection(Section):
         "`generate` for any other; `generate`: transformers' `generate` with `cache` and `compile`; `auto`: "
         "native on CUDA GPUs, `generate` elsewhere.",
     )
-
-    def resolved_decoder(self, torch_device: str) -> str:
-        """`native` or `generate`: what `decoder` means on this torch device."""
-        if self.decoder != "auto":
-            return self.decoder
-        return "native" if torch_device == "cuda" else "generate"
-
-    def resolved_engine(self, accelerated: bool) -> str:
-        """`vllm` or `transformers`: what `engine` means on this host."""
-        import importlib.util
-
-        if self.engine != "auto":
-            return self.engine
-        return "vllm" if accelerated and importlib.util.find_spec("vllm") is not None else "transformers"
-
-    def describe(self, accelerated: bool, torch_device: str | None = None) -> str:
-        """The generation path in words, as the log and the report give it (`torch_device`: where the
-        transformers engine runs, which decides what `decoder: auto` means)."""
-        if self.resolved_engine(accelerated) == "vllm":
-            path = "vLLM (colocate)"
-        elif torch_device and self.resolved_decoder(torch_device) == "native":
-            path = native_path(self.compile, torch_device)
-        else:
-            path = f"transformers generate ({transformers_path(self.cache, self.compile, self.attn_implementation)})"
-        return f"{path}, {self.steps_per_generation} step(s)' prompts per generation"
-
-
-def transformers_path(cache: str, compile: bool, attn_implementation: str) -> str:
-    """How transformers' `generate` runs, in words (rollouts and evaluation say it alike)."""
-    return f"{cache} cache, {'compiled' if compile else 'eager'} decoding, {attn_implementation} attention"
-
-
-def native_path(compile: bool, torch_device: str) -> str:
-    """How the native decoder runs, in words (rollouts and evaluation say it alike)."""
-    step = ("compiled" if compile else "eager") + (" step captured in a CUDA graph" if torch_device == "cuda" else " step")
-    return f"native decoding (static KV cache, {step}, sampling on the device; Llama-family models)"
 
 
 class LogProbSection(Section):

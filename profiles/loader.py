@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from common.bounded_read import short
 from common.errors import ProfileError
+from profiles.backend_table import BACKEND_TABLE, without_accelerators
 from profiles.hf_config import architecture_from_hf_config
 from profiles.schema import DeviceKind, Platform, RunProfile
 from profiles.secrets import secret_literal_problems, secrets_of
@@ -163,24 +164,26 @@ def resolve_profile(
 
 
 def choose_backend(layers: list[tuple[str, dict[str, Any]]], requested: str, device: str) -> tuple[str, str]:
-    """The training backend and why, in words for the run's log. `--backend local|verl` is taken as
-    asked, and so is a `backend` set in a profile file or --set. Otherwise (`auto`) a recipe that
-    trains with Megatron + vLLM (`backend: verl`) gets verl on a device with accelerators and the
-    local backend (TRL on Ray Train) on CPUs, where verl cannot run; every other recipe is local."""
+    """The training backend and why, in words for the run's log. `--backend <name>` is taken as
+    asked, and so is a `backend` set in a profile file or --set. Otherwise (`auto`) a recipe gets its
+    own backend, unless that backend needs accelerators (profiles/backend_table.py) and the device has
+    none: then the table's backend that runs without them trains it."""
     if requested != "auto":
         return requested, f"--backend {requested}"
-    chosen, origin = "local", "the default"
+    fallback = without_accelerators()
+    chosen, origin = fallback.name, "the default"
     for layer_origin, layer in layers:
         if "backend" in layer:
             chosen, origin = layer["backend"], layer_origin
-    if not origin.startswith("model recipe"):
+    if not origin.startswith("model recipe") or chosen not in BACKEND_TABLE:
         return chosen, f"backend: {chosen} in {origin}"
-    recipe = origin.split(" (")[0]
-    if chosen != "verl":
+    recipe, card = origin.split(" (")[0], BACKEND_TABLE[chosen]
+    if not card.needs_accelerators:
         return chosen, f"{recipe} trains with the {chosen} backend"
     if platform_for(device).accelerated:
-        return "verl", f"{recipe} trains with Megatron + vLLM through verl, and device {device} has accelerators"
-    return "local", f"{recipe} trains with verl, which needs GPUs or NPUs: on device {device} the local backend trains it"
+        return chosen, f"{recipe} trains with the {chosen} backend ({card.description}), and device {device} has accelerators"
+    return fallback.name, (f"{recipe} trains with {chosen}, which needs GPUs or NPUs: on device {device} the "
+                           f"{fallback.name} backend trains it")
 
 
 def resolve_run_profile(

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from profiles.backend_table import BACKEND_TABLE, BackendName
 from profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
 from profiles.platform import DeviceKind, Platform
 from profiles.requirements import NodeRequirement
@@ -24,7 +25,6 @@ from profiles.section import (
 __all__ = ["DeviceKind", "Platform", "RunProfile", "Section"]
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-BackendName = Literal["local", "verl"]
 ProxyPolicy = Literal["clear", "bypass-cluster", "keep"]
 
 
@@ -300,7 +300,8 @@ class RunProfile(Section):
 
     model: ModelSection
     platform: Platform = Field(default_factory=Platform, description="Facts of the device kind.")
-    backend: BackendName = Field("local", description="Training engine: `local` (TRL on Ray) or `verl`.")
+    backend: BackendName = Field("local", description="Training engine: " + "; ".join(
+        f"`{card.name}`: {card.description}" for card in BACKEND_TABLE.values()) + " (profiles/backend_table.py).")
     cluster: ClusterSection = Field(default_factory=ClusterSection)
     data: DataSection = Field(default_factory=DataSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)

@@ -7,12 +7,9 @@ scored by `common/rewards.py` as in training; per-sample results go to `<out>/<n
 metrics (mean reward with a bootstrap 95% interval, accuracy, format rate, pass@k, response length
 mean / p95, truncation rate) are computed from exactly those records.
 
-Generation happens at one boundary, `Generate(model_dir, prompts, settings) -> responses`, so the
-engine can change and tests can stand in a known model. Engines: vLLM (`vllm` / `vllm-ascend`) when
-it is importable and the device is a GPU or NPU; otherwise the transformers model, batched, decoded by
-the rollouts' native decoder or by `generate` (`generation.decoder`, stages/generation_batches.py). With
-several accelerators the prompts are split into contiguous shards, one Ray task per device, and the
-results are put back in prompt order.
+Generation is the generation package's (generation/protocol.py): the run's `GenerationPlan`,
+resolved once at planning, rides in `EvalSettings`; the backend says where the engine runs
+(`Backend.evaluation`: this host's devices, or a verl run's cluster); this stage scores what it gets.
 """
 
 from __future__ import annotations
@@ -22,45 +19,32 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from profiles.engine import native_path, transformers_path
 from common.errors import UserError
-from profiles.platform import Platform
 from profiles.schema import RunProfile
 from backends.metrics import METRICS
-from common.decoding import compile_cache_dir
 from common.files import write_text_atomic
-from common.progress import Bar
+from generation.decoding import compile_cache_dir
+from generation.engines import engine_label, transformers_generate
+from generation.plan import GenerationPlan
+from generation.protocol import Generate, GenerationSettings, Response
 
 BOOTSTRAP_RESAMPLES = 1000
 
 
-class EvalSettings(BaseModel):
-    samples_per_prompt: int = 1
-    temperature: float = 0.0
-    max_new_tokens: int = 64
-    batch_size: int = 32
+class EvalSettings(GenerationSettings):
+    """The generation settings of the evaluation, and what it scores with."""
+
     max_prompts: int | None = None
-    seed: int = 0
     reward_function: str | None = None
-    torch_device: str = Field("cpu", description="Where generation runs (the platform's torch device).")
-    dtype: str = Field("float32", description="Dtype of the model while generating.")
-    tensor_parallel_size: int = Field(1, description="Devices one vLLM engine spans (cluster evaluation).")
-    cache: str = Field("dynamic", description="KV cache of transformers' generate (`generation.cache`).")
-    compile: bool = Field(False, description="Compiled decode step (`generation.compile`).")
-    attn_implementation: str = Field("sdpa", description="Attention kernels (`generation.attn_implementation`).")
-    decoder: str = Field("generate", description="`native` or `generate` (`generation.decoder` on this device).")
-    max_prompt_length: int | None = Field(None, description="Longest prompt expected (`data.max_prompt_length`): "
-                                          "the native decoder's cache is sized for it once.")
-    compile_cache_dir: str | None = Field(None, description="Where compiled decode steps are kept between runs.")
 
     @classmethod
-    def from_profile(cls, profile: RunProfile) -> EvalSettings:
+    def from_profile(cls, profile: RunProfile, plan: GenerationPlan) -> EvalSettings:
+        """`eval.*` with the run's generation plan (generation/plan.py, resolved at planning)."""
         section = profile.eval
         if section.samples_per_prompt > 1 and section.temperature == 0:
             raise UserError(
@@ -68,31 +52,12 @@ class EvalSettings(BaseModel):
                 "gives the same response every time; set eval.temperature (e.g. 1.0) or one sample per prompt"
             )
         return cls(
-            samples_per_prompt=section.samples_per_prompt, temperature=section.temperature,
+            plan=plan, samples_per_prompt=section.samples_per_prompt, temperature=section.temperature,
             max_new_tokens=section.max_new_tokens or profile.data.max_response_length, batch_size=section.batch_size,
             max_prompts=section.max_prompts, seed=section.seed, reward_function=profile.algorithm.reward_function,
-            torch_device=profile.platform.torch_device, dtype=profile.platform.run_dtype(profile.engine.dtype),
-            cache=profile.generation.cache, compile=profile.generation.compile,
-            attn_implementation=profile.generation.attn_implementation,
-            decoder=profile.generation.resolved_decoder(profile.platform.torch_device),
-            max_prompt_length=profile.data.max_prompt_length,
+            dtype=profile.platform.run_dtype(profile.engine.dtype), max_prompt_length=profile.data.max_prompt_length,
             compile_cache_dir=str(compile_cache_dir(profile.model.root)),
         )
-
-    def transformers_path(self) -> str:
-        if self.decoder == "native":
-            return native_path(self.compile, self.torch_device)
-        return transformers_path(self.cache, self.compile, self.attn_implementation)
-
-
-class Response(BaseModel):
-    text: str
-    tokens: int = Field(..., description="Generated tokens, end-of-sequence excluded.")
-    truncated: bool = Field(..., description="Stopped by max_new_tokens, not by the model.")
-
-
-# (model_dir, prompts as chat messages, settings) -> samples_per_prompt responses per prompt, in order
-Generate = Callable[[Path, list[list[dict]], EvalSettings], list[list[Response]]]
 
 
 class ModelMetrics(BaseModel):
@@ -155,144 +120,6 @@ def load_validation(val_file: Path, max_prompts: int | None) -> list[dict]:
             raise UserError(f"{val_file}: row {index} has no reward_model.ground_truth")
         row["ground_truth"] = str(truth)
     return rows
-
-
-def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
-    """Batched generation with the transformers model, `eval.batch_size` prompts at a time: the
-    native decoder (`generation.decoder: native`, a Llama-family model), else `generate`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from common.decoding import unsupported
-    from stages.generation_batches import generate_batches, native_batches
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, settings.dtype),
-                                                 attn_implementation=settings.attn_implementation)
-    model = model.to(settings.torch_device).eval()
-    stop_ids = set(_as_list(model.generation_config.eos_token_id) + [tokenizer.eos_token_id]) - {None}
-    texts = [tokenizer.apply_chat_template(p, add_generation_prompt=True, tokenize=False) for p in prompts]
-    native = settings.decoder == "native" and unsupported(model) is None
-    batches = native_batches(model, tokenizer, texts, settings, sorted(stop_ids)) if native else \
-        generate_batches(model, tokenizer, texts, settings)
-    torch.manual_seed(settings.seed)
-    responses: list[list[Response]] = []
-    with Bar(total=len(texts), desc=f"generate {model_dir.name}", unit="prompt") as bar:
-        for new in batches:
-            for offset in range(0, len(new), settings.samples_per_prompt):
-                group = []
-                for ids in new[offset : offset + settings.samples_per_prompt]:
-                    ended = next((i for i, t in enumerate(ids) if t in stop_ids), None)
-                    kept = ids if ended is None else ids[:ended]
-                    group.append(Response(text=tokenizer.decode(kept, skip_special_tokens=True), tokens=len(kept),
-                                          truncated=ended is None))
-                responses.append(group)
-            bar.update(len(new) // settings.samples_per_prompt)
-    return responses
-
-
-def vllm_generate(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
-    """vLLM's offline engine: the chat template applied by vLLM, n samples per prompt, results in
-    prompt order; a response cut by max_tokens reports finish_reason "length"."""
-    from vllm import LLM, SamplingParams
-
-    engine = LLM(model=str(model_dir), seed=settings.seed, tensor_parallel_size=settings.tensor_parallel_size)
-    params = SamplingParams(n=settings.samples_per_prompt, temperature=settings.temperature,
-                            max_tokens=settings.max_new_tokens, seed=settings.seed)
-    outputs = engine.chat(prompts, params, use_tqdm=False)
-    return [
-        [Response(text=c.text, tokens=len(c.token_ids), truncated=c.finish_reason == "length") for c in output.outputs]
-        for output in outputs
-    ]
-
-
-def choose_engine(platform: Platform, devices: int, engine: str = "transformers") -> Generate:
-    """`engine` (`generation.engine` as resolved here: vllm or transformers), sharded over the devices."""
-    generate = vllm_generate if engine == "vllm" else transformers_generate
-    return sharded(generate, devices, platform) if platform.accelerated and devices > 1 else generate
-
-
-def generate_on_node(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> tuple[str, list[list[Response]]]:
-    """On a cluster node, inside a Ray task that holds its devices: the engine the node's image has
-    (vLLM / vllm-ascend, else transformers on the device the node's torch sees), and its name."""
-    import importlib.util
-    import socket
-
-    if importlib.util.find_spec("vllm"):
-        return f"vllm on {socket.gethostname()}", vllm_generate(model_dir, prompts, settings)
-    device = _node_torch_device(settings.torch_device)
-    if device != settings.torch_device:
-        print(f"{socket.gethostname()}: Ray offers this task an accelerator, but torch here sees no "
-              f"{settings.torch_device} device: generating on the CPU", flush=True)
-        settings = settings.model_copy(update={"torch_device": "cpu", "dtype": "float32"})
-    return f"transformers ({device}) on {socket.gethostname()}", transformers_generate(model_dir, prompts, settings)
-
-
-def _node_torch_device(wanted: str) -> str:
-    import torch
-
-    if wanted == "npu":
-        try:
-            import torch_npu  # noqa: F401
-
-            return "npu" if torch.npu.is_available() else "cpu"
-        except Exception:  # not installed, or the Ascend toolkit not loaded
-            return "cpu"
-    return wanted if wanted == "cpu" or torch.cuda.is_available() else "cpu"
-
-
-def on_cluster(platform: Platform, replicas: int, devices_each: int, ray_address: str | None,
-               runtime_env: dict, check_nodes: Callable[[], None] | None = None) -> Generate:
-    """Generation for a model too big for the flow's host: `replicas` Ray tasks on the cluster's
-    accelerator nodes, each holding `devices_each` devices (the engine's tensor parallel size) and
-    a contiguous range of the prompts; results merged in prompt order. The project's code travels
-    with the job (`connect_ray`), so a node needs only its engine, not this package. `check_nodes`
-    runs once, connected, before the first task is sent (the backend's preflight)."""
-    unchecked = [check_nodes] if check_nodes else []
-
-    def generate_on_cluster(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
-        import ray
-
-        from common.ray_cluster import connect_ray
-
-        connect_ray(ray_address, runtime_env)
-        while unchecked:
-            unchecked.pop()()
-        run = ray.remote(**platform.ray_task_options(devices=devices_each))(generate_on_node)
-        size = math.ceil(len(prompts) / replicas)
-        results = ray.get([run.remote(model_dir, prompts[start : start + size], settings)
-                           for start in range(0, len(prompts), size)])
-        engines = sorted({engine for engine, _ in results})
-        generate_on_cluster.__name__ = f"{', '.join(engines)} ({len(results)} Ray tasks on the cluster)"
-        return [group for _, piece in results for group in piece]
-
-    generate_on_cluster.__name__ = f"the cluster's engine ({replicas} Ray tasks)"
-    return generate_on_cluster
-
-
-def sharded(generate: Generate, shards: int, platform: Platform) -> Generate:
-    """`generate` over `shards` Ray tasks (one device each), contiguous prompt ranges, merged in order."""
-
-    def generate_sharded(model_dir: Path, prompts: list[list[dict]], settings: EvalSettings) -> list[list[Response]]:
-        import ray
-
-        from common.ray_cluster import connect_ray
-
-        connect_ray(None, None)
-        run = ray.remote(**platform.ray_task_options())(generate)
-        size = math.ceil(len(prompts) / shards)
-        pieces = [prompts[start : start + size] for start in range(0, len(prompts), size)]
-        results = ray.get([run.remote(model_dir, piece, settings) for piece in pieces])
-        return [group for piece in results for group in piece]
-
-    generate_sharded.__name__ = f"{getattr(generate, '__name__', 'engine')} x {shards} Ray workers"
-    return generate_sharded
-
-
-def _as_list(value) -> list:
-    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def evaluate_model(
@@ -370,10 +197,7 @@ def evaluate(
     rows = load_validation(val_file, settings.max_prompts)
     results = [evaluate_model(name, path, rows, settings, out_dir, generate) for name, path in models.items()]
     # named after generating: an engine on the cluster says then which engine its nodes had
-    engine = getattr(generate, "__name__", "custom")
-    if "transformers" in engine:
-        engine += f" ({settings.transformers_path()})"
-    return EvalReport(val_file=str(val_file), engine=engine, models=results,
+    return EvalReport(val_file=str(val_file), engine=engine_label(generate, settings), models=results,
                       generation=generation_summary(results, out_dir.parent / METRICS))
 
 

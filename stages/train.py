@@ -14,6 +14,7 @@ from pathlib import Path
 from backends import backend_for
 from backends.base import TrainingInputs, TrainingProgress, TrainingRun, TrainResult
 from common.files import write_json_atomic
+from generation.plan import GenerationPlan
 from profiles.schema import RunProfile
 from stages.dataset import DatasetFiles, DataSpec, dataset_dir
 from stages.device import DeviceInfo
@@ -51,12 +52,12 @@ def training_inputs(
 
 def train(
     profile: RunProfile, device: DeviceInfo, env: RuntimeEnv, data: DatasetFiles, model: ModelCheckpoint,
-    run_dir: Path, ray_address: str | None, progress: TrainingProgress,
+    run_dir: Path, ray_address: str | None, progress: TrainingProgress, generation: GenerationPlan,
 ) -> TrainResult:
     run = TrainingRun(
         inputs=training_inputs(profile, run_dir, data, model),
         run_dir=str(run_dir), run_name=run_dir.name, devices_here=device.count, ray_address=ray_address,
-        runtime_env=env.ray_runtime_env(),
+        runtime_env=env.ray_runtime_env(), generation=generation,
     )
     result = backend_for(profile.backend).train(profile, run, progress)
     write_json_atomic(run_dir / "train.json", result.model_dump(mode="json"))

@@ -22,9 +22,11 @@ def main(model_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.generation import greedy_with_logprobs
+    from generation.compiled import greedy_with_logprobs
     from common.rewards import score
-    from stages.evaluate import EvalSettings, transformers_generate
+    from generation.engines import transformers_generate
+    from generation.plan import GenerationPlan
+    from stages.evaluate import EvalSettings
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -33,7 +35,8 @@ def main(model_dir: Path) -> dict:
     rewards = [[score("arith", tokenizer.decode(t, skip_special_tokens=True), truth).reward for t, truth in zip(side[0], TRUTHS)]
                for side in (eager, fast)]
     responses = [[[r.model_dump() for r in group] for group in transformers_generate(
-        model_dir, PROMPTS, EvalSettings(max_new_tokens=12, **settings))] for settings in ({}, {"cache": "static", "compile": True})]
+        model_dir, PROMPTS, EvalSettings(max_new_tokens=12, plan=GenerationPlan(**settings)))]
+        for settings in ({}, {"cache": "static", "compile": True})]
     return {"tokens_equal": bool(torch.equal(eager[0], fast[0])),
             "max_logprob_difference": (eager[1] - fast[1]).abs().max().item(),
             "rewards": rewards, "evaluation_responses_equal": responses[0] == responses[1]}

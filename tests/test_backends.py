@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from backends import BACKENDS, backend_for
+from backends import backend_for
+from profiles.backend_table import BACKEND_NAMES
 from backends.base import Backend
 from flows.grpo import main
 from flows.plan import check_plan
@@ -19,7 +20,7 @@ from stages.device import detect_device
 
 
 def test_every_backend_is_found_by_its_name_and_implements_the_interface():
-    for name in BACKENDS:
+    for name in BACKEND_NAMES:
         backend = backend_for(name)
         assert isinstance(backend, Backend) and backend.name == name and backend_for(name) is backend
 
@@ -54,9 +55,11 @@ def test_verl_training_without_a_cluster_is_refused_at_planning_and_staging_is_n
 @pytest.mark.parametrize(
     ("model", "device", "flag", "overrides", "chosen", "reason"),
     [("qwen3.5-122b-a10b", "npu", "auto", [], "verl",
-      "model recipe qwen3.5-122b-a10b trains with Megatron + vLLM through verl, and device npu has accelerators"),
+      "model recipe qwen3.5-122b-a10b trains with the verl backend (Megatron + vLLM through verl, as a Ray job on a "
+      "GPU or NPU cluster), and device npu has accelerators"),
      ("qwen3.5-35b-a3b", "gpu", "auto", [], "verl",
-      "model recipe qwen3.5-35b-a3b trains with Megatron + vLLM through verl, and device gpu has accelerators"),
+      "model recipe qwen3.5-35b-a3b trains with the verl backend (Megatron + vLLM through verl, as a Ray job on a "
+      "GPU or NPU cluster), and device gpu has accelerators"),
      ("tiny", "gpu", "auto", [], "local", "model recipe tiny trains with the local backend"),
      ("tiny", "npu", "auto", ["backend=verl"], "verl", "backend: verl in --set"),
      ("tiny", "npu", "verl", [], "verl", "--backend verl")],
@@ -108,15 +111,20 @@ def test_a_one_gpu_host_is_refused_the_gpu_platforms_eight_workers_at_planning(t
 def test_where_a_run_evaluates_is_the_backends_answer():
     """The evaluation stage asks the backend: a verl run generates on its cluster with the rollout's
     tensor parallel size, a local run on this host's devices with the generation engine it trains with."""
+    from generation.engines import engine_label, transformers_generate
+    from generation.plan import plan_generation
     from stages.evaluate import EvalSettings
 
     verl = resolve_profile("qwen3.5-122b-a10b", "gpu")
-    settings, engine = backend_for("verl").evaluation(verl, EvalSettings.from_profile(verl), 0, "head:6379", {})
+    settings, engine = backend_for("verl").evaluation(verl, EvalSettings.from_profile(verl, plan_generation(verl)), 0,
+                                                      "head:6379", {})
     assert settings.tensor_parallel_size == verl.rollout.tp
-    assert engine.__name__ == f"the cluster's engine ({32 // verl.rollout.tp} Ray tasks)"
+    assert engine_label(engine, settings) == f"the cluster's engine ({32 // verl.rollout.tp} Ray tasks on the cluster)"
     local = resolve_profile("tiny", "cpu")
-    settings, engine = backend_for("local").evaluation(local, EvalSettings.from_profile(local), 2, None, {})
-    assert settings == EvalSettings.from_profile(local) and engine.__name__ == "transformers_generate"
+    planned = EvalSettings.from_profile(local, plan_generation(local))
+    settings, engine = backend_for("local").evaluation(local, planned, 2, None, {})
+    assert settings == planned and engine is transformers_generate  # the plan's engine, here
+    assert engine_label(engine, settings) == "transformers generate (dynamic cache, eager decoding, sdpa attention)"
 
 
 def test_only_a_backend_that_plans_memory_says_why_it_has_no_plan():

@@ -28,10 +28,12 @@ def test_dry_run_json_plans_for_a_named_device_without_requiring_it(cli, tmp_pat
                "--run-name", "plan", env={"HF_TOKEN": SECRET})
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert set(plan) == {"device", "profile", "backend", "command", "env", "job", "memory", "node_requirements"}
+    assert set(plan) == {"device", "profile", "backend", "generation", "command", "env", "job", "memory",
+                         "node_requirements"}
     assert plan["device"]["kind"] == "npu" and plan["device"]["decided_by"] == "requested"
-    assert plan["backend"] == {"name": "verl", "reason": "model recipe qwen3.5-122b-a10b trains with Megatron + vLLM "
-                                                         "through verl, and device npu has accelerators"}
+    assert plan["backend"] == {"name": "verl", "reason": "model recipe qwen3.5-122b-a10b trains with the verl backend "
+                               "(Megatron + vLLM through verl, as a Ray job on a GPU or NPU cluster), and device npu has "
+                               "accelerators"}
     assert plan["command"][:3] == ["python3", "-m", "verl.trainer.main_ppo"]
     # What the train stage submits: this very command, the run's environment as the job's runtime_env.
     job = plan["job"]
@@ -94,6 +96,11 @@ def test_local_backend_dry_run_on_cpu(cli):
     assert plan["device"]["kind"] == "cpu" and plan["device"]["decided_by"] == "detected"
     assert "no accelerator found" in plan["device"]["reason"]
     assert plan["command"][:3] == ["python", "-m", "flows.grpo"] and "trainer.total_training_steps=3" in plan["command"]
+    # how rollouts and evaluation generate, decided once while planning (generation/plan.py)
+    assert plan["generation"] | {"path": None} == {
+        "engine": "transformers", "decoder": "generate", "cache": "dynamic", "compile": False,
+        "attn_implementation": "sdpa", "torch_device": "cpu", "steps_per_generation": 1, "path": None}
+    assert plan["generation"]["path"].startswith("transformers generate (dynamic cache, eager decoding")
 
 
 @pytest.mark.parametrize(

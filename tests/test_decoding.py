@@ -1,4 +1,4 @@
-"""The native decoder (common/decoding.py) on the CPU, in float32, against transformers' eager
+"""The native decoder (generation/decoding.py) on the CPU, in float32, against transformers' eager
 `generate` on the same tiny random models: the same greedy tokens and log-probs for Llama, Qwen2
 (q/k/v biases) and Qwen3 (q/k norms) with left padding; end-of-sequence, max length, min_new_tokens,
 left truncation, a smaller batch in a larger cache, weights changed in place, sampling, and models it
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.decode_step import Splits, product_splits
-from common.decoding import NativeDecoder, Sampling, unsupported
+from generation.decode_step import Splits, product_splits
+from generation.decoding import NativeDecoder, Sampling, unsupported
 
 QUESTIONS = ["What is 3 + 4?", "What is 12 + 30? Answer with the number only.", "7 * 8 =", "Add 100 and 1, then 123456."]
 
@@ -105,7 +105,7 @@ def test_only_the_narrowing_products_of_a_small_batch_are_split():
 
 
 def test_the_sampler_draws_from_softmax_across_vocabulary_chunks():
-    from common.decode_step import VOCAB_CHUNK, choose_token
+    from generation.decode_step import VOCAB_CHUNK, choose_token
 
     vocab = 2 * VOCAB_CHUNK + 5  # three chunks, the last one short
     support = [0, 1, VOCAB_CHUNK - 1, VOCAB_CHUNK, vocab - 1]
@@ -185,7 +185,7 @@ def test_a_prefill_in_chunks_of_rows_gives_the_same_tokens(tokenizer, monkeypatc
     model = random_model("llama", tokenizer)
     prompts = chat_ids(tokenizer)
     whole = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(prompts, 8, Sampling(temperature=0))
-    monkeypatch.setattr("common.decoding.PREFILL_TOKENS", 2 * max(len(p) for p in prompts))  # two rows at a time
+    monkeypatch.setattr("generation.decoding.PREFILL_TOKENS", 2 * max(len(p) for p in prompts))  # two rows at a time
     chunked = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(prompts, 8, Sampling(temperature=0))
     assert chunked.completions == whole.completions
 
@@ -238,17 +238,20 @@ def test_models_it_cannot_run_are_named(tokenizer):
 
 def test_cuda_gpus_decode_natively_by_default_and_the_old_paths_stay_selectable():
     from flows.plan import resolve_profile
+    from generation.plan import plan_generation
     from stages.evaluate import EvalSettings
 
     gpu, cpu, npu = (resolve_profile(model, kind) for model, kind in (("tiny", "gpu"), ("tiny", "cpu"),
                                                                         ("qwen3.5-122b-a10b", "npu")))
-    assert [p.generation.resolved_decoder(p.platform.torch_device) for p in (gpu, cpu, npu)] == ["native", "generate", "generate"]
-    assert gpu.generation.describe(True, "cuda") == ("native decoding (static KV cache, compiled step captured in a CUDA "
-                                                     "graph, sampling on the device; Llama-family models), 4 step(s)' "
-                                                     "prompts per generation")
-    assert EvalSettings.from_profile(gpu).decoder == "native" and EvalSettings.from_profile(cpu).decoder == "generate"
-    assert EvalSettings.from_profile(gpu).compile_cache_dir.endswith("torch-compile-cache")
-    old = resolve_profile("tiny", "gpu", overrides=["generation.decoder=generate"])
-    assert old.generation.describe(True, "cuda").startswith("transformers generate (static cache, compiled decoding")
-    native_cpu = resolve_profile("tiny", "cpu", overrides=["generation.decoder=native"])
-    assert native_cpu.generation.describe(False, "cpu").startswith("native decoding (static KV cache, eager step,")
+    plans = [plan_generation(p) for p in (gpu, cpu, npu)]
+    assert [plan.decoder for plan in plans] == ["native", "generate", "generate"]  # no vllm importable here
+    assert plans[0].describe() == ("native decoding (static KV cache, compiled step captured in a CUDA "
+                                   "graph, sampling on the device; Llama-family models), 4 step(s)' "
+                                   "prompts per generation")
+    assert EvalSettings.from_profile(gpu, plans[0]).plan.decoder == "native"
+    assert EvalSettings.from_profile(cpu, plans[1]).plan.decoder == "generate"
+    assert EvalSettings.from_profile(gpu, plans[0]).compile_cache_dir.endswith("torch-compile-cache")
+    old = plan_generation(resolve_profile("tiny", "gpu", overrides=["generation.decoder=generate"]))
+    assert old.describe().startswith("transformers generate (static cache, compiled decoding")
+    native_cpu = plan_generation(resolve_profile("tiny", "cpu", overrides=["generation.decoder=native"]))
+    assert native_cpu.describe().startswith("native decoding (static KV cache, eager step,")

@@ -14,6 +14,7 @@ import pytest
 
 from datasets_fixtures import geo3k_table, gsm8k_table
 from common.errors import UserError
+from generation.plan import GenerationPlan
 from stages.evaluate import EvalSettings, Response, evaluate, pass_at_k
 from common.rewards import score
 from common.rl_data import arith_splits, convert_geo3k, convert_gsm8k
@@ -123,14 +124,17 @@ def test_several_samples_need_sampling():
     from flows.plan import resolve_profile
 
     with pytest.raises(UserError, match="eval.samples_per_prompt=4 with eval.temperature=0"):
-        EvalSettings.from_profile(resolve_profile("tiny", "cpu", overrides=["eval.samples_per_prompt=4"]))
+        profile = resolve_profile("tiny", "cpu", overrides=["eval.samples_per_prompt=4"])
+        EvalSettings.from_profile(profile, GenerationPlan())
 
 
 def test_generation_runs_where_the_platform_says():
     from flows.plan import resolve_profile
 
-    cpu, npu = (EvalSettings.from_profile(resolve_profile(model, kind)) for model, kind in (("tiny", "cpu"),
-                                                                                          ("qwen3.5-122b-a10b", "npu")))
+    from generation.plan import plan_generation
+
+    cpu, npu = (EvalSettings.from_profile(p, plan_generation(p)) for p in (resolve_profile("tiny", "cpu"),
+                                                                           resolve_profile("qwen3.5-122b-a10b", "npu")))
     assert (cpu.torch_device, cpu.dtype) == ("cpu", "float32") and (npu.torch_device, npu.dtype) == ("npu", "bfloat16")
 
 
@@ -139,7 +143,8 @@ def test_sharded_generation_returns_every_prompt_in_order(tiny_model_dir):
     import ray
 
     from profiles.platform import Platform
-    from stages.evaluate import sharded, transformers_generate
+    from generation.engines import transformers_generate
+    from generation.sharding import sharded
 
     prompts = [row["prompt"] for row in arith_splits(4, 10, seed=3)["test"].to_pylist()]
     settings = EvalSettings(max_new_tokens=5, batch_size=4)
@@ -156,7 +161,8 @@ def test_the_vllm_engine_translates_settings_and_outputs(tiny_model_dir, monkeyp
     import types
     from dataclasses import dataclass
 
-    from stages.evaluate import choose_engine, transformers_generate, vllm_generate
+    from generation.engines import transformers_generate, vllm_generate
+    from generation.sharding import choose_engine
 
     seen = {}
 
@@ -184,18 +190,20 @@ def test_the_vllm_engine_translates_settings_and_outputs(tiny_model_dir, monkeyp
     assert [r.truncated for r in out[0]] == [False, True] and out[0][1].tokens == 2
     from profiles.platform import Platform
 
-    assert choose_engine(Platform(), 4) is transformers_generate  # the CPU: transformers, not sharded
+    assert choose_engine(Platform(), 4, GenerationPlan()) is transformers_generate  # the CPU: transformers, not sharded
+    assert choose_engine(Platform(), 4, GenerationPlan(engine="vllm", decoder=None)) is vllm_generate  # the plan's engine
 
 
 def test_the_native_decoder_evaluates_as_generate_does(tiny_model_dir):
-    from stages.evaluate import transformers_generate
+    from generation.engines import transformers_generate
 
     prompts = [row["prompt"] for row in arith_splits(8, 6, seed=3)["test"].to_pylist()]
-    greedy = [transformers_generate(tiny_model_dir, prompts, EvalSettings(max_new_tokens=8, batch_size=4, decoder=decoder))
+    greedy = [transformers_generate(tiny_model_dir, prompts, EvalSettings(max_new_tokens=8, batch_size=4,
+                                                                          plan=GenerationPlan(decoder=decoder)))
               for decoder in ("generate", "native")]  # batches of 4 and 2: the second in the first one's cache
     assert greedy[0] == greedy[1] and len(greedy[1]) == 6
-    sampled = transformers_generate(tiny_model_dir, prompts, EvalSettings(max_new_tokens=8, batch_size=4, decoder="native",
-                                                                           samples_per_prompt=3, temperature=1.0))
+    sampled = transformers_generate(tiny_model_dir, prompts, EvalSettings(
+        max_new_tokens=8, batch_size=4, plan=GenerationPlan(decoder="native"), samples_per_prompt=3, temperature=1.0))
     assert [len(group) for group in sampled] == [3] * 6
     assert all(r.tokens <= 8 and r.truncated == (r.tokens == 8) for group in sampled for r in group)
 

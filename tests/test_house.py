@@ -1,15 +1,17 @@
 """The house rules DESIGN.md states, kept by a test: modules about one thing stay small, only
-backends/ knows a backend by its name, no import goes up a floor (docs/layout.md draws them) and no
-two modules import each other round a cycle."""
+backends/ knows a backend by its name, every package imports only from the floors below it, no
+modules import each other around a loop, and docs/layout.md is the map the modules make
+(tests/house_map.py)."""
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
+import house_map
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("flows", "stages", "common", "backends", "planner", "profiles")
+PACKAGES = house_map.FLOORS
 MAX_MODULE_LINES = 400
 
 
@@ -24,91 +26,35 @@ def test_no_module_is_past_the_size_that_asks_for_a_split():
 
 def test_nothing_outside_backends_branches_on_a_backends_name():
     branch = re.compile(r"\.backend\s*(==|!=|in)\s|backend\s*==\s*[\"'](verl|local)[\"']")
-    found = [f"{p.relative_to(ROOT)}:{i}" for p in modules("flows", "stages", "common", "planner", "profiles")
+    found = [f"{p.relative_to(ROOT)}:{i}" for p in modules("flows", "stages", "common", "generation", "planner", "profiles")
              for i, line in enumerate(p.read_text().splitlines(), 1) if branch.search(line)]
     assert found == []
 
 
-# The floors, lowest first: a module imports only from its own floor or below (docs/layout.md).
-# common/errors.py and common/bounded_read.py are the ground floor on their own (they import nothing of
-# the project), so every floor can raise the project's errors and read what a user brings within bounds;
-# the rest of common/ (store, hub, Ray, preflight) stands on the profiles.
-GROUND = ("common.errors", "common.bounded_read")
-FLOORS = ("common.errors", "profiles", "planner", "common", "backends", "stages", "flows")
-# Issue 35 part 1 (generation as one package below stages and backends) removes these; none may be added.
-KNOWN_UPWARD = {"backends/base.py: stages", "backends/verl/backend.py: stages"}
-KNOWN_CYCLES = {("stages/evaluate.py", "stages/generation_batches.py")}
-
-
-def floor_of(module: str) -> int | None:
-    if any(module == ground or module.startswith(ground + ".") for ground in GROUND):
-        return 0
-    top = module.split(".")[0]
-    return FLOORS.index(top) if top in FLOORS else None
-
-
-def project_imports(path: Path) -> set[str]:
-    """The project modules `path` imports, at its top level or inside a function."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    return {name for name in names if floor_of(name) is not None}
-
-
-def module_name(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+def test_every_package_has_a_floor():
+    assert set(house_map.packages()) == set(house_map.FLOORS), (
+        "a new top-level package gets its floor in tests/house_map.py's FLOORS")
 
 
 def test_no_import_goes_up_a_floor():
-    found = set()
-    for path in modules(*PACKAGES):
-        own = floor_of(module_name(path))
-        for name in project_imports(path):
-            if floor_of(name) > own:
-                found.add(f"{path.relative_to(ROOT)}: {name.split('.')[0] if floor_of(name) else name}")
-    assert found <= KNOWN_UPWARD, sorted(found - KNOWN_UPWARD)
+    """Each package imports only from the floors below it (profiles < planner < common < generation <
+    backends < stages < flows; common/errors.py and common/bounded_read.py stand below them all): common/ is shared by everything above, generation/ by the backends' rollouts and
+    the evaluation stage; an import back up would make them unreadable apart (and Ray job packaging
+    used to import every package only to find its folder). Imports inside functions count too."""
+    found = house_map.upward_imports()
+    assert found - set(house_map.PENDING) == set(), "an import goes up a floor"
+    assert set(house_map.PENDING) - found == set(), "gone: delete its line from tests/house_map.py's PENDING"
 
 
-def test_no_import_cycle():
-    """Strongly connected modules (Tarjan): each a cycle of imports, function bodies included."""
-    known = {module_name(p): p for p in modules(*PACKAGES)}
-    graph = {}
-    for name, path in known.items():
-        targets = set()
-        for target in project_imports(path):
-            while target and target not in known:
-                target = target.rpartition(".")[0]
-            if target and target != name and not (name.startswith(target + ".") and known[target].name == "__init__.py"):
-                targets.add(target)
-        graph[name] = targets
-    index, low, stack, on, found = {}, {}, [], set(), set()
+def test_no_modules_import_each_other_around_a_loop():
+    assert house_map.cycles(house_map.edges_without_pending()) == []
 
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while (w := stack.pop()) != v:
-                on.discard(w)
-                component.append(w)
-            on.discard(v)
-            if component:
-                found.add(tuple(sorted(str(known[m].relative_to(ROOT)) for m in [v, *component])))
 
-    for v in graph:
-        if v not in index:
-            visit(v)
-    assert found <= KNOWN_CYCLES, sorted(found - KNOWN_CYCLES)
+def test_the_layout_doc_is_the_map_the_modules_make():
+    """docs/layout.md's picture and module tables are generated; re-run `tests/house_map.py --write`."""
+    text = house_map.DOC.read_text()
+    assert text == house_map.current_doc(text), "docs/layout.md is not current: run .venv/bin/python tests/house_map.py --write"
+    assert all(house_map.first_sentence(path) for path in house_map.modules().values()), "a module without a docstring"
 
 
 def test_the_packages_a_ray_job_carries_are_the_projects_own_folders():
@@ -117,3 +63,20 @@ def test_the_packages_a_ray_job_carries_are_the_projects_own_folders():
     folders = [Path(folder) for folder in project_modules()]
     assert {folder.name for folder in folders} == set(PACKAGES) - {"flows"}
     assert all((folder / "__init__.py").is_file() for folder in folders)
+
+
+def test_a_runs_generation_path_is_decided_in_one_place():
+    """generation/plan.py decides it (`plan_generation`), once per run: in the command line's plan
+    or, for a run from the form, right after the flow resolves the profile; everything else reads the
+    `GenerationPlan` it is handed, never the profile's `generation` section (docs/layout.md walks it)."""
+    decided = [f"{p.relative_to(ROOT)}" for p in modules(*PACKAGES) if "plan_generation(" in p.read_text()]
+    assert sorted(decided) == ["flows/pipeline.py", "flows/plan.py", "generation/plan.py"]
+    section = re.compile(r"\.generation\.(engine|decoder|cache|compile|attn_implementation|steps_per_generation)\b")
+    read = [f"{p.relative_to(ROOT)}:{i}" for p in modules(*PACKAGES) if p.parts[-2:] != ("generation", "plan.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if section.search(line)]
+    assert read == []
+
+
+def test_the_ground_floor_imports_nothing_of_the_project():
+    graph = house_map.graph()
+    assert {ground: graph[ground] for ground in house_map.GROUND} == {ground: set() for ground in house_map.GROUND}

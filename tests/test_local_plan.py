@@ -7,6 +7,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from backends.local.mapping import grpo_fields
+from generation.plan import plan_generation
 from backends.local.settings import check_prompt_lengths, plan_local_training
 from common.errors import ProfileError, UserError
 from flows.plan import resolve_profile
@@ -22,7 +23,7 @@ def arith_train(tmp_path_factory):
 
 def plan(tmp_path, train_file, model="builtin:tiny", devices_here=2, *overrides):
     profile = resolve_profile("tiny", "cpu", overrides=list(overrides))
-    return plan_local_training(profile, [train_file], model, tmp_path / "run", devices_here)
+    return plan_local_training(profile, [train_file], model, tmp_path / "run", devices_here, plan_generation(profile))
 
 
 def test_the_profile_maps_to_trl_explicitly(tmp_path, arith_train):
@@ -38,7 +39,8 @@ def test_the_profile_maps_to_trl_explicitly(tmp_path, arith_train):
     halves = plan(tmp_path, arith_train, "m", 2, "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
                   "trainer.total_training_steps=6")
     assert halves.max_steps == 12 and halves.save_steps == 8
-    assert grpo_fields(resolve_profile("tiny", "cpu", overrides=["algorithm.use_kl_loss=false"]), 1)[0]["beta"] == 0.0
+    no_kl = resolve_profile("tiny", "cpu", overrides=["algorithm.use_kl_loss=false"])
+    assert grpo_fields(no_kl, 1, plan_generation(no_kl))[0]["beta"] == 0.0
 
 
 def test_the_generation_settings_reach_trl_and_the_worker(tmp_path, arith_train, monkeypatch):
@@ -51,10 +53,14 @@ def test_the_generation_settings_reach_trl_and_the_worker(tmp_path, arith_train,
     assert (fast.generation.compile, fast.generation.attn_implementation) == (True, "eager")
     gpu = resolve_profile("tiny", "gpu")  # the device's defaults: the fastest path measured on an H200
     assert (gpu.generation.cache, gpu.generation.compile, gpu.generation.steps_per_generation) == ("static", True, 4)
-    assert gpu.generation.describe(accelerated=True) == ("transformers generate (static cache, compiled decoding, "
-                                                         "sdpa attention), 4 step(s)' prompts per generation")
+    generate = plan_generation(resolve_profile("tiny", "gpu", overrides=["generation.decoder=generate"]))
+    assert generate.describe() == ("transformers generate (static cache, compiled decoding, "
+                                   "sdpa attention), 4 step(s)' prompts per generation")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: object() if name == "vllm" else None)
-    colocated = grpo_fields(resolve_profile("tiny", "gpu", overrides=["rollout.gpu_memory_utilization=0.4"]), 1)[0]
+    gpu = resolve_profile("tiny", "gpu", overrides=["rollout.gpu_memory_utilization=0.4"])
+    vllm = plan_generation(gpu)  # decided once: vLLM, and no decoder of transformers' to pick
+    assert (vllm.engine, vllm.decoder, vllm.native) == ("vllm", None, False)
+    colocated = grpo_fields(gpu, 1, vllm)[0]
     assert (colocated["use_vllm"], colocated["vllm_mode"], colocated["vllm_gpu_memory_utilization"]) == (True, "colocate", 0.4)
 
 

@@ -29,10 +29,10 @@ class LocalBackend(Backend):
         from backends.local.driver import train_local
 
         settings = plan_local_training(profile, run.inputs.train_files, run.inputs.model_path, Path(run.run_dir),
-                                       run.devices_here)
+                                       run.devices_here, run.generation)
         if overlong := check_prompt_lengths(settings):
             progress.warn(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
-        rollouts = profile.generation.describe(profile.platform.accelerated, profile.platform.torch_device)
+        rollouts = run.generation.describe()
         progress.note(f"rollouts: {rollouts}")
         progress.started(settings.max_steps, latest_step(settings.checkpoints))
         result = train_local(settings, run.runtime_env, run.ray_address, progress.step, run_name=run.run_name)

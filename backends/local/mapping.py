@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from generation.plan import GenerationPlan
 from profiles.schema import RunProfile
 from planner.rules import batch_problems
 
@@ -39,8 +40,9 @@ def mapping_problems(profile: RunProfile) -> list[str]:
     return problems
 
 
-def grpo_fields(profile: RunProfile, workers: int) -> tuple[dict[str, Any], int]:
-    """GRPOConfig fields for the profile, and how many optimizer steps make one verl step."""
+def grpo_fields(profile: RunProfile, workers: int, generation: GenerationPlan) -> tuple[dict[str, Any], int]:
+    """GRPOConfig fields for the profile and the run's generation plan (generation/plan.py), and how
+    many optimizer steps make one verl step."""
     algo, data, actor = profile.algorithm, profile.data, profile.actor
     n = algo.rollout_n
     per_update = actor.ppo_mini_batch_size * n  # completions per optimizer step
@@ -62,13 +64,13 @@ def grpo_fields(profile: RunProfile, workers: int) -> tuple[dict[str, Any], int]
         # Global completions per generation round; TRL splits them into micro batches and takes
         # train_batch_size / ppo_mini_batch_size optimizer steps on them, as verl does.
         # generation.steps_per_generation > 1 generates several steps' prompts in one round.
-        "generation_batch_size": data.train_batch_size * n * profile.generation.steps_per_generation,
-        "cache_implementation": "static" if profile.generation.cache == "static" else None,
+        "generation_batch_size": data.train_batch_size * n * generation.steps_per_generation,
+        "cache_implementation": "static" if generation.cache == "static" else None,
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": per_update // (micro * workers),
         "gradient_checkpointing": profile.model.enable_gradient_checkpointing,
     }
-    if profile.generation.resolved_engine(profile.platform.accelerated) == "vllm":
+    if generation.engine == "vllm":
         fields.update(use_vllm=True, vllm_mode="colocate",
                       vllm_gpu_memory_utilization=profile.rollout.gpu_memory_utilization)
     return fields, updates_per_step

@@ -16,9 +16,9 @@ from pydantic import BaseModel, Field
 from backends.local.checkpoints import CHECKPOINTS
 from backends.local.mapping import grpo_fields
 from backends.metrics import METRICS
-from common.decoding import compile_cache_dir
-from profiles.engine import GenerationSection
 from common.errors import ProfileError, UserError
+from generation.decoding import compile_cache_dir
+from generation.plan import GenerationPlan
 from profiles.platform import Platform
 from profiles.schema import RunProfile
 
@@ -42,8 +42,8 @@ class LocalTrainSettings(BaseModel):
     filter_overlong_prompts: bool
     reward_function: str | None = None
     grpo: dict[str, Any] = Field(..., description="GRPOConfig fields derived from the profile.")
-    generation: GenerationSection = Field(default_factory=GenerationSection,
-                                          description="How rollouts are generated (what GRPOConfig has no field for).")
+    generation: GenerationPlan = Field(..., description="How rollouts are generated (generation/plan.py, resolved at "
+                                       "planning): the engine in `grpo`, the decoder and compiling here.")
     compile_cache_dir: str | None = Field(None, description="Where torch keeps compiled decode steps between runs "
                                           "(under model.root).")
 
@@ -69,13 +69,14 @@ def check_workers_fit(p: RunProfile, devices_here: int) -> None:
 
 
 def plan_local_training(
-    profile: RunProfile, data_train_files: list[str], model_path: str, run_dir: Path, devices_here: int
+    profile: RunProfile, data_train_files: list[str], model_path: str, run_dir: Path, devices_here: int,
+    generation: GenerationPlan,
 ) -> LocalTrainSettings:
     """Every check that can fail before a worker starts: worker count vs devices, batch and group
     sizes, the dataset's reward columns, prompt lengths."""
     workers, platform = profile.world_size, profile.platform
     check_workers_fit(profile, devices_here)
-    grpo, updates_per_step = grpo_fields(profile, workers)
+    grpo, updates_per_step = grpo_fields(profile, workers, generation)
     check_reward_columns(data_train_files, profile.algorithm.reward_function)
     steps = profile.trainer.total_training_steps or profile.trainer.total_epochs * (
         _rows(data_train_files) // profile.data.train_batch_size
@@ -99,7 +100,7 @@ def plan_local_training(
         filter_overlong_prompts=profile.data.filter_overlong_prompts,
         reward_function=profile.algorithm.reward_function,
         grpo=grpo,
-        generation=profile.generation,
+        generation=generation,
         compile_cache_dir=str(compile_cache_dir(profile.model.root)),
     )
 

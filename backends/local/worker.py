@@ -14,7 +14,6 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
@@ -22,8 +21,7 @@ from transformers import TrainerCallback
 from backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
 from backends.local.settings import LocalTrainSettings, prompt_length
 from backends.metrics import StepMetrics, append_metrics, keep_metrics_up_to
-from common.decoding import use_compile_cache
-from common.generation import compiled_decoding
+from generation.compiled import compiled_decoding
 
 
 def worker_loop(config: dict[str, Any]) -> None:
@@ -46,12 +44,11 @@ def worker_loop(config: dict[str, Any]) -> None:
         keep_metrics_up_to(settings.metrics_file, resume or 0)
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+    plan = settings.generation  # decided at planning (generation/plan.py); the engine is in settings.grpo
     model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=getattr(torch, settings.dtype),
-                                                 attn_implementation=settings.generation.attn_implementation)
+                                                 attn_implementation=plan.attn_implementation)
     timer = GenerationTimer(model)
     train = training_rows(settings, tokenizer, datasets)
-    native = (settings.generation.resolved_decoder(settings.platform.torch_device) == "native"
-              and not settings.grpo.get("use_vllm"))
     args = GRPOConfig(
         output_dir=str(settings.checkpoints / TRAINER_DIR),
         max_steps=settings.max_steps,
@@ -67,14 +64,12 @@ def worker_loop(config: dict[str, Any]) -> None:
         **settings.grpo,
     )
     trainer_class, native_options = GRPOTrainer, {}
-    if native:
+    if plan.native:
         from backends.local.rollouts import NativeRolloutTrainer
 
-        if settings.compile_cache_dir:
-            use_compile_cache(Path(settings.compile_cache_dir))
         trainer_class = NativeRolloutTrainer
-        native_options = dict(max_prompt_tokens=settings.max_prompt_length, compile=settings.generation.compile,
-                              timer=timer)
+        native_options = dict(plan=plan, max_prompt_tokens=settings.max_prompt_length, timer=timer,
+                              compile_cache_dir=settings.compile_cache_dir)
     trainer = trainer_class(
         model=model,
         reward_funcs=_reward_function(settings.reward_function),
@@ -84,10 +79,10 @@ def worker_loop(config: dict[str, Any]) -> None:
         callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
         **native_options,
     )
-    native_rollouts = native and trainer.native_refusal is None
-    if native and not native_rollouts:
+    native_rollouts = plan.native and trainer.native_refusal is None
+    if plan.native and not native_rollouts:
         print(f"rollouts: transformers generate, not native decoding: {trainer.native_refusal}", flush=True)
-    if settings.generation.compile and not settings.grpo.get("use_vllm") and not native_rollouts:
+    if plan.compile and plan.engine == "transformers" and not native_rollouts:
         compiled_decoding(trainer.generation_config, settings.platform.accelerated)
     checkpoint = settings.checkpoints / f"global_step_{resume}" if resume is not None else None
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)

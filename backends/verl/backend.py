@@ -89,7 +89,7 @@ class VerlBackend(Backend):
     def evaluation(self, profile, settings, devices_here, ray_address, runtime_env):
         """On the run's cluster (the policy is too big for the flow's host): one engine per `rollout.tp`
         devices, each a Ray task on the nodes, once every node is shown able to run its engine."""
-        from stages.evaluate import on_cluster
+        from generation.sharding import on_cluster
 
         def check_nodes() -> None:
             checked = run_preflight(self.node_requirements(profile, "evaluate"), profile.platform.ray_resource,

@@ -57,7 +57,8 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # applied to the driver
     for written in run_dir.rglob("*"):
         assert not written.is_file() or b"hf_never_written" not in written.read_bytes(), written
-    assert json.loads((run_dir / "plan.json").read_text())["backend"] == "local"
+    planned = json.loads((run_dir / "plan.json").read_text())
+    assert planned["backend"] == "local" and planned["generation"]["engine"] == "transformers"  # decided once, recorded
     dataset = json.loads((run_dir / "data" / "dataset.json").read_text())
     assert dataset["rows"] == {"train": 1024, "test": 128} and dataset["path"].startswith(str(tmp_path / "data"))
     model = json.loads((run_dir / "model.json").read_text())
@@ -73,7 +74,7 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     assert "| metric | base | trained | Δ (last - first) |" in report and "## Time per stage" in report
     # the generation path, of the rollouts and of the evaluation (the CPU's: eager, dynamic cache)
     assert "Rollouts: transformers generate (dynamic cache, eager decoding, sdpa attention), 1 step(s)' prompts" in report
-    assert "Generated with transformers_generate (dynamic cache, eager decoding, sdpa attention)." in report
+    assert "Generated with transformers generate (dynamic cache, eager decoding, sdpa attention)." in report
     for image in ("reward_curve.png", "eval_comparison.png"):
         assert f"]({image})" in report and (run_dir / image).read_bytes().startswith(b"\x89PNG")
     for target in re.findall(r"\]\(([^)]+)\)", report):

@@ -17,6 +17,7 @@ import ray
 from backends.local.checkpoints import latest_step
 from backends.local.driver import train_local
 from backends.local.settings import plan_local_training
+from generation.plan import plan_generation
 from flows.request import RunRequest
 from flows.plan import resolve_profile
 from stages.dataset import DataSpec, fetch_dataset
@@ -34,7 +35,8 @@ def settings_for(tmp_path: Path, steps: int, save_freq: int, run: str):
     profile = resolve_profile("tiny", "cpu", overrides=overrides)
     data = fetch_dataset(DataSpec.from_profile(profile.data))
     model = prepare_model(ModelSpec.from_profile(profile.model))
-    return overrides, plan_local_training(profile, data.train_files, model.path, tmp_path / run, devices_here=2)
+    return overrides, plan_local_training(profile, data.train_files, model.path, tmp_path / run, devices_here=2,
+                                           generation=plan_generation(profile))
 
 
 def test_two_workers_learn_the_reward(tmp_path):
@@ -72,7 +74,8 @@ def test_the_fast_rollout_path_records_every_step_of_a_generation_round(tmp_path
     profile = resolve_profile("tiny", "cpu", overrides=overrides)
     data = fetch_dataset(DataSpec.from_profile(profile.data))
     model = prepare_model(ModelSpec.from_profile(profile.model))
-    settings = plan_local_training(profile, data.train_files, model.path, tmp_path / "fast", devices_here=1)
+    settings = plan_local_training(profile, data.train_files, model.path, tmp_path / "fast", devices_here=1,
+                                  generation=plan_generation(profile))
     try:
         result = train_local(settings, None, None)
     finally:

@@ -15,6 +15,7 @@ def grpo_trainer(model_dir, tmp_path, **config):
     from trl import GRPOConfig
 
     from backends.local.rollouts import NativeRolloutTrainer
+    from generation.plan import GenerationPlan
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -37,7 +38,7 @@ def grpo_trainer(model_dir, tmp_path, **config):
                       max_completion_length=6, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
                       use_cpu=True, disable_tqdm=True, seed=0, **config)
     trainer = NativeRolloutTrainer(model=model, reward_funcs=reward, args=args, train_dataset=rows,
-                                   processing_class=tokenizer, max_prompt_tokens=64)
+                                   processing_class=tokenizer, plan=GenerationPlan(decoder="native"), max_prompt_tokens=64)
     return trainer, calls, lengths
 
 

@@ -20,6 +20,7 @@ from ray.job_submission import JobSubmissionClient
 from backends import backend_for
 from backends.base import TrainingInputs, TrainingRun
 from common.preflight import NodesCannotRun
+from generation.plan import plan_generation
 from node_images import node_image
 from flows.plan import resolve_profile
 from verl_cluster import CLUSTER, EVENT_WAIT_S, flow_process, npu_cluster
@@ -86,7 +87,8 @@ def _train(cluster, tmp_path, name: str, *overrides: str):
     data.write_bytes(b"PAR1")
     inputs = TrainingInputs(model_path=str(tmp_path), train_files=[str(data)], val_files=[str(data)],
                             checkpoint_dir=str(run_dir / "checkpoints"))
-    run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name=name, devices_here=0, ray_address=cluster.address)
+    run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name=name, devices_here=0, ray_address=cluster.address,
+                      generation=plan_generation(profile))
 
     class Notes:
         notes, tables = [], []
@@ -156,7 +158,7 @@ def test_the_cluster_evaluation_checks_only_what_its_engines_need(mixed, tmp_pat
 
     cluster, labels = mixed
     profile = resolve_profile("tiny", "npu", overrides=[*CLUSTER, "cluster.nnodes=4"])
-    settings, generate = backend_for("verl").evaluation(profile, EvalSettings.from_profile(profile), 0,
+    settings, generate = backend_for("verl").evaluation(profile, EvalSettings.from_profile(profile, plan_generation(profile)), 0,
                                                         cluster.address, {})
     try:
         with pytest.raises(NodesCannotRun) as refused:  # before any engine is started on a node
@@ -168,3 +170,22 @@ def test_the_cluster_evaluation_checks_only_what_its_engines_need(mixed, tmp_pat
     assert lines[0] == "1 of 4 Ray nodes cannot run the evaluate stage; nothing was started:"
     assert lines[1].strip().startswith(f"node {labels['no vllm-ascend']}: vllm-ascend is not installed")
     assert len(lines) == 2
+
+
+def test_the_preflight_alone_names_what_each_image_lacks_and_submits_nothing(mixed, tmp_path, capsys):
+    """`--preflight` (docs/install.md's check of a cluster's images): both stages' requirements asked
+    of every node, the tables printed, exit 2 with the preflight's own lines."""
+    from flows.grpo import main
+
+    cluster, labels = mixed
+    code = main(["--model", "tiny", "--device", "npu", "--ray-address", cluster.address, "--preflight",
+                 *(f"--set={item}" for item in [*CLUSTER, "cluster.nnodes=4"])])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "# train: preflight: 4 nodes answered" in out and "# evaluate: preflight: 4 nodes answered" in out
+    assert "| can run evaluate |" in out
+    assert "error: 3 of 4 Ray nodes cannot run the train stage; nothing was submitted:" in err
+    assert "error: 1 of 4 Ray nodes cannot run the evaluate stage; nothing was started:" in err
+    assert f"node {labels['no vllm-ascend']}: vllm-ascend is not installed" in err
+    assert not ray.is_initialized()  # it let go of the cluster
+    _nothing_submitted(cluster.address, tmp_path / "none")

@@ -38,6 +38,7 @@ from flows.plan import plan_run
 from flows.request import RunRequest
 from common.errors import UserError
 from flows.plan import resolve_profile
+from generation.plan import plan_generation
 from profiles.schema import DataSection
 from stages.dataset import DataSpec, fetch_dataset
 from stages.environment import resolve_environment
@@ -117,7 +118,7 @@ def _backend_run(cluster, dataset, tiny_model_dir, tmp_path, name: str, *overrid
                             val_files=dataset.val_files, checkpoint_dir=str(run_dir / "checkpoints"))
     env = resolve_environment(profile, ray_address=cluster.address)
     run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name=name, devices_here=0, ray_address=cluster.address,
-                      runtime_env=env.ray_runtime_env())
+                      runtime_env=env.ray_runtime_env(), generation=plan_generation(profile))
     return profile, run
 
 

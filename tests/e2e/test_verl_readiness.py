@@ -32,6 +32,7 @@ from common.ray_cluster import (
     ClusterNotReady, check_reachable, job_api_url, parse_ray_address, wait_for_nodes,
 )
 from flows.plan import resolve_profile
+from generation.plan import plan_generation
 from verl_cluster import ENTRYPOINT, EVENT_WAIT_S, wait_for
 
 
@@ -184,7 +185,8 @@ def test_train_submits_nothing_to_a_cluster_without_the_nodes_it_needs(head_only
     data.write_bytes(b"PAR1")
     inputs = TrainingInputs(model_path=str(tmp_path), train_files=[str(data)], val_files=[str(data)],
                             checkpoint_dir=str(run_dir / "checkpoints"))
-    run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name="short", devices_here=0, ray_address=head_only.address)
+    run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name="short", devices_here=0, ray_address=head_only.address,
+                      generation=plan_generation(profile))
 
     class Silent:
         def started(self, *args): ...

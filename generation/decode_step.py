@@ -1,4 +1,4 @@
-"""The arithmetic of one native decode step (common/decoding.py runs it): a Llama-family layer for a
+"""The arithmetic of one native decode step (generation/decoding.py runs it): a Llama-family layer for a
 prompt batch (prefill) and for one token per sequence (decode), and the choice of the next token.
 
     .venv/bin/python -m pytest -q tests/test_decoding.py
@@ -135,7 +135,7 @@ def _rotate(x, cos, sin):
 def _project(x, w, shape: Shape, cos, sin, splits: Splits):
     """Norm, packed q/k/v projection, q/k norms and rotary embedding of x [B, T, hidden]: q [B, heads,
     T, D] and the keys and values as one [B, 2 x kv_heads, T, D] (keys first), so that one kernel
-    computes both and writes them into the cache (common/decoding.py keeps a layer's keys and values
+    computes both and writes them into the cache (generation/decoding.py keeps a layer's keys and values
     in one tensor)."""
     import torch
 

@@ -5,7 +5,7 @@ window), gpt-fast style: the generator of the local backend's rollouts and of th
     .venv/bin/python -m pytest -q tests/test_decoding.py                           # CPU: same tokens as generate
 
 A static KV cache; the prompt batch prefilled at once; then one decode step per token
-(common/decode_step.py). On a CUDA GPU the step is torch.compile'd (one compiled layer serves every
+(generation/decode_step.py). On a CUDA GPU the step is torch.compile'd (one compiled layer serves every
 layer; FlexAttention reads each sequence's cache only up to its current length) and captured whole in
 a CUDA graph: one replay per token. Sampling (temperature, top-k, top-p) happens on the device; end of
 sequence is a device-side `finished` mask the host reads every `check_every` steps, so no step waits
@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.decode_step import (CACHE_BLOCK, Sampling, Shape, Splits, decode_head, decode_layer, decode_prologue,
+from generation.decode_step import (CACHE_BLOCK, Sampling, Shape, Splits, decode_head, decode_layer, decode_prologue,
                                 prefill_layer, product_splits, rope_tables)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
