@@ -89,9 +89,17 @@ def training_command(
     return command
 
 
-def profile_for(request: RunRequest, device_kind: str) -> tuple[RunProfile, str]:
-    """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide)."""
-    return resolve_run_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
+def profile_for(request: RunRequest, device: DeviceInfo) -> tuple[RunProfile, str]:
+    """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide).
+    On one host whose devices were counted, the backend may plan for them (the local backend: one worker
+    per GPU found, unless a recipe, a profile file or --set names cluster.devices_per_node)."""
+    args = (request.model, device.kind, request.backend, request.profile_file, request.overrides)
+    if device.count > 0 and not cluster_address(request.ray_address)[0]:
+        # Unvalidated first: the device profile's default layout may not fit this host's rules.
+        unchecked, _ = resolve_run_profile(*args, validate=False)
+        if layer := backend_for(unchecked.backend).detected_layer(unchecked, device.count):
+            return resolve_run_profile(*args, detected=layer)
+    return resolve_run_profile(*args)
 
 
 def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> MemoryPlan | None:
@@ -152,7 +160,7 @@ def _exists(path: Path) -> bool:
 
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
-    profile, backend_reason = profile_for(request, device.kind)
+    profile, backend_reason = profile_for(request, device)
     memory = check_plan(request, profile, device, dry_run)
     env = resolve_environment(profile, ray_address=request.ray_address)
     if not dry_run:
