@@ -23,6 +23,9 @@ from profiles.platform import Platform
 from profiles.schema import RunProfile
 
 
+PHASES_FILE = "phases.jsonl"
+
+
 class LocalTrainSettings(BaseModel):
     """Everything a worker needs; plain data, shipped to every Ray Train worker."""
 
@@ -44,6 +47,8 @@ class LocalTrainSettings(BaseModel):
     grpo: dict[str, Any] = Field(..., description="GRPOConfig fields derived from the profile.")
     generation: GenerationSection = Field(default_factory=GenerationSection,
                                           description="How rollouts are generated (what GRPOConfig has no field for).")
+    phase_timing: bool = Field(False, description="Rank 0 writes each step's time by phase to <run>/phases.jsonl "
+                               "(backends/local/phases.py; bench/bench_grpo_step.py turns it on).")
     compile_cache_dir: str | None = Field(None, description="Where torch keeps compiled decode steps between runs "
                                           "(under model.root).")
 

@@ -20,7 +20,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
-from backends.local.settings import LocalTrainSettings, prompt_length
+from backends.local.settings import PHASES_FILE, LocalTrainSettings, prompt_length
 from backends.metrics import StepMetrics, append_metrics, keep_metrics_up_to
 from common.decoding import use_compile_cache
 from common.generation import compiled_decoding
@@ -84,6 +84,10 @@ def worker_loop(config: dict[str, Any]) -> None:
         callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
         **native_options,
     )
+    if settings.phase_timing and rank == 0:
+        from backends.local.phases import StepPhases
+
+        StepPhases.attach(trainer, Path(settings.run_dir) / PHASES_FILE)
     native_rollouts = native and trainer.native_refusal is None
     if native and not native_rollouts:
         print(f"rollouts: transformers generate, not native decoding: {trainer.native_refusal}", flush=True)
