@@ -15,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from backends.local.checkpoints import CHECKPOINTS
 from backends.local.mapping import grpo_fields
+from backends.local.packing import padding_free
 from backends.metrics import METRICS
 from common.decoding import compile_cache_dir
 from profiles.engine import GenerationSection
@@ -47,6 +48,8 @@ class LocalTrainSettings(BaseModel):
     grpo: dict[str, Any] = Field(..., description="GRPOConfig fields derived from the profile.")
     generation: GenerationSection = Field(default_factory=GenerationSection,
                                           description="How rollouts are generated (what GRPOConfig has no field for).")
+    padding_free: bool = Field(False, description="Log-prob passes on packed micro batches, no padding "
+                               "(backends/local/packing.py: engine.use_remove_padding with flash-attention).")
     phase_timing: bool = Field(False, description="Rank 0 writes each step's time by phase to <run>/phases.jsonl "
                                "(backends/local/phases.py; bench/bench_grpo_step.py turns it on).")
     compile_cache_dir: str | None = Field(None, description="Where torch keeps compiled decode steps between runs "
@@ -106,6 +109,7 @@ def plan_local_training(
         grpo=grpo,
         generation=profile.generation,
         compile_cache_dir=str(compile_cache_dir(profile.model.root)),
+        padding_free=padding_free(profile.engine.use_remove_padding, profile.generation.attn_implementation),
     )
 
 

@@ -75,6 +75,10 @@ def worker_loop(config: dict[str, Any]) -> None:
         trainer_class = NativeRolloutTrainer
         native_options = dict(max_prompt_tokens=settings.max_prompt_length, compile=settings.generation.compile,
                               timer=timer)
+    if settings.padding_free:
+        from backends.local.packing import PackedLogProbs
+
+        trainer_class = type(f"Packed{trainer_class.__name__}", (PackedLogProbs, trainer_class), {})
     trainer = trainer_class(
         model=model,
         reward_funcs=_reward_function(settings.reward_function),
