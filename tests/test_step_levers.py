@@ -150,7 +150,7 @@ def test_the_phase_timer_sees_each_pass_of_a_real_trainer(tiny_model_dir, tmp_pa
     trainer, (record,) = grpo_phases(tiny_model_dir, tmp_path, beta=0.0, steps_per_generation=1)
     assert trainer.ref_model is None
     assert record["ref_logprobs"] == 0 and record["old_logprobs"] == 0
-    assert record["generation"] > 0 and record["forward_backward"] > 0 and record["optimizer"] > 0
+    assert min(record["generation"], record["forward_backward"], record["optimizer"], record["other"]) > 0
     assert abs(sum(v for k, v in record.items() if k not in ("step", "wall_s")) - record["wall_s"]) < 1e-3
     # KL on, two updates per round: the round's first step scores the reference and the old policy.
     trainer, records = grpo_phases(tiny_model_dir, tmp_path, beta=0.1, steps_per_generation=2, packed=True)

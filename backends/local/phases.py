@@ -5,7 +5,8 @@
 With `LocalTrainSettings.phase_timing` on, rank 0 appends one JSON line per optimizer step to
 `<run>/phases.jsonl`: seconds in each phase and the step's wall time. Phases are exclusive (a phase
 inside another pauses the outer one), so they add up to the step; what no phase claims is `other`
-(rewards, advantages, TRL's and Ray Train's bookkeeping, checkpoints):
+(`_prepare_inputs` outside the phases below: rewards, advantages, batching; TRL's and Ray Train's
+bookkeeping, checkpoints):
 
 | phase | TRL / pipeline method |
 |---|---|
@@ -13,7 +14,7 @@ inside another pauses the outer one), so they add up to the step; what no phase 
 | weight_sync | the native decoder's `_refresh_weights` (packs q/k/v and gate/up from the policy, on the device) |
 | old_logprobs | `_get_per_token_logps_and_entropies` on the policy, inside `_generate_and_score_completions` |
 | ref_logprobs | the same on the reference model (TRL skips it when beta = 0) |
-| forward_backward | `training_step` less what it calls above (`compute_loss` and `backward`) |
+| forward_backward | `training_step` less what it calls above and `_prepare_inputs` (`compute_loss` and `backward`) |
 | optimizer | the optimizer's `step` and `zero_grad` (gradient clipping counts as `other`) |
 
 On a GPU each boundary synchronises the device (the timings are the kernels', not their launches);
@@ -37,7 +38,7 @@ class StepPhases(TrainerCallback):
 
     def __init__(self, out: Path | None, synchronize=lambda: None):
         self.out, self.synchronize = out, synchronize
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.seconds = dict.fromkeys(PHASES + ("other",), 0.0)
         self.stack: list[list] = []  # [phase, started] of the phases running, innermost last
         self.step_started = time.perf_counter()
         self.scoring = False  # inside _generate_and_score_completions: a log-prob pass is old or ref
@@ -51,6 +52,8 @@ class StepPhases(TrainerCallback):
         phases = cls(out, sync)
         phases._wrap(trainer, "_generate_single_turn", lambda *a, **k: "generation")
         phases._wrap(trainer, "training_step", lambda *a, **k: "forward_backward")
+        # Called by training_step: rewards, advantages, buffering are not the forward's.
+        phases._wrap(trainer, "_prepare_inputs", lambda *a, **k: "other")
 
         def logprob_phase(model, *args, **kwargs):
             if not phases.scoring:
@@ -128,10 +131,10 @@ class StepPhases(TrainerCallback):
         self.synchronize()
         wall = time.perf_counter() - self.step_started
         record = {"step": state.global_step, "wall_s": round(wall, 6),
-                  **{phase: round(seconds, 6) for phase, seconds in self.seconds.items()}}
-        record["other"] = round(wall - sum(self.seconds.values()), 6)
+                  **{phase: round(self.seconds[phase], 6) for phase in PHASES}}
+        record["other"] = round(wall - sum(record[phase] for phase in PHASES), 6)
         self.records.append(record)
         if self.out is not None:
             with self.out.open("a") as file:
                 file.write(json.dumps(record) + "\n")
-        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.seconds = dict.fromkeys(PHASES + ("other",), 0.0)
