@@ -59,17 +59,19 @@ SHAPES = {  # Qwen3 shapes: hidden, MLP, layers, attention heads, KV heads (head
 FILLER = " Read the problem again and keep every number in mind."
 
 
-def make_model(shape: str, vocab: int, out: Path, dtype: str):
+def make_model(shape: str, vocab: int, out: Path, dtype: str, device: str):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from common.builtin_models import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(512, seed=0)
-    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=shape != "qwen3-4b",
+    # Qwen3 up to 4B ties the head to the embedding.
+    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).to(getattr(torch, dtype))
+    with torch.device(device):  # a 4B model's random init takes minutes on the host
+        model = Qwen3ForCausalLM._from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return model, tokenizer
@@ -209,15 +211,19 @@ def main() -> None:
     settings = [("long", args.completion_length)] + ([("short", args.short)] if args.short else [])
     for shape in args.model.split(","):
         model_dir = work / shape
-        model, tokenizer = make_model(shape, args.vocab if shape != "tiny" or args.vocab <= 512 else 512, model_dir, dtype)
+        model, tokenizer = make_model(shape, args.vocab, model_dir, dtype, torch_device)
         train_file = work / f"train-{shape}.parquet"
         rows = long_prompts(tokenizer, args.prompts * args.steps, args.prompt_length)
         pq.write_table(rows, train_file)
         lengths = [prompt_length(tokenizer, p) for p in rows.column("prompt").to_pylist()[:args.prompts]]
         prompt_lengths = [n for n in lengths for _ in range(args.generations)]
+        setting_floors = {setting: floors(model, prompt_lengths, new_tokens, limits) for setting, new_tokens in settings}
+        del model  # the trainer loads its own copy
+        if torch_device == "cuda":
+            torch.cuda.empty_cache()
         for setting, new_tokens in settings:
             args.completion_length = new_tokens
-            floor = floors(model, prompt_lengths, new_tokens, limits)
+            floor = setting_floors[setting]
             for variant, overrides in variants:
                 records = run_variant(args, shape, f"{setting}-{variant}", overrides, model_dir, train_file, work)
                 phases = {}
@@ -239,7 +245,6 @@ def main() -> None:
                 print(json.dumps(cell), flush=True)
                 if args.out:
                     args.out.write_text(json.dumps(result, indent=1) + "\n")  # what was measured survives a later failure
-        del model
     print(table(result))
 
 
