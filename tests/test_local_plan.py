@@ -137,3 +137,11 @@ def test_a_model_directory_on_gpu_plans_for_the_gpus_found(tiny_model_dir):
     # Nothing counted (a dry run that did not probe): the device profile's default.
     unprobed, _ = profile_for(request, detect_device("gpu", dry_run=True))
     assert unprobed.cluster.devices_per_node == 8
+
+
+def test_the_training_batch_is_packed_only_with_kernels_that_take_packed_rows(tmp_path, arith_train):
+    assert not plan(tmp_path, arith_train).padding_free  # sdpa on the CPU: a dense mask would cost more
+    packed = plan(tmp_path, arith_train, "m", 2, "generation.attn_implementation=flash_attention_2")
+    assert packed.padding_free
+    assert not plan(tmp_path, arith_train, "m", 2, "generation.attn_implementation=flash_attention_2",
+                    "engine.use_remove_padding=false").padding_free
