@@ -112,6 +112,12 @@ class Backend(ABC):
                   ray_address: str | None) -> None:
         """Refuse at planning what depends on the host, the cluster address or the stages asked for (UserError)."""
 
+    def detected_layer(self, profile: RunProfile, devices_here: int) -> dict | None:
+        """Settings this engine takes from the `devices_here` found on the run's one host, as a profile
+        layer above the device profile's defaults (a recipe, a profile file or --set still wins); None:
+        the device profile's defaults stand."""
+        return None
+
     def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
                     detected_gib: list[float] | None = None) -> MemoryPlan | None:
         """Device memory per role of this engine's layout (planner/memory.py), with the devices detected

@@ -95,11 +95,13 @@ def training_command(
 
 
 def checked_profile(model: str, device: str, backend: str = "auto", profile_file: str | Path | None = None,
-                    overrides: list[str] | dict[str, Any] | None = None) -> tuple[RunProfile, str]:
+                    overrides: list[str] | dict[str, Any] | None = None,
+                    detected: dict[str, Any] | None = None) -> tuple[RunProfile, str]:
     """The profile from its layers (profiles/loader.py), and why it has its backend, checked against every
     rule at once: its backend's own (layout, batches over its ranks, what it cannot run: the planner's
     rules, picked by the backend) and those that hold for any backend; all problems on one line."""
-    profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False)
+    profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False,
+                                          detected=detected)
     refuse([*backend_for(profile.backend).profile_problems(profile), *profile_problems(profile)])
     return profile, reason
 
@@ -110,9 +112,17 @@ def resolve_profile(model: str, device: str, backend: str = "auto", profile_file
     return checked_profile(model, device, backend, profile_file, overrides)[0]
 
 
-def profile_for(request: RunRequest, device_kind: str) -> tuple[RunProfile, str]:
-    """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide)."""
-    return checked_profile(request.model, device_kind, request.backend, request.profile_file, request.overrides)
+def profile_for(request: RunRequest, device: DeviceInfo) -> tuple[RunProfile, str]:
+    """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide).
+    On one host whose devices were counted, the backend may plan for them (the local backend: one worker
+    per GPU found, unless a recipe, a profile file or --set names cluster.devices_per_node)."""
+    args = (request.model, device.kind, request.backend, request.profile_file, request.overrides)
+    if device.count > 0 and not cluster_address(request.ray_address)[0]:
+        # Unvalidated first: the device profile's default layout may not fit this host's rules.
+        unchecked, _ = resolve_run_profile(*args, validate=False)
+        if layer := backend_for(unchecked.backend).detected_layer(unchecked, device.count):
+            return checked_profile(*args, detected=layer)
+    return checked_profile(*args)
 
 
 def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> MemoryPlan | None:
@@ -175,7 +185,7 @@ def _exists(path: Path) -> bool:
 
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
-    profile, backend_reason = profile_for(request, device.kind)
+    profile, backend_reason = profile_for(request, device)
     memory = check_plan(request, profile, device, dry_run)
     env = resolve_environment(profile, ray_address=request.ray_address)
     if not dry_run:

@@ -49,7 +49,7 @@ def detect_device_task(request: RunRequest, planned: DeviceInfo | None = None) -
 def resolve_profile_task(request: RunRequest, device: DeviceInfo, run_dir: Path,
                          planned: RunProfile | None = None, backend_reason: str | None = None) -> RunProfile:
     if planned is None:  # a run planned on the command line was checked there, before anything started
-        planned, backend_reason = profile_for(request, device.kind)
+        planned, backend_reason = profile_for(request, device)
         check_plan(request, planned, device, dry_run=False)
         check_run_dir(run_dir, dry_run=False)
     get_run_logger().info("backend: %s (%s)", planned.backend, backend_reason)

@@ -74,7 +74,8 @@ class EngineSection(Section):
     use_remove_padding: bool = Field(
         True,
         description="Pack sequences without padding (THD). Must be off for Qwen3.5's Gated DeltaNet "
-        "layers before megatron-core 0.18.",
+        "layers before megatron-core 0.18. The local backend packs its log-prob passes when this is on and "
+        "generation.attn_implementation is flash_attention_2 (backends/local/packing.py).",
     )
     transformer_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Megatron TransformerConfig fields to override."

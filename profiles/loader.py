@@ -193,14 +193,19 @@ def resolve_run_profile(
     profile_file: str | Path | None = None,
     overrides: list[str] | dict[str, Any] | None = None,
     validate: bool = True,
+    detected: dict[str, Any] | None = None,
 ) -> tuple[RunProfile, str]:
     """`resolve_profile`, and why the profile has its backend (`choose_backend`). `validate=False`
     skips the rules across fields (a layout search starts from a layout that may not be valid). The
     backend's own rules (its layout, batches over its ranks) are added where plans are checked:
-    flows/plan.py `checked_profile`."""
+    flows/plan.py `checked_profile`. `detected` is what the backend takes from this host's devices
+    (`Backend.detected_layer`): it sits just above the device profile, so a recipe, a profile file or
+    --set still wins over it."""
     if device not in DEVICE_KINDS:
         raise ProfileError(f"unknown device '{device}'; use one of {', '.join(DEVICE_KINDS)}")
     layers = [(f"device profile {device}", load_yaml_mapping(PROFILES_DIR / "devices" / f"{device}.yaml", "device profile"))]
+    if detected:
+        layers.append(("the devices found on this host", detected))
     layers += model_layers(model, device)
     given = len(layers)  # the layers from here on are the user's
     if profile_file:

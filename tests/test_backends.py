@@ -90,9 +90,12 @@ def test_only_verl_renders_a_command_of_its_own():
         assert (command is not None) == (profile.backend == "verl")
 
 
-def test_a_one_gpu_host_is_refused_the_gpu_platforms_eight_workers_at_planning(tmp_path):
-    """--device gpu with a local HF directory on a 1-GPU host: refused when the run is planned (the
+def test_a_one_gpu_host_plans_one_worker_and_refuses_eight_named_ones(tmp_path):
+    """--device gpu with a local HF directory on a 1-GPU host: the run plans one worker (the GPUs
+    found, not the gpu platform's 8); 8 named by the user are refused when the run is planned (the
     CLI before anything starts, a deployment in resolve_profile), naming the setting to change."""
+    from flows.plan import profile_for
+
     model = tmp_path / "hf-model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4,
@@ -100,12 +103,14 @@ def test_a_one_gpu_host_is_refused_the_gpu_platforms_eight_workers_at_planning(t
     one_gpu = detect_device("gpu", probe={"gpu": {"status": "available", "count": 1, "names": ["NVIDIA H200"],
                                                   "memory_gib": [139.8], "detail": "CUDA sees 1 GPU(s)"}})
     request = RunRequest(model=str(model), device="gpu")
-    profile = resolve_profile(str(model), "gpu")
+    planned, _ = profile_for(request, one_gpu)
+    assert planned.cluster.devices_per_node == 1
+    check_plan(request, planned, one_gpu, dry_run=False)
+    eight = RunRequest(model=str(model), device="gpu", overrides=["cluster.devices_per_node=8"])
+    profile, _ = profile_for(eight, one_gpu)
     with pytest.raises(ProfileError, match=r"cluster.devices_per_node=8: 8 training workers but this host has 1 GPUs; "
                                            r"set --set cluster.devices_per_node=1"):
-        check_plan(request, profile, one_gpu, dry_run=False)
-    fitted = resolve_profile(str(model), "gpu", overrides=["cluster.devices_per_node=1"])
-    check_plan(request, fitted, one_gpu, dry_run=False)
+        check_plan(eight, profile, one_gpu, dry_run=False)
 
 
 def test_where_a_run_evaluates_is_the_backends_answer():

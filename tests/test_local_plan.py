@@ -111,3 +111,43 @@ def test_overlong_prompts_are_refused_or_filtered(tmp_path, arith_train, tiny_mo
     filtered = plan(tmp_path, arith_train, str(tiny_model_dir), 2, "data.max_prompt_length=8", "data.filter_overlong_prompts=true")
     assert check_prompt_lengths(filtered) == 64
     assert check_prompt_lengths(plan(tmp_path, arith_train, str(tiny_model_dir))) == 0
+
+
+def one_host_with(gpus: int) -> dict:
+    """The device probe's answer on a host with `gpus` H200s."""
+    return {"npu": {"status": "absent", "detail": "torch_npu is not installed"},
+            "gpu": {"status": "available", "count": gpus, "names": ["NVIDIA H200"] * gpus,
+                    "memory_gib": [139.8] * gpus, "cuda_version": "13.0", "detail": f"CUDA sees {gpus} GPU(s)"}}
+
+
+def test_a_model_directory_on_gpu_plans_for_the_gpus_found(tiny_model_dir):
+    from flows.plan import check_plan, profile_for
+    from flows.request import RunRequest
+    from stages.device import detect_device
+
+    request = RunRequest(model=str(tiny_model_dir), device="gpu")
+    for gpus in (1, 2):
+        device = detect_device("gpu", probe=one_host_with(gpus))
+        profile, _ = profile_for(request, device)
+        assert (profile.backend, profile.cluster.devices_per_node) == ("local", gpus)
+        check_plan(request, profile, device, dry_run=True)  # the one-GPU host is not refused
+    # What the user names wins over the count, and is checked against it.
+    named = RunRequest(model=str(tiny_model_dir), device="gpu", overrides=["cluster.devices_per_node=2"])
+    profile, _ = profile_for(named, detect_device("gpu", probe=one_host_with(1)))
+    assert profile.cluster.devices_per_node == 2
+    with pytest.raises(ProfileError, match="2 training workers but this host has 1"):
+        check_plan(named, profile, detect_device("gpu", probe=one_host_with(1)), dry_run=True)
+    # A recipe's own layout stands (smollm2-135m trains on one GPU whatever the host has).
+    recipe, _ = profile_for(RunRequest(model="smollm2-135m", device="gpu"), detect_device("gpu", probe=one_host_with(4)))
+    assert recipe.cluster.devices_per_node == 1
+    # Nothing counted (a dry run that did not probe): the device profile's default.
+    unprobed, _ = profile_for(request, detect_device("gpu", dry_run=True))
+    assert unprobed.cluster.devices_per_node == 8
+
+
+def test_the_training_batch_is_packed_only_with_kernels_that_take_packed_rows(tmp_path, arith_train):
+    assert not plan(tmp_path, arith_train).padding_free  # sdpa on the CPU: a dense mask would cost more
+    packed = plan(tmp_path, arith_train, "m", 2, "generation.attn_implementation=flash_attention_2")
+    assert packed.padding_free
+    assert not plan(tmp_path, arith_train, "m", 2, "generation.attn_implementation=flash_attention_2",
+                    "engine.use_remove_padding=false").padding_free

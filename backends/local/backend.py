@@ -17,6 +17,14 @@ class LocalBackend(Backend):
     def profile_problems(self, profile: RunProfile) -> list[str]:
         return mapping_problems(profile)
 
+    def detected_layer(self, profile: RunProfile, devices_here: int) -> dict | None:
+        # One training worker per accelerator found: a model directory on a one-GPU host would
+        # otherwise take the gpu profile's 8 and be refused. A CPU keeps its one worker (the host's
+        # cores are shared by the workers, not counted as devices).
+        if profile.platform.accelerated and profile.cluster.nnodes == 1 and devices_here > 0:
+            return {"cluster": {"devices_per_node": devices_here}}
+        return None
+
     def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool,
                   ray_address: str | None) -> None:
         if "train" in stages:

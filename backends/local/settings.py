@@ -15,12 +15,16 @@ from pydantic import BaseModel, Field
 
 from backends.local.checkpoints import CHECKPOINTS
 from backends.local.mapping import grpo_fields
+from backends.local.packing import padding_free
 from backends.metrics import METRICS
 from common.errors import ProfileError, UserError
 from generation.decoding import compile_cache_dir
 from generation.plan import GenerationPlan
 from profiles.platform import Platform
 from profiles.schema import RunProfile
+
+
+PHASES_FILE = "phases.jsonl"
 
 
 class LocalTrainSettings(BaseModel):
@@ -44,6 +48,10 @@ class LocalTrainSettings(BaseModel):
     grpo: dict[str, Any] = Field(..., description="GRPOConfig fields derived from the profile.")
     generation: GenerationPlan = Field(..., description="How rollouts are generated (generation/plan.py, resolved at "
                                        "planning): the engine in `grpo`, the decoder and compiling here.")
+    padding_free: bool = Field(False, description="Log-prob passes on packed micro batches, no padding "
+                               "(backends/local/packing.py: engine.use_remove_padding with flash-attention).")
+    phase_timing: bool = Field(False, description="Rank 0 writes each step's time by phase to <run>/phases.jsonl "
+                               "(backends/local/phases.py; bench/bench_grpo_step.py turns it on).")
     compile_cache_dir: str | None = Field(None, description="Where torch keeps compiled decode steps between runs "
                                           "(under model.root).")
 
@@ -102,6 +110,7 @@ def plan_local_training(
         grpo=grpo,
         generation=generation,
         compile_cache_dir=str(compile_cache_dir(profile.model.root)),
+        padding_free=padding_free(profile.engine.use_remove_padding, generation.attn_implementation),
     )
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
-from backends.local.settings import LocalTrainSettings, prompt_length
+from backends.local.settings import PHASES_FILE, LocalTrainSettings, prompt_length
 from backends.metrics import StepMetrics, append_metrics, keep_metrics_up_to
 from generation.compiled import compiled_decoding
 
@@ -70,6 +70,10 @@ def worker_loop(config: dict[str, Any]) -> None:
         trainer_class = NativeRolloutTrainer
         native_options = dict(plan=plan, max_prompt_tokens=settings.max_prompt_length, timer=timer,
                               compile_cache_dir=settings.compile_cache_dir)
+    if settings.padding_free:
+        from backends.local.packing import PackedLogProbs
+
+        trainer_class = type(f"Packed{trainer_class.__name__}", (PackedLogProbs, trainer_class), {})
     trainer = trainer_class(
         model=model,
         reward_funcs=_reward_function(settings.reward_function),
@@ -79,6 +83,10 @@ def worker_loop(config: dict[str, Any]) -> None:
         callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
         **native_options,
     )
+    if settings.phase_timing and rank == 0:
+        from backends.local.phases import StepPhases
+
+        StepPhases.attach(trainer, Path(settings.run_dir) / PHASES_FILE)
     native_rollouts = plan.native and trainer.native_refusal is None
     if plan.native and not native_rollouts:
         print(f"rollouts: transformers generate, not native decoding: {trainer.native_refusal}", flush=True)

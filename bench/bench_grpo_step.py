@@ -1,0 +1,252 @@
+"""A whole GRPO step of the local backend split into its phases, each beside its hardware floor.
+
+    .venv/bin/python bench/bench_grpo_step.py --device cpu --model tiny --steps 3 --warmup 1   # checked on CPU
+    python3 bench/bench_grpo_step.py --device gpu --model qwen3-0.6b,qwen3-1.7b,qwen3-4b --out $OUT/step.json
+    python3 bench/bench_grpo_step.py --device gpu --model qwen3-1.7b --variant plain=engine.use_remove_padding=false \\
+        --variant packed=engine.use_remove_padding=true      # a lever off and on, side by side in one run
+
+The pipeline's own step: `train_local` (a Ray Train worker running TRL's GRPOTrainer with the profile's
+generation settings) with `phase_timing` on, which times TRL's methods of that trainer
+(backends/local/phases.py): generation, weight sync into the native decoder, old-policy and reference
+log-probs, forward+backward, optimizer, and everything else. Random Qwen3-shape weights (only time
+matters), arith prompts lengthened to about `--prompt-length` tokens, every completion exactly
+`--completion-length` tokens (end-of-sequence ignored), one optimizer step per generation round
+(`steps_per_generation=1`, the mini batch = the batch), so one step = one round.
+
+Floors, from the copy bandwidth and bf16 matmul rate measured in the same run (bench_decode_floor's
+`ceilings`; on the CPU a quick measurement of its own): forward+backward 6 x params x tokens, a log-prob
+pass 2 x params x tokens, the optimizer 16 bytes a parameter read and 16 written (bf16 weight and
+gradient, fp32 moments), weight sync the packed q/k/v and gate/up bytes read and written once,
+generation the decode floor of bench_decode_floor (per decode step, times the new tokens). `other` has
+no floor. Tokens are the real ones (prompts + completions, no padding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from backends.local.phases import PHASES  # noqa: E402
+from backends.local.settings import PHASES_FILE, plan_local_training, prompt_length  # noqa: E402
+from common.rl_data import arith_splits  # noqa: E402
+from profiles.loader import resolve_profile  # noqa: E402
+
+SHAPES = {  # Qwen3 shapes: hidden, MLP, layers, attention heads, KV heads (head_dim 128)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128),
+    "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128),
+}
+FILLER = " Read the problem again and keep every number in mind."
+
+
+def make_model(shape: str, vocab: int, out: Path, dtype: str, device: str):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from common.builtin_models import train_tiny_tokenizer
+
+    tokenizer = train_tiny_tokenizer(512, seed=0)
+    # Qwen3 up to 4B ties the head to the embedding.
+    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device(device):  # a 4B model's random init takes minutes on the host
+        model = Qwen3ForCausalLM._from_config(config, dtype=getattr(torch, dtype))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return model, tokenizer
+
+
+def long_prompts(tokenizer, count: int, target: int) -> pa.Table:
+    """`count` arith rows whose user message is lengthened with filler to about `target` tokens."""
+    table = arith_splits(count, 8, seed=0)["train"]
+    rows = table.to_pylist()
+    for row in rows:
+        message = row["prompt"][-1]
+        while prompt_length(tokenizer, row["prompt"]) < target:
+            message["content"] += FILLER
+    return pa.Table.from_pylist(rows, schema=table.schema)
+
+
+def rates(device: str) -> dict:
+    """Copy bandwidth (bytes read + written per second) and matmul rate, measured here."""
+    import torch
+
+    if device == "cuda":
+        from bench_decode_floor import ceilings
+
+        return ceilings("cuda")
+    src, a = torch.randn(2**24), torch.randn(1024, 1024)
+    dst, b = torch.empty_like(src), torch.randn_like(a)
+    copy = min(_timed(lambda: dst.copy_(src)) for _ in range(3))
+    matmul = min(_timed(lambda: a @ b) for _ in range(3))
+    return {"copy_tb_s": round(2 * src.numel() * 4 / copy / 1e12, 4), "bf16_tflop_s": round(2 * 1024**3 / matmul / 1e12, 4),
+            "measured": True, "note": "CPU: float32 copy and matmul"}
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def floors(model, prompt_lengths: list[int], new_tokens: int, limits: dict) -> dict:
+    """Seconds each phase of one step takes at the measured rates."""
+    from bench_decode_floor import floor as decode_floor
+
+    params = sum(p.numel() for p in model.parameters())  # tied embeddings once (the head's matmul)
+    tokens = sum(prompt_lengths) + len(prompt_lengths) * new_tokens
+    flop_s, copy_b_s = limits["bf16_tflop_s"] * 1e12, limits["copy_tb_s"] * 1e12
+    element = next(model.parameters()).element_size()
+    packed = sum(m.weight.numel() for layer in model.model.layers
+                 for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                           layer.mlp.gate_proj, layer.mlp.up_proj))
+    step = decode_floor(model, prompt_lengths, new_tokens, limits)["floor_ms"] / 1e3
+    return {
+        "generation": step * new_tokens,
+        "weight_sync": 2 * packed * element / copy_b_s,
+        "old_logprobs": 2 * params * tokens / flop_s,
+        "ref_logprobs": 2 * params * tokens / flop_s,
+        "forward_backward": 6 * params * tokens / flop_s,
+        "optimizer": 32 * params / copy_b_s,
+        "params": params, "tokens": tokens,
+    }
+
+
+def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir: Path, train_file: Path,
+                work: Path) -> list[dict]:
+    import ray
+
+    from backends.local.driver import train_local
+
+    completions = args.prompts * args.generations
+    profile = resolve_profile("tiny", args.device, overrides=[
+        f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
+        f"actor.ppo_micro_batch_size_per_gpu={min(args.micro, completions)}", f"algorithm.rollout_n={args.generations}",
+        f"data.max_response_length={args.completion_length}", f"data.max_prompt_length={args.prompt_length + 64}",
+        f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.steps}", "cluster.devices_per_node=1",
+        "generation.steps_per_generation=1", *args.set, *overrides])
+    run_dir = work / f"run-{shape}-{variant}"
+    settings = plan_local_training(profile, [str(train_file)], str(model_dir), run_dir, 1)
+    settings.grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
+    settings = settings.model_copy(update={"phase_timing": True})
+    try:
+        train_local(settings, None, None, run_name="bench-step")
+    finally:
+        ray.shutdown()
+    records = [json.loads(line) for line in (run_dir / PHASES_FILE).read_text().splitlines()]
+    return records[args.warmup:]
+
+
+def table(result: dict) -> str:
+    lines = ["| model | setting | variant | phase | ms | floor ms | x floor |", "|---|---|---|---|---|---|---|"]
+    for cell in result["cells"]:
+        for phase, row in cell["phases"].items():
+            ratio = f"{row['x_floor']:.2f}" if row.get("x_floor") else ""
+            floor = f"{row['floor_ms']:.1f}" if row.get("floor_ms") is not None else ""
+            lines.append(f"| {cell['model']} | {cell['setting']} | {cell['variant']} | {phase} | {row['ms']:.1f} | "
+                         f"{floor} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="comma-separated: " + ", ".join(SHAPES))
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--prompt-length", type=int, default=256)
+    parser.add_argument("--completion-length", type=int, default=1024)
+    parser.add_argument("--short", type=int, default=128, help="completion length of the short-response setting "
+                        "(0: leave it out)")
+    parser.add_argument("--micro", type=int, default=16, help="actor.ppo_micro_batch_size_per_gpu")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out (the first compiles)")
+    parser.add_argument("--set", action="append", default=[], help="a profile override for every variant")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=override[,override...]: run each model with these too (default: one run as is)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--table", type=Path, help="print the markdown table of a results file and stop")
+    args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
+    if args.device == "cpu" and args.model == "tiny" and args.prompts == 16 and args.completion_length == 1024:
+        # The CPU check's own scale: the tiny model, a few short prompts.
+        args.prompts, args.generations, args.prompt_length, args.completion_length, args.short = 2, 4, 64, 16, 8
+        args.vocab, args.micro = 512, 8
+    import torch
+
+    torch_device = "cuda" if args.device == "gpu" else "cpu"
+    dtype = "bfloat16" if args.device == "gpu" else "float32"
+    variants = [(v.split("=", 1)[0], [o for o in v.split("=", 1)[1].split(",") if o]) for v in args.variant] or [("as-is", [])]
+    limits = rates(torch_device)
+    result = {"command": " ".join(sys.argv), "device": args.device, "rates": limits, "prompts": args.prompts,
+              "generations": args.generations, "prompt_length": args.prompt_length, "micro": args.micro,
+              "steps": args.steps, "warmup": args.warmup, "overrides": args.set, "cells": []}
+    if torch_device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+    work = Path(tempfile.mkdtemp(prefix="bench-step-"))
+    settings = [("long", args.completion_length)] + ([("short", args.short)] if args.short else [])
+    for shape in args.model.split(","):
+        model_dir = work / shape
+        model, tokenizer = make_model(shape, args.vocab, model_dir, dtype, torch_device)
+        train_file = work / f"train-{shape}.parquet"
+        rows = long_prompts(tokenizer, args.prompts * args.steps, args.prompt_length)
+        pq.write_table(rows, train_file)
+        lengths = [prompt_length(tokenizer, p) for p in rows.column("prompt").to_pylist()[:args.prompts]]
+        prompt_lengths = [n for n in lengths for _ in range(args.generations)]
+        setting_floors = {setting: floors(model, prompt_lengths, new_tokens, limits) for setting, new_tokens in settings}
+        del model  # the trainer loads its own copy
+        if torch_device == "cuda":
+            torch.cuda.empty_cache()
+        for setting, new_tokens in settings:
+            args.completion_length = new_tokens
+            floor = setting_floors[setting]
+            for variant, overrides in variants:
+                records = run_variant(args, shape, f"{setting}-{variant}", overrides, model_dir, train_file, work)
+                phases = {}
+                for phase in (*PHASES, "other", "wall_s"):
+                    ms = 1e3 * statistics.fmean(r[phase] for r in records)
+                    row = {"ms": round(ms, 2)}
+                    if phase in floor:
+                        row["floor_ms"] = round(1e3 * floor[phase], 3)
+                        row["x_floor"] = round(ms / row["floor_ms"], 2) if ms > 0 and row["floor_ms"] > 0 else None
+                    phases["step" if phase == "wall_s" else phase] = row
+                floor_sum = sum(row["floor_ms"] for p, row in phases.items() if "floor_ms" in row and row["ms"] > 0)
+                phases["step"]["floor_ms"] = round(floor_sum, 3)
+                phases["step"]["x_floor"] = round(phases["step"]["ms"] / floor_sum, 2)
+                cell = {"model": shape, "setting": f"{args.prompts}x{args.generations}, {args.prompt_length}+{new_tokens}",
+                        "variant": variant, "overrides": overrides, "params": floor["params"], "tokens": floor["tokens"],
+                        "tokens_per_s": round(args.prompts * args.generations * new_tokens / phases["step"]["ms"] * 1e3, 1),
+                        "phases": phases, "steps_timed": len(records)}
+                result["cells"].append(cell)
+                print(json.dumps(cell), flush=True)
+                if args.out:
+                    args.out.write_text(json.dumps(result, indent=1) + "\n")  # what was measured survives a later failure
+    print(table(result))
+
+
+if __name__ == "__main__":
+    main()
