@@ -92,6 +92,9 @@ class TrainingProgress(Protocol):
 
 class Backend(ABC):
     name: str
+    # True: the engine's own job logs each step to the run's experiment trackers (verl's loggers,
+    # rendered from the profile's `tracking`); False: the flow logs the steps it follows.
+    logs_to_trackers: bool = False
 
     @abstractmethod
     def profile_problems(self, profile: RunProfile) -> list[str]:

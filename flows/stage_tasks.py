@@ -25,6 +25,7 @@ from flows.plan import check_plan, check_run_dir, profile_for
 from flows.request import RunRequest
 from flows.run_record import RunRecord, write_run_report
 from flows.task_policy import CACHED_ACROSS_RUNS, StepTable, progress_artifact, stage_task
+from flows.tracking import StepTracking, finish_tracker_run, report_files
 from profiles.schema import ModelArchitecture, RunProfile
 from stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from stages.device import DeviceInfo, detect_device, requested_device
@@ -117,9 +118,10 @@ class StepLog:
     Prefect progress artifact `train`), and the Prefect table artifact `train-metrics`, one row per step,
     updated in place as training goes."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, tracking: StepTracking | None = None) -> None:
         self.logger, self.bar, self.max_steps = get_run_logger(), None, 0
         self.table = StepTable(run_dir / METRICS)
+        self.tracking = tracking
 
     def started(self, max_steps: int, resumed_from: int | None) -> None:
         self.max_steps = max_steps
@@ -132,6 +134,8 @@ class StepLog:
         self.bar.update(metrics.step - self.bar.n)
         self.logger.info(metrics.log_line(self.max_steps))
         self.table.show()
+        if self.tracking is not None:
+            self.tracking.step(metrics)
 
     def note(self, message: str) -> None:
         self.logger.info(message)
@@ -149,6 +153,8 @@ class StepLog:
         if self.bar is not None:
             self.bar.close()
         self.table.show(final=True)
+        if self.tracking is not None:
+            self.tracking.close()
 
 
 @stage_task("train")
@@ -156,7 +162,7 @@ def train_task(
     profile: RunProfile, device: DeviceInfo, env: RuntimeEnv, data: DatasetFiles, model: ModelCheckpoint,
     run_dir: Path, ray_address: str | None,
 ) -> TrainResult:
-    progress = StepLog(run_dir)
+    progress = StepLog(run_dir, StepTracking(profile, run_dir, backend_for(profile.backend).logs_to_trackers))
     try:
         with progress_artifact("train", f"GRPO {profile.model.name} ({profile.world_size} workers)"):
             return train(profile, device, env, data, model, run_dir, ray_address, progress)
@@ -205,4 +211,6 @@ def report_task(record: RunRecord) -> Path:
     path, markdown = write_run_report(record)
     create_markdown_artifact(key="run-report", markdown=markdown, description=f"Report of run {record.run_dir.name}")
     get_run_logger().info("report: %s", path)
+    if finish_tracker_run(record.profile, record.run_dir, record.result, report_files(record.run_dir), True):
+        get_run_logger().info("tracker runs: %s", "; ".join(f"{k}: {v}" for k, v in record.result["tracking"].items()))
     return path

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from backends.verl.command import VERL_VERSION
 from profiles.requirements import NodeRequirement
 from profiles.schema import RunProfile
+from profiles.tracking import tracker_requirements
 
 
 class Bridge(NamedTuple):
@@ -47,6 +48,7 @@ def verl_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
     bridge, other = BRIDGES[profile.engine.vanilla_mbridge], BRIDGES[not profile.engine.vanilla_mbridge]
     knows = architecture.model_type if bridge.found_by == "model_type" else architecture.hf_architecture
     return {
+        **tracker_requirements(profile.tracking),
         "verl": NodeRequirement(
             version=f"=={VERL_VERSION}", stages=["train"],
             why=f"the job's overrides are rendered for verl {VERL_VERSION}'s config: another release may refuse them "
