@@ -28,6 +28,7 @@ from flows.pipeline import FLOW_OPTIONS, run_pipeline
 from flows.request import OVERRIDE_LINES, RUN_NAME, STAGES, RunRequest
 from profiles.errors import UserError
 from profiles.secrets import scrub
+from profiles.tracking import TrackerName
 
 Stage = Literal[STAGES]  # type: ignore[valid-type]  # the UI offers the names to pick from
 
@@ -43,6 +44,7 @@ def run_from_form(
     run_root: str = "runs",
     ray_address: str = "",
     profile_file: str = "",
+    trackers: list[TrackerName] = [],  # noqa: B006  (Prefect builds the form from this default; never mutated)
 ):
     """GRPO post-training, from a bare machine to an evaluated checkpoint.
 
@@ -68,8 +70,14 @@ def run_from_form(
             one); empty: the worker's RAY_ADDRESS (prefect.yaml sets it per cluster), else a local Ray.
         profile_file: A YAML file of profile settings on the worker's host, applied before the
             overrides; empty: none.
+        trackers: Experiment trackers that get the run (docs/tracking.md): MLflow (the worker's
+            MLFLOW_TRACKING_URI), Weights & Biases (the worker's WANDB_API_KEY; never typed here),
+            TensorBoard (event files in the run's folder); empty: none, or the profile's
+            `tracking.trackers`. Their other settings are overrides (`tracking.wandb.project=...`).
     """
     try:
+        if trackers:  # the choice is a profile setting: it joins the overrides, ahead of the typed ones
+            overrides = f"tracking.trackers=[{','.join(dict.fromkeys(trackers))}]\n{overrides}"
         request = RunRequest.from_form(model=model, device=device, backend=backend, overrides=overrides, stages=stages,
                                        run_name=run_name, run_root=run_root, ray_address=ray_address,
                                        profile_file=profile_file)
