@@ -76,11 +76,9 @@ def run_from_form(
             `tracking.trackers`. Their other settings are overrides (`tracking.wandb.project=...`).
     """
     try:
-        if trackers:  # the choice is a profile setting: it joins the overrides, ahead of the typed ones
-            overrides = f"tracking.trackers=[{','.join(dict.fromkeys(trackers))}]\n{overrides}"
         request = RunRequest.from_form(model=model, device=device, backend=backend, overrides=overrides, stages=stages,
                                        run_name=run_name, run_root=run_root, ray_address=ray_address,
-                                       profile_file=profile_file)
+                                       profile_file=profile_file, trackers=trackers)
         return run_pipeline(request, None)
     except UserError as exc:
         # The state's message is what the UI shows for the run: the one line that says what to fix.

@@ -91,10 +91,14 @@ class RunRequest(BaseModel):
     )
 
     @classmethod
-    def from_form(cls, *, overrides: str, profile_file: str, run_name: str, ray_address: str, **fields) -> RunRequest:
+    def from_form(cls, *, overrides: str, profile_file: str, run_name: str, ray_address: str,
+                  trackers: list[str] | None = None, **fields) -> RunRequest:
         """The request a deployment's form makes: text boxes, where empty means the default and the
-        overrides are one KEY=VALUE a line."""
+        overrides are one KEY=VALUE a line. The trackers picked are the profile's `tracking.trackers`,
+        ahead of the typed overrides (a typed line still wins)."""
         lines = [line.strip() for line in overrides.splitlines() if line.strip()]
+        if trackers:
+            lines = [f"tracking.trackers=[{','.join(dict.fromkeys(trackers))}]", *lines]
         try:
             return cls(overrides=lines, profile_file=profile_file.strip() or None, run_name=run_name.strip() or None,
                        ray_address=ray_address.strip() or None, **fields)

@@ -213,3 +213,20 @@ def test_an_unknown_tracker_is_refused_at_planning_in_one_line():
     assert answer.returncode == 2, answer.stderr
     lines = answer.stderr.strip().splitlines()
     assert len(lines) == 1 and "tracking.trackers" in lines[0] and "neptune" in lines[0], lines
+
+
+def test_the_forms_tracker_choice_is_the_profiles_tracking_trackers():
+    from flows.form import run_from_form
+    from flows.request import RunRequest
+    from prefect.utilities.callables import parameter_schema
+
+    schema = parameter_schema(run_from_form.fn).model_dump()
+    field = schema["properties"]["trackers"]
+    choices = schema["definitions"][field["items"]["$ref"].split("/")[-1]]["enum"] if "$ref" in field["items"] \
+        else field["items"]["enum"]
+    assert choices == ["mlflow", "wandb", "tensorboard"] and field["default"] == []
+    request = RunRequest.from_form(model="tiny", device="cpu", backend="local", overrides="tracking.wandb.mode=offline",
+                                   stages=[], run_name="", run_root="runs", ray_address="", profile_file="",
+                                   trackers=["tensorboard", "wandb"])
+    profile = resolve_profile("tiny", "cpu", overrides=request.overrides)
+    assert profile.tracking.trackers == ["tensorboard", "wandb"] and profile.tracking.wandb.mode == "offline"
