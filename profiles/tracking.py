@@ -18,7 +18,6 @@ from profiles.requirements import NodeRequirement
 from profiles.section import Section
 
 TrackerName = Literal["mlflow", "wandb", "tensorboard"]
-TRACKERS: tuple[str, ...] = ("mlflow", "wandb", "tensorboard")
 # The distribution each tracker's client ships in: what the preflight asks every node for when the
 # verl backend's job logs to the tracker itself.
 # verl's TensorBoard logger writes through torch's SummaryWriter, which needs the tensorboard package.
