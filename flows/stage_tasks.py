@@ -27,6 +27,7 @@ from flows.run_record import RunRecord, write_run_report
 from flows.task_policy import CACHED_ACROSS_RUNS, StepTable, progress_artifact, stage_task
 from flows.tracking import StepTracking, finish_tracker_run, report_files
 from profiles.schema import ModelArchitecture, RunProfile
+from profiles.secrets import scrub
 from stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from stages.device import DeviceInfo, detect_device, requested_device
 from stages.environment import RuntimeEnv, resolve_environment
@@ -162,7 +163,8 @@ def train_task(
     profile: RunProfile, device: DeviceInfo, env: RuntimeEnv, data: DatasetFiles, model: ModelCheckpoint,
     run_dir: Path, ray_address: str | None,
 ) -> TrainResult:
-    progress = StepLog(run_dir, StepTracking(profile, run_dir, backend_for(profile.backend).logs_to_trackers))
+    logs_itself = backend_for(profile.backend).logs_to_trackers
+    progress = StepLog(run_dir, StepTracking(profile, run_dir, logs_itself, get_run_logger().warning))
     try:
         with progress_artifact("train", f"GRPO {profile.model.name} ({profile.world_size} workers)"):
             return train(profile, device, env, data, model, run_dir, ray_address, progress)
@@ -211,6 +213,9 @@ def report_task(record: RunRecord) -> Path:
     path, markdown = write_run_report(record)
     create_markdown_artifact(key="run-report", markdown=markdown, description=f"Report of run {record.run_dir.name}")
     get_run_logger().info("report: %s", path)
-    if finish_tracker_run(record.profile, record.run_dir, record.result, report_files(record.run_dir), True):
-        get_run_logger().info("tracker runs: %s", "; ".join(f"{k}: {v}" for k, v in record.result["tracking"].items()))
+    try:  # the report is written whatever the tracker answers
+        if finish_tracker_run(record.profile, record.run_dir, record.result, report_files(record.run_dir), True):
+            get_run_logger().info("tracker runs: %s", "; ".join(f"{k}: {v}" for k, v in record.result["tracking"].items()))
+    except Exception as exc:  # each tool raises its own types
+        get_run_logger().warning("tracking: the evaluation and report did not reach the tracker runs (%s)", scrub(str(exc)))
     return path

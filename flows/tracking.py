@@ -79,15 +79,29 @@ def step_values(metrics: StepMetrics) -> dict[str, float]:
 
 
 class StepTracking:
-    """Training's steps to the trackers, for a backend whose job does not log them itself."""
+    """Training's steps to the trackers, for a backend whose job does not log them itself. A tracker
+    that goes away once training runs costs its steps a warning, never the training (reaching it is
+    checked at the start); the steps stay in metrics.jsonl and the report."""
 
-    def __init__(self, profile: RunProfile, run_dir: Path, logs_itself: bool):
-        self._context = None if logs_itself else tracking_session(profile.tracking, run_dir, Path(run_dir).name)
-        self.session = self._context.__enter__() if self._context else None
+    def __init__(self, profile: RunProfile, run_dir: Path, logs_itself: bool, warn):
+        self.warn, self._context, self.session = warn, None, None
+        if logs_itself:
+            return
+        self._context = tracking_session(profile.tracking, run_dir, Path(run_dir).name)
+        try:
+            self.session = self._context.__enter__()
+        except Exception as exc:  # each tool raises its own types
+            self._context = None
+            warn(f"tracking: the tracker runs could not be reopened for training's steps ({scrub(str(exc))[:200]}); "
+                 "training goes on, its steps are in metrics.jsonl")
 
     def step(self, metrics: StepMetrics) -> None:
-        if self.session is not None:
+        if self.session is None:
+            return
+        try:
             self.session.log_step(metrics.step, step_values(metrics))
+        except Exception as exc:
+            self.warn(f"tracking: step {metrics.step} was not logged ({scrub(str(exc))[:200]}); training goes on")
 
     def close(self) -> None:
         if self._context is not None:

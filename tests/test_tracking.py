@@ -75,7 +75,7 @@ def test_a_run_and_its_resumed_retry_are_one_tracker_run_in_each_tool(mlflow_url
     run_dir.mkdir()
 
     first = open_tracker_run(profile, device, env, run_dir, flow_run, warn=pytest.fail)
-    steps = StepTracking(profile, run_dir, logs_itself=False)
+    steps = StepTracking(profile, run_dir, logs_itself=False, warn=pytest.fail)
     for step in (1, 2, 3):
         steps.step(_step(step))
     steps.close()
@@ -83,7 +83,7 @@ def test_a_run_and_its_resumed_retry_are_one_tracker_run_in_each_tool(mlflow_url
     retry = uuid4()  # a second flow run of the same run folder
     again = open_tracker_run(profile, device, env, run_dir, retry, warn=pytest.fail)
     assert again.runs == first.runs
-    steps = StepTracking(profile, run_dir, logs_itself=False)
+    steps = StepTracking(profile, run_dir, logs_itself=False, warn=pytest.fail)
     for step in (2, 3, 4, 5):
         steps.step(_step(step))
     steps.close()
@@ -230,3 +230,19 @@ def test_the_forms_tracker_choice_is_the_profiles_tracking_trackers():
                                    trackers=["tensorboard", "wandb"])
     profile = resolve_profile("tiny", "cpu", overrides=request.overrides)
     assert profile.tracking.trackers == ["tensorboard", "wandb"] and profile.tracking.wandb.mode == "offline"
+
+
+def test_a_tracker_that_goes_away_during_training_costs_warnings_not_the_training(tmp_path):
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    profile = resolve_profile("tiny", "cpu", overrides=["tracking.trackers=[mlflow]", f"tracking.mlflow.tracking_uri={store}"])
+    device = DeviceInfo(kind="cpu", decided_by="requested", reason="test")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    state = open_tracker_run(profile, device, {}, run_dir, uuid4(), warn=pytest.fail)
+    MlflowClient(store).delete_run(state.runs["mlflow"]["run_id"])  # someone deletes it while training runs
+    warned: list[str] = []
+    steps = StepTracking(profile, run_dir, logs_itself=False, warn=warned.append)
+    for step in (1, 2):
+        steps.step(_step(step))
+    steps.close()
+    assert warned and all(line.startswith("tracking: ") and "\n" not in line for line in warned)
