@@ -10,6 +10,10 @@ that the bench starts; W&B runs offline; TensorBoard writes event files. From ea
 - `train_s_per_step`: the train stage's wall time (timings.json) over the steps: what the run waits;
 - `open_s`: opening the tracker run after planning (timings.json `open_tracker_run`).
 Ratios are each variant's over `none` of the same round.
+
+`--log-calls N` measures instead what one training step's record costs the flow's process in each
+tool: N `log_step` calls (the nine `train/*` metrics of a step) into a tracker run opened as a run opens
+it, the tools alternated in blocks of 10; it adds `log_step_ms` to the `--out` file when that exists.
 """
 
 from __future__ import annotations
@@ -56,14 +60,56 @@ def run(model: str, root: Path, name: str, steps: int, settings: list[str], env:
             "open_s": timings.get("open_tracker_run", 0.0), "wall_s": wall, "steps": len(records)}
 
 
+def log_step_cost(root: Path, url: str, calls: int) -> dict[str, float]:
+    """Milliseconds per logged step, per tool (median of the blocks)."""
+    from backends.metrics import StepMetrics
+    from common.tracking import start_tracking, tracking_session
+    from flows.tracking import step_values
+    from profiles.tracking import TrackingSection
+
+    record = StepMetrics(step=1, reward_mean=0.5, reward_std=0.1, kl=0.01, loss=0.2, entropy=2.0, response_length=12.0,
+                         tokens_per_s=100.0, step_time_s=1.0, generation_s=0.5, learning_rate=1e-3, time=time.time())
+    sessions, blocks = {}, {}
+    for tool in ("mlflow", "wandb", "tensorboard"):
+        settings = TrackingSection(trackers=[tool], mlflow={"tracking_uri": url}, wandb={"mode": "offline"})
+        run_dir = root / f"log-calls-{tool}"
+        run_dir.mkdir()
+        start_tracking(settings, run_dir, run_dir.name, {"model.name": "tiny"}, {"backend": "local"}, print)
+        context = tracking_session(settings, run_dir, run_dir.name)
+        sessions[tool], blocks[tool] = (context, context.__enter__()), []
+    step = 0
+    for _ in range(max(1, calls // 10)):
+        for tool, (_, session) in sessions.items():
+            started = time.perf_counter()
+            for _ in range(10):
+                step += 1
+                session.log_step(step, step_values(record))
+            blocks[tool].append((time.perf_counter() - started) / 10 * 1000)
+    for context, _ in sessions.values():
+        context.__exit__(None, None, None)
+    return {tool: statistics.median(values) for tool, values in blocks.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--log-calls", type=int, default=0)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-tracking-"))
+    if args.log_calls:
+        os.environ.update(WANDB_SILENT="true", WANDB_CONFIG_DIR=str(root / "wandb-config"))
+        with mlflow_server(root) as url:
+            cost = log_step_cost(root, url, args.log_calls)
+        print("ms per logged step: " + ", ".join(f"{tool} {ms:.2f}" for tool, ms in cost.items()))
+        if args.out and args.out.is_file():
+            result = json.loads(args.out.read_text())
+            result["log_step_ms"] = {"calls": args.log_calls, **cost}
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+            print(f"added to {args.out}")
+        return
     env = {**os.environ, "TQDM_DISABLE": "1", "WANDB_SILENT": "true", "WANDB_CONFIG_DIR": str(root / "wandb-config")}
     env.pop("PREFECT_API_URL", None)
     rounds: list[dict[str, dict]] = []
