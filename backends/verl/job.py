@@ -117,7 +117,8 @@ def job_spec(
     sid = submission_id(run_name, token, attempt)
     metrics_file = str((Path(run_dir) / JOB_DIR / f"metrics-{sid}.jsonl").resolve())
     # verl's loggers continue the run's tracker runs (common/tracking.py) from the variables they read.
-    env_vars = {**runtime_env.get("env_vars", {}), **job_env(profile.tracking, run_dir), FILE_LOGGER_PATH_VAR: metrics_file}
+    env_vars = {**runtime_env.get("env_vars", {}), **job_env(profile.tracking, run_dir),
+                FILE_LOGGER_PATH_VAR: metrics_file}
     return JobSpec(
         submission_id=sid,
         entrypoint=shlex.join(verl_command(profile, inputs)),
