@@ -102,6 +102,9 @@ class Backend(ABC):
     def card(self) -> BackendCard:
         """This backend's row of the table: what the flow and the profile know of it without importing it."""
         return BACKEND_TABLE[self.name]
+    # True: the engine's own job logs each step to the run's experiment trackers (verl's loggers,
+    # rendered from the profile's `tracking`); False: the flow logs the steps it follows.
+    logs_to_trackers: bool = False
 
     @abstractmethod
     def profile_problems(self, profile: RunProfile) -> list[str]:

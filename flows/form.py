@@ -29,6 +29,7 @@ from flows.task_policy import filter_run_logs
 from profiles.backend_table import BackendChoice
 from common.errors import UserError
 from profiles.secrets import scrub
+from profiles.tracking import TrackerName
 
 Stage = Literal[STAGES]  # type: ignore[valid-type]  # the UI offers the names to pick from
 
@@ -50,6 +51,7 @@ def run_from_form(
     run_root: Annotated[str, checked("run_root")] = "runs",
     ray_address: Annotated[str, checked("ray_address")] = "",
     profile_file: Annotated[str, checked("profile_file")] = "",
+    trackers: list[TrackerName] = [],  # noqa: B006  (Prefect builds the form from this default; never mutated)
 ):
     """GRPO post-training, from a bare machine to an evaluated checkpoint.
 
@@ -75,12 +77,16 @@ def run_from_form(
             one); empty: the worker's RAY_ADDRESS (prefect.yaml sets it per cluster), else a local Ray.
         profile_file: A YAML file of profile settings on the worker's host, applied before the
             overrides; empty: none.
+        trackers: Experiment trackers that get the run (docs/tracking.md): MLflow (the worker's
+            MLFLOW_TRACKING_URI), Weights & Biases (the worker's WANDB_API_KEY; never typed here),
+            TensorBoard (event files in the run's folder); empty: none, or the profile's
+            `tracking.trackers`. Their other settings are overrides (`tracking.wandb.project=...`).
     """
     filter_run_logs()  # before the form's fields are read: a refusal is its one line, with no traceback after it
     try:
         request = RunRequest.from_form(model=model, device=device, backend=backend, overrides=overrides, stages=stages,
                                        run_name=run_name, run_root=run_root, ray_address=ray_address,
-                                       profile_file=profile_file)
+                                       profile_file=profile_file, trackers=trackers)
         return run_pipeline(request, None)
     except UserError as exc:
         # The state's message is what the UI shows for the run: the one line that says what to fix.

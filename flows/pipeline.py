@@ -36,6 +36,7 @@ from flows.stage_tasks import (
     train_task,
 )
 from flows.task_policy import filter_run_logs, reuse_only_if_intact
+from flows.tracking import open_tracker_run, tracking_lines
 from generation.plan import plan_generation
 from stages.dataset import DataSpec, dataset_dir
 from stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
@@ -96,6 +97,11 @@ def _run_planning_and_stages(request: RunRequest, plan: RunPlan | None, flow_run
     if "prepare_environment" in request.stages:
         record.env = record.run("prepare_environment", prepare_environment_task, record.profile, run_dir,
                                 request.ray_address, plan.env if plan else None)
+        with record.step("open_tracker_run"):  # after planning, before anything is fetched or trained
+            tracking = open_tracker_run(record.profile, device, record.env.redacted(), run_dir, flow_run_id,
+                                        get_run_logger().warning)
+        if tracking is not None:
+            record.result["tracking"] = tracking_lines(tracking)
         _run_stages(request, record)
         record.write("timings.json", record.timings)
     return record

@@ -74,17 +74,23 @@ class RunRequest(BaseModel):
     )
 
     @classmethod
-    def from_form(cls, *, overrides: str, profile_file: str, run_name: str, ray_address: str, **fields) -> RunRequest:
+    def from_form(cls, *, overrides: str, profile_file: str, run_name: str, ray_address: str,
+                  trackers: list[str] | None = None, **fields) -> RunRequest:
         """The request a deployment's form makes: text boxes, where empty means the default and the
         overrides are one KEY=VALUE a line. The form's rules (flows/form_rules.py) first, as the
-        Prefect API checked them, so a run from the form accepts exactly what the form accepts."""
+        Prefect API checked them, so a run from the form accepts exactly what the form accepts. The
+        trackers picked are the profile's `tracking.trackers`, ahead of the typed overrides (a typed
+        line still wins)."""
         texts = {"model": fields.get("model", ""), "overrides": overrides, "run_name": run_name,
                  "run_root": fields.get("run_root", ""), "ray_address": ray_address, "profile_file": profile_file}
         for field, text in texts.items():
             if field in FORM_RULES and isinstance(text, str) and (problem := first_broken(field, text)):
                 raise UserError(problem)
+        lines = override_lines(overrides)
+        if trackers:
+            lines = [f"tracking.trackers=[{','.join(dict.fromkeys(trackers))}]", *lines]
         try:
-            return cls(overrides=override_lines(overrides), profile_file=profile_file.strip() or None,
+            return cls(overrides=lines, profile_file=profile_file.strip() or None,
                        run_name=run_name.strip() or None, ray_address=ray_address.strip() or None, **fields)
         except ValidationError as exc:
             error = exc.errors()[0]

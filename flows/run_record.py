@@ -123,6 +123,13 @@ def close_failed_run(flow_run_id: UUID, how: str, message: str | None) -> None:
     except Exception as exc:  # the API may be what went away; the file is written
         logger.warning("the report could not be published to Prefect's API (%s); it is in %s", exc, path)
     logger.error("the run %s in stage %s; report: %s", how, record.stage, path)
+    if record.profile and record.result.get("tracking"):
+        from flows.tracking import finish_tracker_run, report_files
+
+        try:  # the tracker run ends failed, with the failure's report
+            finish_tracker_run(record.profile, record.run_dir, record.result, report_files(record.run_dir), False)
+        except Exception as exc:  # the tracker may be what went away; the report is written
+            logger.warning("the tracker run could not be closed (%s)", scrub(str(exc)))
 
 
 def close_cancelled_run(flow_run_id: UUID) -> bool:
@@ -153,6 +160,6 @@ def write_run_report(record: RunRecord, failure: str | None = None, stopped: lis
         profile=record.profile.model_dump(mode="json") if record.profile else None,
         device=record.device.model_dump(mode="json"), env=record.env.redacted() if record.env else None,
         train=record.result.get("train"), evaluation=record.result.get("eval"), timings=dict(record.timings),
-        failure=failure, stopped=stopped,
+        failure=failure, stopped=stopped, tracking=record.result.get("tracking"),
     )
     return write_report(record.run_dir, **parts), ui_report(record.run_dir, **parts)

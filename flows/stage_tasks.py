@@ -25,9 +25,11 @@ from flows.plan import check_plan, check_run_dir, profile_for
 from flows.request import RunRequest
 from flows.run_record import RunRecord, write_run_report
 from flows.task_policy import CACHED_ACROSS_RUNS, StepTable, progress_artifact, stage_task
+from flows.tracking import StepTracking, finish_tracker_run, report_files
 from generation.engines import engine_label
 from generation.plan import GenerationPlan
 from profiles.schema import ModelArchitecture, RunProfile
+from profiles.secrets import scrub
 from stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from stages.device import DeviceInfo, detect_device, requested_device
 from stages.environment import RuntimeEnv, resolve_environment
@@ -119,9 +121,10 @@ class StepLog:
     Prefect progress artifact `train`), and the Prefect table artifact `train-metrics`, one row per step,
     updated in place as training goes."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, tracking: StepTracking | None = None) -> None:
         self.logger, self.bar, self.max_steps = get_run_logger(), None, 0
         self.table = StepTable(run_dir / METRICS)
+        self.tracking = tracking
 
     def started(self, max_steps: int, resumed_from: int | None) -> None:
         self.max_steps = max_steps
@@ -134,6 +137,8 @@ class StepLog:
         self.bar.update(metrics.step - self.bar.n)
         self.logger.info(metrics.log_line(self.max_steps))
         self.table.show()
+        if self.tracking is not None:
+            self.tracking.step(metrics)
 
     def note(self, message: str) -> None:
         self.logger.info(message)
@@ -151,6 +156,8 @@ class StepLog:
         if self.bar is not None:
             self.bar.close()
         self.table.show(final=True)
+        if self.tracking is not None:
+            self.tracking.close()
 
 
 @stage_task("train")
@@ -158,7 +165,8 @@ def train_task(
     profile: RunProfile, device: DeviceInfo, env: RuntimeEnv, data: DatasetFiles, model: ModelCheckpoint,
     run_dir: Path, ray_address: str | None, generation: GenerationPlan,
 ) -> TrainResult:
-    progress = StepLog(run_dir)
+    logs_itself = backend_for(profile.backend).logs_to_trackers
+    progress = StepLog(run_dir, StepTracking(profile, run_dir, logs_itself, get_run_logger().warning))
     try:
         with progress_artifact("train", f"GRPO {profile.model.name} ({profile.world_size} workers)"):
             return train(profile, device, env, data, model, run_dir, ray_address, progress, generation)
@@ -208,4 +216,9 @@ def report_task(record: RunRecord) -> Path:
     path, markdown = write_run_report(record)
     create_markdown_artifact(key="run-report", markdown=markdown, description=f"Report of run {record.run_dir.name}")
     get_run_logger().info("report: %s", path)
+    try:  # the report is written whatever the tracker answers
+        if finish_tracker_run(record.profile, record.run_dir, record.result, report_files(record.run_dir), True):
+            get_run_logger().info("tracker runs: %s", "; ".join(f"{k}: {v}" for k, v in record.result["tracking"].items()))
+    except Exception as exc:  # each tool raises its own types
+        get_run_logger().warning("tracking: the evaluation and report did not reach the tracker runs (%s)", scrub(str(exc)))
     return path

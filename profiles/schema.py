@@ -21,6 +21,7 @@ from profiles.section import (
     MAX_DEVICES_PER_NODE, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_NODES, MAX_SEQUENCES, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH,
     Section,
 )
+from profiles.tracking import TrackingSection
 
 __all__ = ["DeviceKind", "Platform", "RunProfile", "Section"]
 
@@ -314,6 +315,8 @@ class RunProfile(Section):
     planner: PlannerSection = Field(default_factory=PlannerSection, description="The memory planner.")
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     eval: EvalSection = Field(default_factory=EvalSection, description="The evaluation stage.")
+    tracking: TrackingSection = Field(
+        default_factory=TrackingSection, description="Experiment trackers (MLflow, W&B, TensorBoard) that get the run.")
     proxy_policy: ProxyPolicy = Field(
         "bypass-cluster",
         description="What to do with http(s)/all proxy variables, for every device: `clear` removes them "

@@ -191,6 +191,7 @@ def render(
     timings: dict[str, float] | None = None,
     failure: str | None = None,
     stopped: list[str] | None = None,
+    tracking: dict[str, str] | None = None,
 ) -> str:
     parts = [f"# GRPO run `{run_dir.name}`", "", f"Run folder `{run_dir}` on host `{socket.gethostname()}`.", ""]
     if failure:
@@ -199,6 +200,10 @@ def render(
         last = read_metrics(run_dir / METRICS)
         parts += [f"- last completed training step: {last[-1].step if last else 'none'}",
                   f"- stopped: {', '.join(stopped) if stopped else 'nothing was running'}", ""]
+    if tracking:
+        shown = [f"[{name}]({where})" if where.startswith(("http://", "https://")) else f"{name}: {where}"
+                 for name, where in tracking.items()]
+        parts += ["Experiment tracking: " + "; ".join(shown) + ".", ""]
     if profile:
         model, data, algo = profile["model"], profile["data"], profile["algorithm"]
         parts += [f"Model **{model['name']}** (`{model['path']}`), dataset **{data['dataset']}**, backend "

@@ -9,7 +9,9 @@ runtime_env). What it imitates: verl's device check ("Total available GPUs X is 
 desired GPUs Y"), its console step lines, its file logger (`$VERL_FILE_LOGGER_PATH`, opened "wb"), its
 checkpoint layout (`global_step_N/actor/...` then `latest_checkpointed_iteration.txt`), and its
 resume rule (`trainer.resume_mode=auto` starts after the tracker's step; at the last step it
-validates and exits 0 without training). Its checkpoints hold the base model's weights as the policy,
+validates and exits 0 without training). Its experiment trackers (`trainer.logger`: mlflow, wandb,
+tensorboard) are verl's own tracking layer (`verl.utils.tracking.Tracking`), as verl's trainer builds it,
+so the settings the backend renders for them are read by verl's code. Its checkpoints hold the base model's weights as the policy,
 as HF safetensors or, when the run loads a dist checkpoint, as one.
 
 Test controls, from the job's environment (the profile's `env`):
@@ -83,9 +85,10 @@ def main(overrides: list[str]) -> int:
     else:
         print("Training from scratch", flush=True)
     logger = open(os.environ["VERL_FILE_LOGGER_PATH"], "wb", buffering=0) if "file" in trainer["logger"] else None
+    tracking = _trackers(config)
     print(f"Total training steps: {total}", flush=True)
     if trainer["val_before_train"]:
-        _log(logger, step, {"val-core/arith/reward/mean@1": 0.1})
+        _log(logger, step, {"val-core/arith/reward/mean@1": 0.1}, tracking)
     step += 1
     while step <= total:
         _wait_at_gate(step)
@@ -98,9 +101,25 @@ def main(overrides: list[str]) -> int:
         metrics = _step_metrics(step, time.monotonic() - started, config)
         if trainer["save_freq"] > 0 and (step == total or step % trainer["save_freq"] == 0):
             _save(checkpoints, step, config)
-        _log(logger, step, metrics)
+        _log(logger, step, metrics, tracking)
         step += 1
+    if tracking is not None:
+        tracking.finish()
     return 0
+
+
+def _trackers(config: dict):
+    """verl's own tracking layer for the experiment trackers in `trainer.logger`, built as verl's trainer
+    builds it (`Tracking(project_name, experiment_name, trainer.logger, config)`); the console and file
+    loggers stay this stand-in's own (above)."""
+    trainer = config["trainer"]
+    tracked = [name for name in trainer["logger"] if name not in ("console", "file")]
+    if not tracked:
+        return None
+    from verl.utils.tracking import Tracking
+
+    return Tracking(project_name=trainer["project_name"], experiment_name=trainer["experiment_name"],
+                    default_backend=tracked, config=config)
 
 
 def _steps_per_epoch(config: dict) -> int:
@@ -130,11 +149,13 @@ def _step_metrics(step: int, seconds: float, config: dict) -> dict:
     return metrics
 
 
-def _log(logger, step: int, data: dict) -> None:
-    """verl's console line (aggregate_logger.concat_dict_to_str) and its file-logger record."""
+def _log(logger, step: int, data: dict, tracking=None) -> None:
+    """verl's console line (aggregate_logger.concat_dict_to_str), its file-logger record, and its trackers."""
     print(" - ".join([f"step:{step}", *(f"{k}:{v!r}" for k, v in data.items())]), flush=True)
     if logger is not None:
         logger.write(json.dumps({"step": step, "data": data}).encode() + b"\n")
+    if tracking is not None:
+        tracking.log(data=data, step=step)
 
 
 def _save(checkpoints: Path, step: int, config: dict) -> None:

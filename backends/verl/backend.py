@@ -73,6 +73,7 @@ class JobStopped(UserError):
 
 class VerlBackend(Backend):
     name = "verl"
+    logs_to_trackers = True
 
     def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
                     detected_gib: list[float] | None = None) -> MemoryPlan | None:

@@ -189,8 +189,8 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
         settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.rollout.engine_kwargs.vllm.{name}"] = value
     settings.update(
         {
-            "trainer.logger": t.logger if FILE_LOGGER in t.logger else [*t.logger, FILE_LOGGER],
-            "trainer.project_name": t.project_name,
+            "trainer.logger": tracked_loggers(t.logger, p.tracking.trackers),
+            "trainer.project_name": tracked_project(p),
             "trainer.experiment_name": t.experiment_name,
             "trainer.nnodes": p.cluster.nnodes,
             "trainer.n_gpus_per_node": p.cluster.devices_per_node,
@@ -204,6 +204,18 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
         }
     )
     return settings
+
+
+def tracked_loggers(loggers: list[str], trackers: list[str]) -> list[str]:
+    """verl's loggers: the profile's, the run's experiment trackers (verl logs each step to them itself,
+    continuing the tracker run the flow opened: backends/verl/job.py), and the file logger, each once."""
+    return list(dict.fromkeys([*loggers, *trackers, FILE_LOGGER]))
+
+
+def tracked_project(profile: RunProfile) -> str:
+    """verl passes `trainer.project_name` to `wandb.init(project=...)` (and names MLflow's experiment by it
+    unless MLFLOW_RUN_ID attaches it to a run, as the tracked job does): W&B's project when W&B is tracked."""
+    return profile.tracking.wandb.project if "wandb" in profile.tracking.trackers else profile.trainer.project_name
 
 
 def format_value(value: Any) -> str:

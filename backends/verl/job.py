@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, ValidationError
 from backends.base import TrainingInputs
 from backends.verl.command import verl_command
 from common.files import write_json_atomic
+from common.tracking import job_env
 from profiles.schema import RunProfile
 
 JOB_DIR = "verl"
@@ -115,7 +116,9 @@ def job_spec(
         )
     sid = submission_id(run_name, token, attempt)
     metrics_file = str((Path(run_dir) / JOB_DIR / f"metrics-{sid}.jsonl").resolve())
-    env_vars = {**runtime_env.get("env_vars", {}), FILE_LOGGER_PATH_VAR: metrics_file}
+    # verl's loggers continue the run's tracker runs (common/tracking.py) from the variables they read.
+    env_vars = {**runtime_env.get("env_vars", {}), **job_env(profile.tracking, run_dir),
+                FILE_LOGGER_PATH_VAR: metrics_file}
     return JobSpec(
         submission_id=sid,
         entrypoint=shlex.join(verl_command(profile, inputs)),

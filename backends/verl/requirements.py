@@ -19,6 +19,7 @@ from typing import NamedTuple
 from backends.verl.command import VERL_VERSION
 from profiles.requirements import NodeRequirement
 from profiles.schema import RunProfile
+from profiles.tracking import tracker_requirements
 
 
 class Bridge(NamedTuple):
@@ -46,6 +47,7 @@ BRIDGES = {
 
 def verl_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
     needs = {
+        **tracker_requirements(profile.tracking),
         "verl": NodeRequirement(
             version=f"=={VERL_VERSION}", stages=["train"],
             why=f"the job's overrides are rendered for verl {VERL_VERSION}'s config: another release may refuse them "

@@ -151,3 +151,17 @@ def _api(env: dict, call):
 
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
         return call(client)
+
+
+@pytest.fixture(scope="module")
+def headless_chromium():
+    """The same Chromium without the Prefect server of `ui`: for pages of other tools (the MLflow UI)."""
+    from playwright.sync_api import sync_playwright
+
+    executable = chromium_executable()
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()

@@ -13,7 +13,8 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
 RUN_TIMEOUT_S = 900  # a tiny run end to end on a loaded 2-core machine, with the server and browser beside it
-FIELDS = ["model", "device", "backend", "overrides", "stages", "run_name", "run_root", "ray_address", "profile_file"]
+FIELDS = ["model", "device", "backend", "overrides", "stages", "run_name", "run_root", "ray_address", "profile_file",
+          "trackers"]
 
 
 def screenshot(page, name: str) -> None:

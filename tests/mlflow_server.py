@@ -1,0 +1,62 @@
+"""A real MLflow tracking server for the tracking tests: `mlflow server` over HTTP on 127.0.0.1, its
+SQLite backend store and its artifact store under a temporary folder, as a team runs one.
+
+    PYTHONPATH=$PWD python -m pytest -q tests/test_tracking.py
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+# Starting takes ~25 s on a loaded 2-core machine (its imports and the database's migrations).
+START_WAIT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def mlflow_server(root: Path) -> Iterator[str]:
+    """The server's URL while it runs; stopped (and its workers with it) on exit."""
+    port = free_port()
+    log = open(root / "mlflow-server.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
+         "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_WAIT_S
+        while True:
+            assert process.poll() is None, f"mlflow server exited: {(root / 'mlflow-server.log').read_text()[-2000:]}"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                    if answer.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "mlflow server did not answer /health"
+            time.sleep(0.5)
+        yield url
+    finally:
+        import os
+        import signal
+
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        log.close()
