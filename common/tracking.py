@@ -23,7 +23,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from common.files import write_json_atomic
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.secrets import scrub
 from profiles.tracking import TrackingSection
 

@@ -16,7 +16,7 @@ from common.preflight import run_preflight
 from common.ray_cluster import cluster_address, connect_ray, disconnect_ray
 from flows.plan import RunPlan
 from flows.request import RunRequest
-from profiles.errors import EXIT_USER_ERROR, UserError
+from common.errors import EXIT_USER_ERROR, UserError
 
 
 def check_nodes(request: RunRequest, plan: RunPlan) -> int:

@@ -27,7 +27,7 @@ from backends.verl.job import job_spec
 from common.tracking import read_state, tracking_session
 from flows.tracking import StepTracking, finish_tracker_run, open_tracker_run, report_files, tracking_lines
 from mlflow_server import free_port, mlflow_server
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.loader import resolve_profile
 from stages.device import DeviceInfo
 from stages.environment import resolve_environment
