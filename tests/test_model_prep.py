@@ -138,6 +138,8 @@ def test_smollm2_is_converted_from_the_packaged_gguf_once(tmp_path):
     assert sorted(p.name for p in Path(checkpoint.path).glob("*.safetensors")) == ["model.safetensors"]
     config = json.loads((Path(checkpoint.path) / "config.json").read_text())
     assert "quantization_config" not in config
+    # the recipe records the GGUF's context length, so planning bounds prompt + response by it
+    assert config["max_position_embeddings"] == profile.model.architecture.max_position_embeddings == 8192
     tokenizer = AutoTokenizer.from_pretrained(checkpoint.path)
     model = AutoModelForCausalLM.from_pretrained(checkpoint.path, dtype=torch.float32)
     inputs = tokenizer.apply_chat_template(

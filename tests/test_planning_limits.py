@@ -127,3 +127,29 @@ def test_a_model_whose_kv_heads_outnumber_its_heads_is_refused_at_planning(cli, 
 def test_no_layout_fitting_names_the_way_the_cluster_is_wrong(cli, nnodes, fix):
     line = one_error_line(cli(*QWEN, "--suggest-layout", "--set", f"cluster.nnodes={nnodes}"))
     assert line.endswith(f"devices; {fix}"), line
+
+
+def test_a_length_whose_rollouts_cannot_fit_in_memory_is_refused_at_planning(cli):
+    """The issue's probe: data.max_response_length=16777216 (the documented bound) allocated 137 GB on
+    the tiny model. Planning sizes the rollouts' KV cache (32 sequences per worker x 16777280
+    positions x 2 layers x K and V x 2 KV heads x 16 x 4 bytes, plus token ids and log-probs) with the
+    weights against the memory there is, and says the largest length that fits."""
+    memory = ("--set", "platform.device_memory_gib=64")  # the host's available memory otherwise
+    line = one_error_line(cli("--model", "tiny", "--device", "cpu", "--dry-run", *memory,
+                              "--set", "data.max_response_length=16777216"))
+    assert ("data.max_response_length=16777216: rollouts need 281321858560 bytes (262.0 GiB: 32 sequences per worker "
+            "x 16777280 positions of KV cache, with the weights), more than the 64.0 GiB of platform.device_memory_gib; "
+            "set data.max_response_length <= 4098161") in line
+    assert "more than the model's max_position_embeddings 512" in line  # the other rule, on the same line
+    # a length the model allows, but not a memory this small: only the memory rule speaks
+    line = one_error_line(cli("--model", "tiny", "--device", "cpu", "--dry-run", "--set", "platform.device_memory_gib=0.002",
+                              "--set", "data.max_response_length=448"))
+    assert "data.max_response_length=448: rollouts need" in line and "max_position_embeddings" not in line
+    fits = cli("--model", "tiny", "--device", "cpu", "--dry-run", "--set", "platform.device_memory_gib=0.002")
+    assert fits.returncode == 0, fits.stderr
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "tiny"])
+def test_the_recipes_own_lengths_fit_in_memory(cli, model):
+    done = cli("--model", model, "--device", "cpu", "--dry-run")
+    assert done.returncode == 0 and "rollouts need" not in done.stdout + done.stderr, done.stderr

@@ -7,6 +7,7 @@ from pathlib import Path
 from backends.base import Backend, TrainingInputs, TrainingProgress, TrainingRun, TrainResult
 from backends.local.checkpoints import latest_step
 from backends.local.mapping import mapping_problems
+from backends.local.rollout_memory import rollout_memory_problems
 from backends.local.settings import check_prompt_lengths, check_workers_fit, plan_local_training
 from profiles.schema import RunProfile
 
@@ -15,7 +16,7 @@ class LocalBackend(Backend):
     name = "local"
 
     def profile_problems(self, profile: RunProfile) -> list[str]:
-        return mapping_problems(profile)
+        return [*mapping_problems(profile), *rollout_memory_problems(profile)]
 
     def detected_layer(self, profile: RunProfile, devices_here: int) -> dict | None:
         # One training worker per accelerator found: a model directory on a one-GPU host would
