@@ -79,3 +79,9 @@ def plan_generation(profile: RunProfile) -> GenerationPlan:
         attn_implementation=section.attn_implementation, torch_device=platform.torch_device,
         steps_per_generation=section.steps_per_generation,
     )
+
+
+def steps_per_round(profile: RunProfile) -> int:
+    """The GRPO steps whose prompts one rollout round generates (the plan's `steps_per_generation`), for
+    the rules that size a round before the plan is made (backends/local/rollout_memory.py)."""
+    return profile.generation.steps_per_generation

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from generation.plan import steps_per_round
 from profiles.model_size import kv_bytes_per_token, linear_state_bytes_per_sequence, model_size, size_problems
 from profiles.schema import RunProfile
 
@@ -27,7 +28,7 @@ STATE_BYTES_PER_POSITION = 8 + 4
 def rollout_batch(p: RunProfile) -> int:
     """Sequences one worker decodes at once: its share of a generation round (backends/local/mapping.py's
     generation_batch_size over the data-parallel workers)."""
-    round_size = p.data.train_batch_size * p.algorithm.rollout_n * p.generation.steps_per_generation
+    round_size = p.data.train_batch_size * p.algorithm.rollout_n * steps_per_round(p)
     return math.ceil(round_size / p.world_size)
 
 
