@@ -90,7 +90,7 @@ def test_the_form_is_the_fields_a_person_fills_each_described_and_checked(deploy
     assert deployment.enforce_parameter_schema  # the API checks the form's rules before it stores a run
     fields = schema["properties"]
     assert list(fields) == ["model", "device", "backend", "overrides", "stages", "run_name", "run_root", "ray_address",
-                            "profile_file"]
+                            "profile_file", "trackers"]
     assert schema["required"] == ["model"]
     for name, field in fields.items():
         assert field.get("description"), name
