@@ -13,15 +13,15 @@ over that many ranks, which leaves world / SP data-parallel ranks. Its roles run
   module, kept gathered through forward and backward, and two decoder layers (one prefetched); the
   output layer's unsharded bf16 gradient (computed first, reduced when backward ends) and one layer's
   (bf16 computed, fp32 for the reduce-scatter). Activations of one micro batch as the transformers
-  layers keep them (`local` layer formula of planner/activations.py, tensor-parallel size 1): every
-  layer's whole set without gradient checkpointing; with it (`model.enable_gradient_checkpointing`)
-  each layer's bf16 input, plus one layer recomputed with its gradients. Logits as verl's dp engine
-  uses transformers' bf16 output, with no fp32 copy: logits and their gradient (x4), x8 with an
-  entropy term.
+  layers keep them (`hf_layer_bytes`): every layer's whole set without gradient checkpointing, held at
+  the loss beside the logits; with it (`model.enable_gradient_checkpointing`) each layer's bf16 input,
+  then the larger of the logits (freed once lm_head's backward ran) and one recomputed layer with its
+  backward's working set. Logits as verl 0.9.1 uses transformers' bf16 output with flash-attn's in-place
+  cross entropy: x2, x8 with an entropy term (the constants below, with their file:line).
 - actor, optimizer step: the state plus torch AdamW's foreach temporaries (4 bytes a parameter of the shard).
 - log-probs: the old policy's no-grad forward (logits x6: verl always computes its entropy), beside
   what the actor keeps resident (parameters unless offloaded, Adam's state unless offloaded; gradients
-  are freed after each step); the reference's (x4): verl 0.9.1 gives a forward-only FSDP2 model
+  are freed after each step); the reference's (x2): verl 0.9.1 gives a forward-only FSDP2 model
   `CPUOffloadPolicy`, so its fp32 shard lives on the host and only the gathered bf16 units reach the device.
 - rollout: vLLM's share of the device beside what the actor leaves resident (planner/roles.py).
 - host: per node, each device's offloaded parameters and Adam's state, and the reference's shard.
