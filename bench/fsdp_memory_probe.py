@@ -122,10 +122,20 @@ def build_model(cfg: dict, device: str):
     return model
 
 
-def token_log_probs(logits, labels):
-    """Log-probs of `labels` from bf16 logits, a chunk of rows at a time (verl's fallback loops rows)."""
+def token_log_probs(logits, labels, inplace_backward=True):
+    """Log-probs of `labels` from bf16 logits as verl takes them (utils/torch_functional.py:73-107):
+    flash-attn's Triton cross entropy where installed (the gradient written into the logits when no
+    entropy is computed, as the planner assumes), else a chunk of rows at a time (verl's fallback)."""
     import torch
 
+    try:
+        from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+    except ImportError:
+        cross_entropy_loss = None
+    if cross_entropy_loss is not None and logits.is_cuda:
+        losses = cross_entropy_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                    inplace_backward=inplace_backward)[0]
+        return (-losses).view(labels.shape)
     flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     parts = [torch.log_softmax(flat[i:i + LOG_SOFTMAX_ROWS].float(), dim=-1)
              .gather(-1, flat_labels[i:i + LOG_SOFTMAX_ROWS, None]).squeeze(-1)
@@ -179,7 +189,7 @@ def measure(config: dict) -> dict:
         peak_reset()
         started = time.perf_counter()
         logits = model(input_ids=inputs).logits
-        log_probs = token_log_probs(logits, labels)
+        log_probs = token_log_probs(logits, labels, inplace_backward=not cfg["entropy_coeff"])
         loss = -(log_probs * torch.randn(log_probs.shape, generator=generator).to(device)).mean()
         if cfg["entropy_coeff"]:
             loss = loss - cfg["entropy_coeff"] * entropy(logits).mean()
