@@ -144,7 +144,11 @@ def _train_runs_and_logs(flow_run_id):
 async def _read_train_runs_and_logs(flow_run_id):
     async with get_client() as client:
         task_runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-        logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        logs, page = [], None
+        while page is None or len(page) == 200:  # the API answers at most 200 at a time; verl's log is longer
+            page = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+                                          limit=200, offset=len(logs))
+            logs += page
     return [run for run in task_runs if run.name.startswith("train")], [log.message for log in logs]
 
 
