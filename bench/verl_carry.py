@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
-"""Carry verl 0.9.1 + vLLM 0.24.0 (and the pipeline's own packages) to the lent H200, whose image has
-torch 2.11.0+cu130 but none of them, in parts that each fit one device call.
+"""Carry verl 0.9.1 + vLLM 0.24.0 (the cluster's image: what Ray's nodes run) to the lent H200, whose
+image has torch 2.11.0+cu130 but neither, in parts that each fit one device call.
 
     python3 bench/verl_carry.py plan --out .whl-verl           # here: resolve, download, slim, split; prints the calls
-    python3 bench/verl_carry.py install --part .whl-verl/part3 # there: one call per part, back to back
+    python3 bench/verl_carry.py install --part .whl-verl/part3 # there: one call per part, into /tmp/site-verl
     python3 bench/verl_carry.py check                          # here: the split/join/selection logic on CPU
+
+The flow's own packages go to another folder (/tmp/site, ../shared/tools/gpu_wheels.py): prefect
+3.9.1 needs fastapi>=0.139 and vLLM 0.24.0 fastapi<0.137, so they cannot share one environment. The
+flow runs with PYTHONPATH=/tmp/site; Ray is started with PYTHONPATH=/tmp/site-verl, so the job's
+entrypoint and every worker (verl, vLLM, the evaluation's engines) see the cluster's image, as on a
+real cluster (bench/h200_verl.sh). Both hold ray 2.60.0.
 
 What travels, and why (docs/cluster.md "verl on the H200" has the measured sizes):
 - every package the pinned resolution of the pipeline + `verl[verl-core]==0.9.1` + `vllm==0.24.0` needs
@@ -26,7 +32,7 @@ What travels, and why (docs/cluster.md "verl on the H200" has the measured sizes
 Each part is at most LIMIT (52 MiB: a call carries 64 MiB with the checkout). A wheel larger than that
 is cut into chunks; `install` appends each chunk to a staging file outside the checkout (/tmp/carry,
 which survives while the machine stays warm) and installs the wheel once its last chunk is there and
-its sha256 matches the plan. Installs go to /tmp/site (PYTHONPATH=/tmp/site).
+its sha256 matches the plan. Installs go to /tmp/site-verl.
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ from pathlib import Path
 LIMIT = 52 * 2**20
 PLAN = "plan.json"
 REQUIREMENTS = [
-    # the pipeline (as ../shared/tools/gpu_wheels.py), Ray with its dashboard (the job API)
-    "prefect==3.9.1", "ray[default]==2.60.0", "trl==1.16.0", "datasets", "pydantic", "gguf", "mathruler", "pylatexenc",
+    # the cluster's Ray (the flow's release) with its dashboard (the job API); what the project's code
+    # imports in tasks on the nodes (the preflight, the evaluation's rewards)
+    "ray[default]==2.60.0", "pydantic", "mathruler", "pylatexenc",
     # verl and its rollout engine, at the versions its vllm extra pins
     "verl[verl-core]==0.9.1", "vllm==0.24.0", "transformers==5.9.0", "tokenizers==0.22.2", "torch==2.11.0",
     "hydra-core==1.3.2", "omegaconf==2.3.0",
@@ -78,6 +85,8 @@ EXCLUDED = {"nvidia-", "cuda-", "torch", "torchvision", "torchaudio", "triton", 
 VLLM_DROPPED = re.compile(r"^vllm/(vllm_flash_attn/_vllm_fa2_C\.abi3\.so|_moe_C_stable_libtorch\.abi3\.so|vllm-rs|"
                           r"_flashmla_C\.abi3\.so|third_party/.*)$")
 RAY_DROPPED = re.compile(r"^ray/jars/|\.js\.map$")
+# Published as source only (pure Python): built into a wheel here, found by the resolver in --find-links.
+SDIST_ONLY = ["antlr4-python3-runtime==4.9.3"]  # hydra-core 1.3's parser runtime
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64", "any"]
 TARGET = ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
           *(f"--platform={p}" for p in PLATFORMS)]
@@ -204,19 +213,22 @@ def install(part: Path, site: Path, staging: Path, plan: dict, pip=None) -> list
     return [w.name for w in ready]
 
 
-def resolve() -> dict[str, str]:
+def resolve(local: Path) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp, "report.json")
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--target",
-                        str(Path(tmp, "t")), *TARGET, "--report", str(report), *REQUIREMENTS], check=True)
+                        str(Path(tmp, "t")), *TARGET, "--find-links", str(local), "--report", str(report),
+                        *REQUIREMENTS], check=True)
         return {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
 
 
 def plan_command(out: Path, cache: Path) -> int:
-    resolved = resolve()
-    carried = selected(resolved)
     cache.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *TARGET, "-d", str(cache),
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(cache), *SDIST_ONLY], check=True)
+    resolved = resolve(cache)
+    carried = selected(resolved)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *TARGET, "--find-links", str(cache),
+                    "-d", str(cache),
                     *(f"{n}=={v}" for n, v in sorted(carried.items()))], check=True)
     wanted = {norm(n) for n in carried}
     wheels = []
@@ -292,7 +304,7 @@ def main() -> int:
     planning.add_argument("--cache", type=Path, default=Path(".whl-verl/all"))
     installing = sub.add_parser("install")
     installing.add_argument("--part", type=Path, required=True)
-    installing.add_argument("--site", type=Path, default=Path("/tmp/site"))
+    installing.add_argument("--site", type=Path, default=Path("/tmp/site-verl"))
     installing.add_argument("--staging", type=Path, default=Path("/tmp/carry"))
     sub.add_parser("check")
     args = parser.parse_args()

@@ -1,5 +1,6 @@
-"""bench/verl_carry.py's logic that needs no GPU: what travels, a slimmed wheel, parts that fit a call,
-chunks joined back (any order, checked) on the machine.
+"""The H200 scripts of issue 32, their parts that need no GPU: bench/verl_carry.py (what travels, a
+slimmed wheel, parts that fit a call, chunks joined back on the machine in any order and checked),
+bench/verl_real.py (the results of the two runs), bench/bench_vllm_decode.py --check, bench/h200_verl.sh.
 
     PYTHONPATH=$PWD python -m pytest -q tests/test_verl_carry.py
 """
@@ -46,3 +47,24 @@ def test_a_slimmed_wheel_keeps_modes_and_lists_only_what_it_holds(tmp_path):
         assert slimmed.getinfo("vllm/_C_stable_libtorch.abi3.so").external_attr >> 16 == 0o755
         record = slimmed.read("vllm-0.24.0.dist-info/RECORD").decode().splitlines()
         assert {line.split(",")[0] for line in record} == names
+
+
+def test_the_h200_runs_results_are_collected_on_cpu():
+    import verl_real
+
+    assert verl_real.check() == 0
+    assert verl_real.wilson(0, 10)[0] == 0.0 and verl_real.wilson(10, 10)[1] == 1.0
+
+
+def test_the_vllm_decode_bench_and_the_run_script_check_here(tmp_path):
+    """Everything of bench/bench_vllm_decode.py but vLLM; bench/h200_verl.sh parses."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0", "TMPDIR": str(tmp_path)}
+    checked = subprocess.run([sys.executable, str(root / "bench" / "bench_vllm_decode.py"), "--check"], env=env,
+                             capture_output=True, text=True, timeout=600)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert "24 cells to measure from results-h200-decode-floor.json" in checked.stdout
+    assert subprocess.run(["bash", "-n", str(root / "bench" / "h200_verl.sh")]).returncode == 0
