@@ -14,9 +14,9 @@ save at save_freq and at the last step, validation at test_freq merged into the 
 console and log lines, the checkpoint layout of the FSDP engine and the Megatron engine (layout v2)
 with `latest_checkpointed_iteration.txt` written after the step's folder, and the resume rules
 (auto: after the tracker's step, also at the last step, where it validates and exits 0). Its
-checkpoints hold the base model's weights as the policy (it does not train). Where it still differs
-from verl (it runs the trainer in the entrypoint's own process, not a TaskRunnerV1 actor) is listed
-in docs/verl-stand-in.md.
+checkpoints hold the base model's weights as the policy (it does not train). Like main_ppo it runs the
+trainer in a `TaskRunnerV1` Ray actor (its lines come prefixed through Ray). Where it still differs
+from verl is listed in docs/verl-stand-in.md.
 
 Test controls, from the job's environment (the profile's `env`):
   STAND_IN_STEP_S       seconds per step (default 0.05) ...
@@ -30,7 +30,7 @@ Test controls, from the job's environment (the profile's `env`):
                         sees of them in <checkpoint folder>/../stand-in-env.json
   STAND_IN_GATE         a file holding the last step it may start: it waits before any later step
                         until the file says more (a test holds a job mid-run on an event, not a time)
-Every start writes its pid to <checkpoint folder>/../stand-in.pids.
+Every start writes its pid and its TaskRunnerV1 actor's to <checkpoint folder>/../stand-in.pids.
 """
 
 from __future__ import annotations
@@ -80,7 +80,24 @@ def main(config) -> None:
         ray_init = OmegaConf.create({**ray_init, "runtime_env": runtime_env})
         print(f"ray init kwargs: {ray_init}")
         ray.init(**OmegaConf.to_container(ray_init))
-    run(OmegaConf.to_container(config, resolve=True))
+    container = OmegaConf.to_container(config, resolve=True)
+    _record_pid(container)
+    # main_ppo.run_ppo: the trainer runs in a TaskRunnerV1 actor; its lines reach the job's log through
+    # Ray, prefixed "(TaskRunnerV1 pid=N)", and its failure comes back as a RayTaskError.
+    runner = ray.remote(TaskRunnerV1).remote()
+    ray.get(runner.run.remote(container))
+
+
+class TaskRunnerV1:
+    def run(self, config: dict) -> None:
+        run(config)
+
+
+def _record_pid(config: dict) -> None:
+    run_dir = Path(config["trainer"]["default_local_dir"]).parent
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "stand-in.pids", "a") as pids:
+        pids.write(f"{os.getpid()}\n")
 
 
 def _validate_config(config) -> None:
@@ -102,15 +119,14 @@ def _validate_config(config) -> None:
 
 
 def run(config: dict) -> None:
-    """TaskRunnerV1.run: the trainer's init (data, devices, checkpoint) and fit."""
+    """TaskRunnerV1.run (in the actor): the trainer's init (data, devices, checkpoint) and fit."""
     _configure_verl_logging()
     pprint(config)
     trainer = config["trainer"]
     checkpoints = Path(trainer["default_local_dir"])
     run_dir = checkpoints.parent
     checkpoints.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "stand-in.pids", "a") as pids:
-        pids.write(f"{os.getpid()}\n")
+    _record_pid(config)
     per_epoch = _rows(config["data"]["train_files"]) // config["data"]["train_batch_size"]
     total = trainer["total_training_steps"] or per_epoch * trainer["total_epochs"]
     log.info(f"Total training steps: {total}")
@@ -334,7 +350,7 @@ def _wait_at_gate(step: int) -> None:
 
 def _maybe_fail(step: int, checkpoints: Path) -> None:
     """A worker's failure as verl meets it: the worker's line in the log, then an exception that ends
-    main (Hydra prints it and exits 1)."""
+    the actor's run and main (Hydra prints it and exits 1)."""
     if str(step) != os.environ.get("STAND_IN_FAIL_AT_STEP"):
         return
     counter = checkpoints / ".stand-in-failures"
@@ -342,8 +358,11 @@ def _maybe_fail(step: int, checkpoints: Path) -> None:
     if failed >= int(os.environ.get("STAND_IN_FAIL_TIMES", "1")):
         return
     counter.write_text(str(failed + 1))
-    print(os.environ.get("STAND_IN_FAIL_TEXT", "RuntimeError: stand-in failure"), file=sys.stderr, flush=True)
-    raise RuntimeError(f"the stand-in's step {step} failed (STAND_IN_FAIL_TEXT)")
+    text = os.environ.get("STAND_IN_FAIL_TEXT", "RuntimeError: stand-in failure")
+    print(text, file=sys.stderr, flush=True)
+    # The worker's error travels in the exception too (the RayTaskError's traceback, printed by Hydra):
+    # a line the actor printed just before may not reach the job's log before the driver exits.
+    raise RuntimeError(text.removeprefix("RuntimeError: "))
 
 
 def _probe_env_on_every_node(names: list[str], out: Path) -> None:
