@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Issue 32 on the lent H200: the pipeline driving real verl 0.9.1 (FSDP engine, vLLM 0.24 rollouts) as a
+# Ray job on a one-node Ray started as a user starts it, the local backend beside it on the same config,
+# the failure paths against the real engine, and vLLM's decode beside the native decoder. Each line below
+# is one device call (10 minutes at most), back to back while the machine stays warm (30 s after a call):
+#
+#   here:  python3 ../shared/tools/gpu_wheels.py --out .whl            # the flow's packages  -> /tmp/site
+#          python3 bench/verl_carry.py plan --out .whl-verl             # verl + vLLM (the cluster's image) -> /tmp/site-verl
+#   there: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/partN/*.whl   (carry .whl/partN)
+#          python3 bench/verl_carry.py install --part .whl-verl/partN                 (carry .whl-verl/partN, .whl-verl/plan.json)
+#          bash bench/h200_verl.sh check      # both environments import what they must (verl's trainer, vLLM, the flow)
+#          bash bench/h200_verl.sh local      # the local backend, 40 steps + export + evaluation
+#          bash bench/h200_verl.sh cluster    # ray start --head in the cluster's image (a daemon: it outlives the call)
+#          bash bench/h200_verl.sh verl       # the same config through verl as a Ray job, + export + evaluation
+#          bash bench/h200_verl.sh collect    # $OUT/results-h200-verl-real.json and $OUT/reward-curves.png
+#          bash bench/h200_verl.sh kill9      # kill -9 of the flow mid-job; the rerun records every step once
+#          bash bench/h200_verl.sh stop       # ray job stop mid-run; the rerun resumes from verl's last checkpoint
+#          bash bench/h200_verl.sh override   # a key verl does not have: refused by verl, as the flow says
+#          bash bench/h200_verl.sh decode     # vLLM 0.24 beside the native decoder (MODELS=qwen3-0.6b: one shape)
+# The flow runs with the flow's packages (/tmp/site); Ray, and so the job and every worker, with the
+# cluster's (/tmp/site-verl): prefect 3.9 and vLLM 0.24 cannot share one environment (bench/verl_carry.py).
+set -euo pipefail
+OUT=${OUT:-/tmp/out}
+RUNS=${RUNS:-/tmp/runs}
+mkdir -p "$OUT" "$RUNS"
+export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 \
+       TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0 RAY_COLOR_PREFIX=0
+FLOW_ENV="PYTHONPATH=/tmp/site:$PWD"
+CLUSTER_ENV="PYTHONPATH=/tmp/site-verl"
+HEAD=127.0.0.1:6379
+# verl's FSDP engine asks for flash_attention_2 by default (workers/config/model.py:185); flash-attn is
+# not carried: the entrypoint adds sdpa as one more Hydra override after the module.
+ENTRY="trainer.entrypoint=python3 -m verl.trainer.main_ppo ++actor_rollout_ref.model.override_config.attn_implementation=sdpa"
+read -r -a COMMON <<<"$(env $FLOW_ENV python3 bench/verl_real.py config)"
+read -r -a VERL <<<"$(env $FLOW_ENV python3 bench/verl_real.py config --verl)"
+
+flow() {  # flow RUN_NAME BACKEND [more flow arguments]: the command line as a user runs it
+  local name=$1 backend=$2
+  shift 2
+  env $FLOW_ENV python3 -m flows.grpo --model smollm2-135m --device gpu --backend "$backend" --run-dir "$RUNS" \
+      --run-name "$name" "$@"
+}
+
+wall() {  # wall KEY SECONDS: each flow's wall time, for collect
+  env $FLOW_ENV python3 -c "import json,sys,pathlib; p=pathlib.Path('$OUT/walls.json'); d=json.loads(p.read_text()) if p.exists() else {}; d['$1']=float('$2'); p.write_text(json.dumps(d))"
+  cp "$OUT/walls.json" "$RUNS/walls.json"
+}
+
+case "$1" in
+  check)
+    env $CLUSTER_ENV python3 -c "import vllm, verl, transfer_queue, tensordict, hydra; from verl.trainer import main_ppo; from verl.trainer.ppo.v1 import trainer_base; print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__)"
+    env $FLOW_ENV python3 -c "import prefect, ray, flows.grpo; print('flow: prefect', prefect.__version__, 'ray', ray.__version__)" ;;
+  local)
+    start=$(date +%s)
+    flow local-h200 local "${COMMON[@]}" 2>&1 | tee "$OUT/local.log" | tail -30
+    wall local $(( $(date +%s) - start ))
+    cp "$RUNS/local-h200/report.md" "$OUT/report-local.md" ;;
+  cluster)
+    env $CLUSTER_ENV setsid /tmp/site-verl/bin/ray start --head --port=6379 --dashboard-host=127.0.0.1 --num-gpus=1 \
+        --disable-usage-stats
+    env $CLUSTER_ENV /tmp/site-verl/bin/ray status ;;
+  verl)
+    cp "$RUNS/walls.json" "$OUT/walls.json" 2>/dev/null || true
+    start=$(date +%s)
+    flow verl-h200 verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" 2>&1 | tee "$OUT/verl.log" | tail -30
+    wall verl $(( $(date +%s) - start ))
+    cp "$RUNS/verl-h200/report.md" "$OUT/report-verl.md" ;;
+  collect)
+    cp "$RUNS/walls.json" "$OUT/walls.json"
+    env $FLOW_ENV python3 bench/verl_real.py collect --verl "$RUNS/verl-h200" --local "$RUNS/local-h200" \
+        --walls "$OUT/walls.json" --out "$OUT/results-h200-verl-real.json" --plot "$OUT/reward-curves.png" ;;
+  kill9)
+    flow kill9 verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
+        --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train > "$OUT/kill9-first.log" 2>&1 &
+    pid=$!
+    until [ "$(wc -l < "$RUNS/kill9/metrics.jsonl" 2>/dev/null || echo 0)" -ge 3 ]; do sleep 2; done
+    kill -9 "$pid"
+    sleep 20  # the job trains on while no flow follows it
+    flow kill9 verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
+        --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train 2>&1 | tee "$OUT/kill9-rerun.log" | tail -15
+    env $FLOW_ENV python3 bench/verl_real.py steps-once "$RUNS/kill9" 12 | tee -a "$OUT/failures.txt" ;;
+  stop)
+    flow stopped verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
+        --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train > "$OUT/stop-first.log" 2>&1 &
+    pid=$!
+    until [ "$(wc -l < "$RUNS/stopped/metrics.jsonl" 2>/dev/null || echo 0)" -ge 5 ]; do sleep 2; done
+    job=$(env $FLOW_ENV python3 -c "import json; print(json.load(open('$RUNS/stopped/verl/job.json'))['submission_id'])")
+    env $CLUSTER_ENV /tmp/site-verl/bin/ray job stop --address http://127.0.0.1:8265 "$job"
+    wait "$pid" || true  # the flow ends: the job was stopped outside the run
+    tail -3 "$OUT/stop-first.log"
+    flow stopped verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
+        --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train 2>&1 | tee "$OUT/stop-rerun.log" | tail -15
+    env $FLOW_ENV python3 bench/verl_real.py resumed "$RUNS/stopped" | tee -a "$OUT/failures.txt"
+    env $FLOW_ENV python3 bench/verl_real.py steps-once "$RUNS/stopped" 12 | tee -a "$OUT/failures.txt" ;;
+  override)
+    set +e
+    flow override verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY trainer.no_such_key=1" \
+        --stages fetch_dataset,prepare_checkpoint,train > "$OUT/override.log" 2>&1
+    echo "flow exit: $?" | tee -a "$OUT/failures.txt"
+    grep -o "failed on its configuration: .*" "$OUT/override.log" | head -1 | tee -a "$OUT/failures.txt" ;;
+  decode)
+    env PYTHONPATH="/tmp/site-verl:$PWD" python3 bench/bench_vllm_decode.py ${MODELS:+--models "$MODELS"} \
+        ${RESUME:+--resume "$RESUME"} --out "$OUT/vllm-decode.json" ;;
+  *)
+    echo "usage: bash bench/h200_verl.sh check|local|cluster|verl|collect|kill9|stop|override|decode" >&2
+    exit 2 ;;
+esac

@@ -1,0 +1,170 @@
+"""The H200 run of issue 32: the pipeline driving real verl 0.9.1 (FSDP engine, vLLM 0.24 rollouts) on a
+one-node Ray started as a user starts it, beside the local backend on the same config, and the
+failure paths against the real engine. bench/h200_verl.sh runs it; this module holds what the runs
+need besides the flow itself, and the results.
+
+    python3 bench/verl_real.py collect --verl /tmp/runs/verl-h200 --local /tmp/runs/local-h200 \\
+        --walls $OUT/walls.json --out $OUT/results-h200-verl-real.json --plot $OUT/reward-curves.png
+    python3 bench/verl_real.py steps-once /tmp/runs/kill9 8     # every step 1..8 once in metrics.jsonl
+    python3 bench/verl_real.py resumed /tmp/runs/stopped         # the rerun resumed from verl's last checkpoint
+    .venv/bin/python bench/verl_real.py --check                   # here: the collection on synthetic runs
+
+Accuracy intervals are Wilson 95% intervals over the evaluation's samples (eval/<model>.jsonl, one
+`correct` each); step time is the median of the run's steps after the first (the first compiles and
+warms the engines); tokens/s is generated tokens over step time, as both backends count it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from backends.metrics import StepMetrics, append_metrics, read_metrics  # noqa: E402
+
+# The config both backends run (bench/h200_verl.sh passes it to each): same model, data, seed, batch,
+# lengths and steps; only --backend (and the verl engine) differ.
+COMMON = ["trainer.total_training_steps=40", "trainer.save_freq=10", "trainer.test_freq=-1",
+          "cluster.devices_per_node=1"]
+VERL = ["engine.strategy=fsdp"]
+
+
+def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
+    if total == 0:
+        return (0.0, 0.0)
+    p = correct / total
+    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
+    return (round(centre - half, 4), round(centre + half, 4))
+
+
+def accuracy(samples_file: Path) -> dict:
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines() if line.strip()]
+    correct = sum(bool(s["correct"]) for s in samples)
+    return {"accuracy": round(correct / len(samples), 4), "ci95": wilson(correct, len(samples)), "samples": len(samples)}
+
+
+def run_summary(run_dir: Path, wall_s: float | None) -> dict:
+    steps = read_metrics(run_dir / "metrics.jsonl")
+    later = [s.step_time_s for s in steps[1:]] or [s.step_time_s for s in steps]
+    rates = [s.tokens_per_s for s in steps[1:] if s.tokens_per_s]
+    evaluation = {name: accuracy(run_dir / "eval" / f"{name}.jsonl") for name in ("base", "trained")
+                  if (run_dir / "eval" / f"{name}.jsonl").is_file()}
+    separated = ("base" in evaluation and "trained" in evaluation
+                 and evaluation["trained"]["ci95"][0] > evaluation["base"]["ci95"][1])
+    return {"run_dir": str(run_dir), "steps": len(steps), "wall_s": wall_s,
+            "step_time_s_median": round(statistics.median(later), 3) if later else None,
+            "tokens_per_s_mean": round(statistics.fmean(rates), 1) if rates else None,
+            "reward_first": steps[0].reward_mean if steps else None, "reward_last": steps[-1].reward_mean if steps else None,
+            "reward_curve": [round(s.reward_mean, 4) for s in steps], "evaluation": evaluation,
+            "intervals_separate": separated}
+
+
+def plot(runs: dict[str, dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for name, summary in runs.items():
+        axes.plot(range(1, len(summary["reward_curve"]) + 1), summary["reward_curve"], label=name)
+    axes.set_xlabel("step")
+    axes.set_ylabel("mean reward (critic/score/mean; the local backend's reward mean)")
+    axes.set_title("SmolLM2-135M-Instruct on arith, GRPO, one H200")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+
+
+def collect(verl: Path, local: Path, walls: dict, out: Path, picture: Path) -> dict:
+    runs = {"verl (FSDP + vLLM 0.24, Ray job)": run_summary(verl, walls.get("verl")),
+            "local (TRL on Ray Train)": run_summary(local, walls.get("local"))}
+    plot(runs, picture)
+    result = {"command": "bash bench/h200_verl.sh (issue 32)", "config": {"common": COMMON, "verl": VERL},
+              "runs": runs, "plot": picture.name}
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def steps_once(run_dir: Path, last: int) -> None:
+    steps = [s.step for s in read_metrics(run_dir / "metrics.jsonl")]
+    if steps != list(range(1, last + 1)):
+        raise SystemExit(f"{run_dir}/metrics.jsonl holds steps {steps}, not 1..{last} once each")
+    print(f"{run_dir.name}: steps 1..{last} once each")
+
+
+def resumed(run_dir: Path) -> None:
+    record = json.loads((run_dir / "verl" / "job.json").read_text())
+    if record["attempt"] < 2 or not record.get("resumed_from"):
+        raise SystemExit(f"{run_dir}: attempt {record['attempt']} resumed from {record.get('resumed_from')}: no resume")
+    print(f"{run_dir.name}: attempt {record['attempt']} resumed from verl's checkpoint step {record['resumed_from']}")
+
+
+def check() -> int:
+    """The collection on two synthetic runs shaped as the flow writes them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, rise in (("verl", 0.02), ("local", 0.015)):
+            run = Path(tmp, name)
+            (run / "eval").mkdir(parents=True)
+            for step in range(1, 41):
+                append_metrics(run / "metrics.jsonl", StepMetrics(step=step, reward_mean=0.2 + rise * step, step_time_s=2.0,
+                                                                  response_length=20.0, tokens_per_s=320.0, time=time.time()))
+            for model, right in (("base", 40), ("trained", 120)):
+                (run / "eval" / f"{model}.jsonl").write_text(
+                    "".join(json.dumps({"correct": i < right}) + "\n" for i in range(200)))
+        result = collect(Path(tmp, "verl"), Path(tmp, "local"), {"verl": 300.0, "local": 200.0}, Path(tmp, "r.json"),
+                         Path(tmp, "r.png"))
+        verl = result["runs"]["verl (FSDP + vLLM 0.24, Ray job)"]
+        assert verl["steps"] == 40 and verl["step_time_s_median"] == 2.0 and verl["intervals_separate"]
+        assert verl["evaluation"]["base"] == {"accuracy": 0.2, "ci95": wilson(40, 200), "samples": 200}
+        assert Path(tmp, "r.png").read_bytes().startswith(b"\x89PNG")
+        steps_once(Path(tmp, "verl"), 40)
+    print("verl_real check: the results of two runs are collected and plotted")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true")
+    sub = parser.add_subparsers(dest="command")
+    c = sub.add_parser("collect")
+    c.add_argument("--verl", type=Path, required=True)
+    c.add_argument("--local", type=Path, required=True)
+    c.add_argument("--walls", type=Path, help="JSON {verl: s, local: s}: each flow's wall time")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--plot", type=Path, required=True)
+    s = sub.add_parser("steps-once")
+    s.add_argument("run_dir", type=Path)
+    s.add_argument("last", type=int)
+    r = sub.add_parser("resumed")
+    r.add_argument("run_dir", type=Path)
+    sub.add_parser("config", help="print the shared --set arguments (and the verl ones with --verl)").add_argument(
+        "--verl", action="store_true")
+    args = parser.parse_args()
+    if args.check:
+        return check()
+    if args.command == "collect":
+        walls = json.loads(args.walls.read_text()) if args.walls else {}
+        print(json.dumps(collect(args.verl, args.local, walls, args.out, args.plot)["runs"], indent=1))
+    elif args.command == "steps-once":
+        steps_once(args.run_dir, args.last)
+    elif args.command == "resumed":
+        resumed(args.run_dir)
+    elif args.command == "config":
+        print(" ".join(f"--set {item}" for item in COMMON + (VERL if args.verl else [])))
+    else:
+        parser.error("a command, or --check")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
