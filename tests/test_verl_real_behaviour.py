@@ -22,7 +22,7 @@ from backends.verl.backend import planned_steps, step_count_problem
 from backends.verl.checkpoint import verl_hf_dir
 from backends.verl.failures import diagnose
 from backends.verl.follow import JobLog, VerlMetrics, steps_missing_from
-from profiles.errors import UserError
+from common.errors import UserError
 from profiles.loader import resolve_profile
 from verl_config import compose_verl
 
