@@ -46,9 +46,10 @@ def test_an_fsdp_step_exports_the_hf_weights_verl_writes_beside_its_shards(tiny_
     step = tmp_path / "global_step_6"
     shutil.copytree(tiny_model_dir, step / "actor" / "huggingface")
     (step / "actor" / "model_world_size_2_rank_0.pt").write_bytes(b"")
+    (step / "actor" / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": 2}')  # with every save
     assert export_checkpoint(trained("verl", str(step), 6)).path == str(step / "actor" / "huggingface")
     shutil.rmtree(step / "actor" / "huggingface")
     (step / "actor" / "huggingface").mkdir()
     (step / "actor" / "huggingface" / "config.json").write_text("{}")  # what verl writes without hf_model
-    with pytest.raises(UserError, match="save_contents must hold 'hf_model'"):
+    with pytest.raises(UserError, match="add hf_model to actor.checkpoint_save_contents"):
         export_checkpoint(trained("verl", str(step), 6))

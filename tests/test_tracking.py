@@ -186,9 +186,10 @@ def test_the_verl_job_continues_the_tracker_runs_through_verls_own_tracking_laye
     job = (f"import sys; sys.path[:0] = [{str(ROOT / 'tests')!r}]\n"
            "from verl_config import compose_verl\nimport verl_stand_in\n"
            f"config = compose_verl({overrides!r})\n"
-           "tracking = verl_stand_in._trackers(config)\n"
+           "tracking = verl_stand_in._Tracking([n for n in config['trainer']['logger'] if n not in ('console', 'file')],"
+           " config)\n"
            "for step in (1, 2, 3):\n"
-           "    tracking.log(data=verl_stand_in._step_metrics(step, 0.1, config), step=step)\n"
+           "    tracking.log(data=verl_stand_in._step_metrics(step, 0, 0.1, config), step=step)\n"
            "tracking.finish()\n")
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "WANDB_RUN", "TENSORBOARD"))}
     subprocess.run([sys.executable, "-c", job], env={**environ, **env_vars}, cwd=tmp_path, check=True, timeout=600)

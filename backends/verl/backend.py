@@ -156,6 +156,8 @@ class VerlBackend(Backend):
     def train(self, profile: RunProfile, run: TrainingRun, progress: TrainingProgress) -> TrainResult:
         run_dir, checkpoints = Path(run.run_dir), Path(run.inputs.checkpoint_dir)
         max_steps = planned_steps(profile, run.inputs.train_files)
+        if problem := step_count_problem(profile, run.inputs.train_files):
+            raise UserError(problem)
         record, done = read_record(run_dir), tracker_step(checkpoints)
         if record is not None:  # steps a job trained while no flow followed it (the flow was killed)
             _record_missing_steps(run_dir, record, _responses_per_step(profile))
@@ -204,7 +206,8 @@ class VerlBackend(Backend):
         attempt, token = (record.attempt + 1, record.token) if record else (1, new_token())
         spec = job_spec(profile, inputs, run_dir, run.run_name, run.runtime_env, token, attempt)
         record = JobRecord(token=token, attempt=attempt, submission_id=spec.submission_id, address=client.get_address(),
-                           metrics_file=spec.metrics_file, status="SUBMITTED", resumed_from=done)
+                           metrics_file=spec.metrics_file, status="SUBMITTED", resumed_from=done,
+                           model_path=inputs.model_path)
         write_record(run_dir, record)  # before the submit: a crash in between leaves a job `stop` can find
         keep_metrics_up_to(run_dir / METRICS, done or 0)
         _SUBMITTED_HERE.add(token)
@@ -325,7 +328,10 @@ class VerlBackend(Backend):
         return stopped
 
     def policy_dir(self, result: TrainResult) -> Path:
-        return verl_hf_dir(Path(result.checkpoint_dir))
+        # The base model names a dist checkpoint's tensors where verl saved no HF config (its job record has it).
+        record = read_record(Path(result.metrics_file).parent) if result.metrics_file else None
+        base = Path(record.model_path) if record is not None and record.model_path else None
+        return verl_hf_dir(Path(result.checkpoint_dir), base)
 
 
 def planned_steps(profile: RunProfile, train_files: list[str]) -> int:
@@ -335,6 +341,23 @@ def planned_steps(profile: RunProfile, train_files: list[str]) -> int:
         return profile.trainer.total_training_steps
     rows = sum(pq.ParquetFile(path).metadata.num_rows for path in train_files)
     return max(1, rows // profile.data.train_batch_size) * profile.trainer.total_epochs
+
+
+def step_count_problem(profile: RunProfile, train_files: list[str]) -> str | None:
+    """What verl 0.9.1's loop would do wrong with this step count (v1 trainer_base.fit): it divides by
+    the whole batches of an epoch (none: ZeroDivisionError), and it stops after trainer.total_epochs
+    even when trainer.total_training_steps asks for more, without saving that last step."""
+    t, batch = profile.trainer, profile.data.train_batch_size
+    per_epoch = sum(pq.ParquetFile(path).metadata.num_rows for path in train_files) // batch
+    if per_epoch == 0:
+        return (f"data.train_batch_size={batch}: the training data holds less than one batch, and verl trains on whole "
+                "batches only; lower data.train_batch_size or use more training rows")
+    if t.total_training_steps and t.total_training_steps > per_epoch * t.total_epochs:
+        epochs = -(-t.total_training_steps // per_epoch)
+        return (f"trainer.total_training_steps={t.total_training_steps} is more than trainer.total_epochs="
+                f"{t.total_epochs} of {per_epoch} whole batches of {batch} give; verl would stop after its last epoch "
+                f"without saving its last step: set trainer.total_epochs={epochs}")
+    return None
 
 
 def _responses_per_step(profile: RunProfile) -> int:

@@ -30,16 +30,17 @@ TRANSIENT = [
     r"A worker died or was killed while executing a task",
     r"Worker unexpectedly exits",
 ]
-# Lines that mean "the run as configured cannot start": retrying repeats them.
+# Lines that mean "the run as configured cannot start": retrying repeats them. Not among them: Hydra's
+# "Error executing job with overrides: [...]", which @hydra.main prints before the traceback of ANY
+# exception main_ppo raises (a lost worker's too), and "Checkpoint tracker file does not exist", which
+# verl prints at every fresh start with resume_mode=auto (verl 0.9.1, checkpoint_manager.py:241).
 CONFIG = [
-    r"Error executing job with overrides",
     r"ConfigCompositionException", r"ConfigAttributeError", r"ConfigKeyError", r"ValidationError",
     r"Key '[^']+' is not in struct",
     r"Could not override '",
     r"Total available (GPUs|NPUs|devices) \d+ is less than total desired",
     r"use_mbridge must be True",
     r"^AssertionError",
-    r"Checkpoint tracker file does not exist",
     # The entrypoint cannot start (trainer.entrypoint names a script, module or command the cluster's
     # image lacks, or the image lacks verl): every attempt would fail the same way.
     r"\bNo module named\b", r"can't open file", r"^/bin/sh: \d+: .*: not found", r"command not found",
@@ -49,6 +50,12 @@ _CONFIG = re.compile("|".join(CONFIG), re.MULTILINE)
 # The line worth showing: the last exception line, else the last non-empty line.
 _ERROR_LINE = re.compile(r"^(\S+(Error|Exception|Exit)\b.*|.*\b(error|Error)\b.*)$", re.MULTILINE)
 _RAY_PREFIX = re.compile(r"^\([^)]*pid=\d+[^)]*\)\s*")
+# Ray colours the "(TaskRunnerV1 pid=N)" prefix of a worker's lines in the job's log (ray/_private/
+# worker.py print_worker_logs: ANSI codes unless RAY_COLOR_PREFIX=0), also when nothing reads a terminal.
+ANSI_CODE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+_HYDRA_HEADER = "Error executing job with overrides"
 
 
 class Diagnosis(NamedTuple):
@@ -60,7 +67,7 @@ def diagnose(log: str, message: str = "") -> Diagnosis:
     """The cause of a failed job, from its log (the end of it is enough) and Ray's status message.
     A transient cause wins over a config-looking line (a node lost mid-run may be reported by an
     assertion in a worker); the line returned is the one that decided."""
-    text = "\n".join(_RAY_PREFIX.sub("", line) for line in f"{log}\n{message}".splitlines())
+    text = "\n".join(_RAY_PREFIX.sub("", ANSI_CODE.sub("", line)) for line in f"{log}\n{message}".splitlines())
     for pattern, kind in ((_TRANSIENT, "transient"), (_CONFIG, "config")):
         matches = [line for line in text.splitlines() if pattern.search(line)]
         if matches:
@@ -73,6 +80,6 @@ def diagnose(log: str, message: str = "") -> Diagnosis:
 def _most_specific(lines: list[str]) -> str:
     """The last two matching lines that say more than Hydra's header (Hydra says "Could not
     override 'trainer.x'." and then why)."""
-    useful = [line.strip() for line in lines if not line.startswith("Error executing job with overrides")]
+    useful = [line.strip() for line in lines if not line.startswith(_HYDRA_HEADER)]
     last = list(dict.fromkeys(useful or [line.strip() for line in lines]))[-2:]
     return " ".join(last)[:500]

@@ -25,9 +25,14 @@ from collections import deque
 from pathlib import Path
 
 from backends.metrics import StepMetrics
+from backends.verl.failures import ANSI_CODE
 
 TRACKER = "latest_checkpointed_iteration.txt"
-REWARD = "critic/score/mean"  # only a training step's record has it
+REWARD = "critic/score/mean"
+# Only a training step's record has it (v1 trainer_base._compute_metrics); a validation record (before
+# the first step, or at test_freq merged into a step's) never does. The reward can be null: orjson
+# writes NaN as null, and verl logs NaN scores when every sample of a step was aborted.
+TRAINING_STEP = "training/global_step"
 RECONNECT_S = 2.0
 
 
@@ -102,8 +107,9 @@ class JobLog:
 
 
 def _as_shown(line: str) -> str:
-    """A progress bar (tqdm) redraws its line with carriage returns: the line as a terminal shows it last."""
-    return line.rstrip("\r").rsplit("\r", 1)[-1]
+    """A progress bar (tqdm) redraws its line with carriage returns: the line as a terminal shows it last,
+    without the colour codes Ray puts around a worker's "(TaskRunnerV1 pid=N)" prefix."""
+    return ANSI_CODE.sub("", line.rstrip("\r").rsplit("\r", 1)[-1])
 
 
 class VerlMetrics:
@@ -167,7 +173,7 @@ def _resumed_from(path: Path) -> int | None:
     try:
         with open(path, "rb") as handle:
             entry = json.loads(handle.readline())
-        step, trained = int(entry["step"]), _number(entry["data"], REWARD) is not None
+        step, trained = int(entry["step"]), TRAINING_STEP in entry["data"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not verl's
         return None
     return step - 1 if trained else step

@@ -61,6 +61,8 @@ class JobRecord(BaseModel):
     status: str | None = Field(None, description=f"The job's status when last seen ({LOST}: its cluster stopped answering).")
     final_step: int | None = Field(None, description="The run's last step, once a job ended it (SUCCEEDED).")
     resumed_from: int | None = Field(None, description="The checkpoint step this attempt resumed from (None: from scratch).")
+    model_path: str | None = Field(None, description="The base model's HF directory the job trained from (its config "
+                                   "names a dist checkpoint's tensors where verl saved no HF config).")
 
     @property
     def finished(self) -> bool:

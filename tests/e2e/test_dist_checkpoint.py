@@ -302,6 +302,6 @@ def test_a_step_without_a_policy_is_one_line_naming_what_is_missing(tmp_path):
     from common.errors import UserError
 
     (tmp_path / "global_step_2" / "actor" / "model" / "huggingface").mkdir(parents=True)
-    with pytest.raises(UserError, match="no policy to export: neither HF weights in actor/model/huggingface nor a "
-                                        "complete dist checkpoint in actor/model/dist_ckpt"):
+    with pytest.raises(UserError, match="no policy to export: neither HF weights in actor/model/huggingface or "
+                                        "actor/huggingface nor a complete dist checkpoint in actor/model/dist_ckpt"):
         verl_hf_dir(tmp_path / "global_step_2")
