@@ -22,6 +22,7 @@
 set -euo pipefail
 OUT=${OUT:-/tmp/out}
 RUNS=${RUNS:-/tmp/runs}
+KEEP=${KEEP:-/tmp/keep}  # the session's own results: $OUT is emptied before each device call
 mkdir -p "$OUT" "$RUNS"
 export PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 \
        TOKENIZERS_PARALLELISM=false VLLM_USE_FLASHINFER_SAMPLER=0 RAY_COLOR_PREFIX=0
@@ -103,7 +104,30 @@ case "$1" in
   decode)
     env PYTHONPATH="/tmp/site-verl:$PWD" python3 bench/bench_vllm_decode.py ${MODELS:+--models "$MODELS"} \
         ${RESUME:+--resume "$RESUME"} --out "$OUT/vllm-decode.json" ;;
+  session)
+    # Every run above in order, as a daemon that outlives the device call (setsid), into $KEEP; `wait`
+    # calls bring back what it has done so far. SEGMENTS picks and orders the runs.
+    mkdir -p "$KEEP/out"
+    cp bench/h200_verl.sh "$KEEP/h200_verl.sh"
+    setsid bash -c "for segment in ${SEGMENTS:-check cluster verl local collect override kill9 stop step decode}; do
+        started=\$(date +%s); echo \"== \$segment: start \$(date +%T)\" >> $KEEP/session.log
+        if [ \$segment = step ]; then OUT=$KEEP/out MODELS=\${STEP_MODELS:-qwen3-0.6b,qwen3-1.7b} timeout 900 bash bench/h200.sh step
+        else OUT=$KEEP/out timeout 1200 bash bench/h200_verl.sh \$segment; fi >> $KEEP/session.log 2>&1
+        echo \"== \$segment: exit \$? after \$(( \$(date +%s) - started )) s\" >> $KEEP/session.log
+      done; echo '== session: done' >> $KEEP/session.log" > /dev/null 2>&1 < /dev/null &
+    echo "session started: $KEEP/session.log" ;;
+  wait)
+    # Wait up to WAIT seconds for the session to end, then bring back its log, results and run records.
+    deadline=$(( $(date +%s) + ${WAIT:-540} ))
+    while ! grep -q "== session: done" "$KEEP/session.log" && [ "$(date +%s)" -lt $deadline ]; do sleep 5; done
+    grep "^== " "$KEEP/session.log" || true
+    tail -c 300000 "$KEEP/session.log" > "$OUT/session-tail.log"
+    cp "$KEEP"/out/*.json "$KEEP"/out/*.png "$OUT/" 2>/dev/null || true
+    (cd "$RUNS" && tar czf "$OUT/runs.tgz" --exclude='checkpoints' --exclude='*.safetensors' --exclude='*.pt' \
+        --exclude='hf' --exclude='model' . 2>/dev/null) || true
+    (cd "$KEEP/out" && tar czf "$OUT/logs.tgz" --exclude='*.png' . ) || true
+    ls -la "$OUT" ;;
   *)
-    echo "usage: bash bench/h200_verl.sh check|local|cluster|verl|collect|kill9|stop|override|decode" >&2
+    echo "usage: bash bench/h200_verl.sh check|local|cluster|verl|collect|kill9|stop|override|decode|session|wait" >&2
     exit 2 ;;
 esac

@@ -218,7 +218,16 @@ def install(part: Path, site: Path, staging: Path, plan: dict, pip=None) -> list
 
 
 def resolve(local: Path) -> dict[str, str]:
+    """{name: version} of the pinned resolution for the H200's Python and platform. uv resolves this set
+    in about 20 s; pip's resolver, the fallback, ran past 10 minutes on it."""
     with tempfile.TemporaryDirectory() as tmp:
+        if shutil.which("uv"):
+            Path(tmp, "in.txt").write_text("\n".join(REQUIREMENTS) + "\n")
+            subprocess.run(["uv", "pip", "compile", "-q", str(Path(tmp, "in.txt")), "--python-version", "3.12",
+                            "--python-platform", "x86_64-manylinux_2_28", "--find-links", str(local),
+                            "--no-annotate", "--no-header", "-o", str(Path(tmp, "out.txt"))], check=True)
+            pins = [line.split("==") for line in Path(tmp, "out.txt").read_text().splitlines() if "==" in line]
+            return {name.split("[")[0].strip(): version.strip() for name, version in pins}
         report = Path(tmp, "report.json")
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--target",
                         str(Path(tmp, "t")), *TARGET, "--find-links", str(local), "--report", str(report),
