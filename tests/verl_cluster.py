@@ -51,26 +51,44 @@ def npu_cluster(nodes: int = 2, images: list[dict[str, str]] | None = None) -> C
     return made
 
 
+class FlowProcess(subprocess.Popen):
+    """The flow's process with its output in a file. A pipe that nobody reads while the flow runs fills
+    (64 KiB: verl prints its whole config at the start) and then blocks the flow in its next print."""
+
+    def __init__(self, args: list[str], log: Path, **kwargs):
+        self.log = log
+        with open(log, "w") as out:
+            super().__init__(args, stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def communicate(self, input=None, timeout=None):
+        self.wait(timeout=timeout)
+        return self.output(), None
+
+
 def flow_process(address: str, tmp_path: Path, name: str, *overrides: str,
-                 stages: str = "fetch_dataset,prepare_checkpoint,train,report") -> subprocess.Popen:
+                 stages: str = "fetch_dataset,prepare_checkpoint,train,report") -> FlowProcess:
     """`python -m flows.grpo` for the tiny model on the cluster, its own Prefect API under tmp_path."""
     settings = [*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}", *overrides]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
-    return subprocess.Popen(
+    log = Path(tempfile.mkstemp(dir=tmp_path, prefix=f"flow-{name}-", suffix=".log")[1])
+    return FlowProcess(
         [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "npu", "--backend", "verl",
          "--ray-address", address, "--run-dir", str(tmp_path), "--run-name", name, "--stages", stages,
          *(arg for item in settings for arg in ("--set", item))],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        log, cwd=ROOT, env=env)
 
 
 def wait_for(condition: Callable[[], object], what: str, within_s: float = EVENT_WAIT_S,
-             process: subprocess.Popen | None = None):
+             process: FlowProcess | None = None):
     """Poll `condition` until it is true (returned); fail naming `what`, with the process's output if it ended."""
     deadline = time.monotonic() + within_s
     while not (found := condition()):
         if process is not None and process.poll() is not None:
-            output = process.stdout.read()[-3000:]
+            output = process.output()[-3000:]
             raise AssertionError(f"{what}: the flow ended first (exit {process.returncode}):\n{output}")
         assert time.monotonic() < deadline, f"{what}: not within {within_s} s"
         time.sleep(0.2)
