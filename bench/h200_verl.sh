@@ -76,7 +76,10 @@ case "$1" in
     flow kill9 verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
         --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train > "$OUT/kill9-first.log" 2>&1 &
     pid=$!
-    until [ "$(wc -l < "$RUNS/kill9/metrics.jsonl" 2>/dev/null || echo 0)" -ge 3 ]; do sleep 2; done
+    until [ "$(wc -l < "$RUNS/kill9/metrics.jsonl" 2>/dev/null || echo 0)" -ge 3 ]; do
+      kill -0 "$pid" 2>/dev/null || { echo "the first flow ended before step 3"; tail -5 "$OUT/kill9-first.log"; exit 1; }
+      sleep 2
+    done
     kill -9 "$pid"
     sleep 20  # the job trains on while no flow follows it
     flow kill9 verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
@@ -86,7 +89,10 @@ case "$1" in
     flow stopped verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
         --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train > "$OUT/stop-first.log" 2>&1 &
     pid=$!
-    until [ "$(wc -l < "$RUNS/stopped/metrics.jsonl" 2>/dev/null || echo 0)" -ge 5 ]; do sleep 2; done
+    until [ "$(wc -l < "$RUNS/stopped/metrics.jsonl" 2>/dev/null || echo 0)" -ge 5 ]; do
+      kill -0 "$pid" 2>/dev/null || { echo "the first flow ended before step 5"; tail -5 "$OUT/stop-first.log"; exit 1; }
+      sleep 2
+    done
     job=$(env $FLOW_ENV python3 -c "import json; print(json.load(open('$RUNS/stopped/verl/job.json'))['submission_id'])")
     env $CLUSTER_ENV /tmp/site-verl/bin/ray job stop --address http://127.0.0.1:8265 "$job"
     wait "$pid" || true  # the flow ends: the job was stopped outside the run
@@ -109,7 +115,7 @@ case "$1" in
     # calls bring back what it has done so far. SEGMENTS picks and orders the runs.
     mkdir -p "$KEEP/out"
     cp bench/h200_verl.sh "$KEEP/h200_verl.sh"
-    setsid bash -c "for segment in ${SEGMENTS:-check cluster verl local collect override kill9 stop step decode}; do
+    setsid bash -c "for segment in ${SEGMENTS:-check cluster verl override local collect kill9 stop step decode}; do
         started=\$(date +%s); echo \"== \$segment: start \$(date +%T)\" >> $KEEP/session.log
         if [ \$segment = step ]; then OUT=$KEEP/out MODELS=\${STEP_MODELS:-qwen3-0.6b,qwen3-1.7b} timeout 900 bash bench/h200.sh step
         else OUT=$KEEP/out timeout 1200 bash bench/h200_verl.sh \$segment; fi >> $KEEP/session.log 2>&1

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import ray
 from ray.job_submission import JobSubmissionClient
@@ -84,7 +86,8 @@ def _train(cluster, tmp_path, name: str, *overrides: str):
     profile = resolve_profile("tiny", "npu", overrides=[*CLUSTER, *overrides])
     run_dir = tmp_path / name
     data = tmp_path / "train.parquet"
-    data.write_bytes(b"PAR1")
+    # The preflight reads none of it; the step count is checked against its rows before the preflight.
+    pq.write_table(pa.table({"prompt": ["2 + 2 = ?"] * 4096}), data)
     inputs = TrainingInputs(model_path=str(tmp_path), train_files=[str(data)], val_files=[str(data)],
                             checkpoint_dir=str(run_dir / "checkpoints"))
     run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name=name, devices_here=0, ray_address=cluster.address,
