@@ -20,6 +20,8 @@ from pathlib import Path
 import h2.config
 import h2.connection
 import h2.events
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -182,7 +184,8 @@ def test_train_submits_nothing_to_a_cluster_without_the_nodes_it_needs(head_only
         ENTRYPOINT])
     run_dir = tmp_path / "short"
     data = tmp_path / "train.parquet"
-    data.write_bytes(b"PAR1")
+    # Its rows are counted (the step count) before the cluster is waited for; nothing else reads it.
+    pq.write_table(pa.table({"prompt": ["2 + 2 = ?"] * 4096}), data)
     inputs = TrainingInputs(model_path=str(tmp_path), train_files=[str(data)], val_files=[str(data)],
                             checkpoint_dir=str(run_dir / "checkpoints"))
     run = TrainingRun(inputs=inputs, run_dir=str(run_dir), run_name="short", devices_here=0, ray_address=head_only.address,
