@@ -46,11 +46,11 @@ test-unit: $(STAMP)
 # smollm2-135m base model (converted once from the packaged GGUF), a short GRPO run on Ray Train,
 # base vs trained evaluation and the run report.
 demo: $(STAMP)
-	$(PY) -m flows.grpo --model smollm2-135m --device cpu
+	$(PY) -m grpo_pipeline --model smollm2-135m --device cpu
 
 # The same pipeline on a tiny random model (built in seconds): about a minute.
 demo-tiny: $(STAMP)
-	$(PY) -m flows.grpo --model tiny --device cpu
+	$(PY) -m grpo_pipeline --model tiny --device cpu
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

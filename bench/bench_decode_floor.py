@@ -62,7 +62,7 @@ def build_model(shape: str, vocab: int, device: str, tokenizer):
 
 def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     """`count` arith prompts (the pipeline's demo task) as token ids, chat template applied."""
-    from common.rl_data import arith_splits
+    from grpo_pipeline.common.rl_data import arith_splits
 
     rows = arith_splits(8, count, seed=seed)["test"].to_pylist()
     return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -116,7 +116,7 @@ def native_cells(model, prompts, lengths, decoder_factory) -> tuple[dict, list[d
     (the cache is sized once for the longest: FlexAttention reads only up to each step's length)."""
     import torch
 
-    from generation.decoding import Sampling
+    from grpo_pipeline.generation.decoding import Sampling
 
     decoder = decoder_factory(model)
     started = time.perf_counter()
@@ -145,7 +145,7 @@ def trl_generation_config(tokenizer, new_tokens: int, fast: bool, dynamic: bool 
     (dynamic=None) compiles it from the second shape on."""
     from transformers import CompileConfig, GenerationConfig
 
-    from generation.compiled import compiled_decoding
+    from grpo_pipeline.generation.compiled import compiled_decoding
 
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True,
                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
@@ -245,7 +245,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
 
     begun, tokenizer = time.perf_counter(), train_tiny_tokenizer(512, seed=0)
     log = lambda line: print(f"[{time.perf_counter() - begun:.0f} s] {line}", flush=True)
@@ -276,7 +276,7 @@ def matrix(result: dict, args, tokenizer, device: str, bare: bool, log) -> None:
     """The native decoder, and bare TRL beside it, on every model x vocabulary x batch x length."""
     import torch
 
-    from generation.decoding import NativeDecoder
+    from grpo_pipeline.generation.decoding import NativeDecoder
 
     factory = lambda m: NativeDecoder(m, [tokenizer.eos_token_id], tokenizer.pad_token_id)
     for shape in args.models.split(","):

@@ -32,8 +32,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from huggingface_hub import snapshot_download  # noqa: E402
 
 from hub_server import HubServer  # noqa: E402
-from profiles.schema import ModelArchitecture, ModelSection  # noqa: E402
-from stages.model import ModelSpec, prepare_model  # noqa: E402
+from grpo_pipeline.profiles.schema import ModelArchitecture, ModelSection  # noqa: E402
+from grpo_pipeline.stages.model import ModelSpec, prepare_model  # noqa: E402
 
 
 def make_model(out: Path, megabytes: int) -> ModelArchitecture:

@@ -6,7 +6,7 @@ compiled decode step, the GPU's `generation` defaults).
     python bench/bench_generation.py --compare fast --model qwen3-0.6b --device gpu --prompts 128 --max-new-tokens 256
 
 Greedy decoding of `--max-new-tokens` on the arith validation prompts, through
-`generation.engines.transformers_generate`, the sides alternating for `--rounds`; prints each side's
+`grpo_pipeline.generation.engines.transformers_generate`, the sides alternating for `--rounds`; prints each side's
 time, prompts/s and generated tokens/s, and the speed-up. The fast side's first round includes its
 compilation and is left out when there is more than one.
 """
@@ -26,12 +26,12 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flows.plan import resolve_profile  # noqa: E402
-from generation.engines import transformers_generate  # noqa: E402
-from generation.plan import GenerationPlan  # noqa: E402
-from stages.evaluate import EvalSettings  # noqa: E402
-from stages.model import ModelSpec, prepare_model  # noqa: E402
-from common.rl_data import arith_splits  # noqa: E402
+from grpo_pipeline.stages.plan import resolve_profile  # noqa: E402
+from grpo_pipeline.generation.engines import transformers_generate  # noqa: E402
+from grpo_pipeline.generation.plan import GenerationPlan  # noqa: E402
+from grpo_pipeline.stages.evaluate import EvalSettings  # noqa: E402
+from grpo_pipeline.stages.model import ModelSpec, prepare_model  # noqa: E402
+from grpo_pipeline.common.rl_data import arith_splits  # noqa: E402
 
 
 def model_dir_for(name: str) -> Path:

@@ -41,10 +41,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from backends.local.phases import PHASES  # noqa: E402
-from backends.local.settings import PHASES_FILE, plan_local_training, prompt_length  # noqa: E402
-from common.rl_data import arith_splits  # noqa: E402
-from profiles.loader import resolve_profile  # noqa: E402
+from grpo_pipeline.backends.local.phases import PHASES  # noqa: E402
+from grpo_pipeline.backends.local.settings import PHASES_FILE, plan_local_training, prompt_length  # noqa: E402
+from grpo_pipeline.common.rl_data import arith_splits  # noqa: E402
+from grpo_pipeline.profiles.loader import resolve_profile  # noqa: E402
 
 SHAPES = {  # Qwen3 shapes: hidden, MLP, layers, attention heads, KV heads (head_dim 128)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -63,7 +63,7 @@ def make_model(shape: str, vocab: int, out: Path, dtype: str, device: str):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(512, seed=0)
     # Qwen3 up to 4B ties the head to the embedding.
@@ -137,7 +137,7 @@ def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir:
                 work: Path) -> list[dict]:
     import ray
 
-    from backends.local.driver import train_local
+    from grpo_pipeline.backends.local.driver import train_local
 
     completions = args.prompts * args.generations
     profile = resolve_profile("tiny", args.device, overrides=[

@@ -34,14 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 import pyarrow.parquet as pq  # noqa: E402
 
-from backends.local.driver import train_local  # noqa: E402
-from backends.metrics import StepMetrics  # noqa: E402
-from backends.local.settings import LocalTrainSettings, plan_local_training  # noqa: E402
-from generation.plan import plan_generation  # noqa: E402
-from backends.local.worker import GenerationTimer, training_rows  # noqa: E402
-from flows.plan import resolve_profile  # noqa: E402
-from common.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
-from common.rl_data import arith_splits  # noqa: E402
+from grpo_pipeline.backends.local.driver import train_local  # noqa: E402
+from grpo_pipeline.backends.metrics import StepMetrics  # noqa: E402
+from grpo_pipeline.backends.local.settings import LocalTrainSettings, plan_local_training  # noqa: E402
+from grpo_pipeline.generation.plan import plan_generation  # noqa: E402
+from grpo_pipeline.backends.local.worker import GenerationTimer, training_rows  # noqa: E402
+from grpo_pipeline.stages.plan import resolve_profile  # noqa: E402
+from grpo_pipeline.common.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
+from grpo_pipeline.common.rl_data import arith_splits  # noqa: E402
 
 
 def make_model(name: str, out: Path) -> None:
@@ -68,7 +68,7 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
     from trl import GRPOConfig, GRPOTrainer
 
-    from common.rewards import arith_score
+    from grpo_pipeline.common.rewards import arith_score
 
     set_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)

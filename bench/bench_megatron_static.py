@@ -29,10 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from profiles.loader import resolve_run_profile  # noqa: E402
-from planner.memory import GIB, estimate  # noqa: E402
-from planner.parallel import Layout  # noqa: E402
-from profiles.schema import ModelArchitecture  # noqa: E402
+from grpo_pipeline.profiles.loader import resolve_run_profile  # noqa: E402
+from grpo_pipeline.planner.memory import GIB, estimate  # noqa: E402
+from grpo_pipeline.planner.parallel import Layout  # noqa: E402
+from grpo_pipeline.profiles.schema import ModelArchitecture  # noqa: E402
 
 QWEN3_8B = {"model_type": "qwen3", "num_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_kv_heads": 8,
             "head_dim": 128, "intermediate_size": 12288, "vocab_size": 151936, "qk_norm": True}

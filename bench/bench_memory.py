@@ -27,9 +27,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from megatron_memory_probe import RUNS, SHAPES, full_config, run_name  # noqa: E402
 
-from planner.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE  # noqa: E402
-from profiles.loader import resolve_run_profile  # noqa: E402
-from planner.memory import GIB, estimate  # noqa: E402
+from grpo_pipeline.planner.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE  # noqa: E402
+from grpo_pipeline.profiles.loader import resolve_run_profile  # noqa: E402
+from grpo_pipeline.planner.memory import GIB, estimate  # noqa: E402
 
 
 HELD_OUT = [

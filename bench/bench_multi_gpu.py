@@ -29,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from backends.metrics import read_metrics  # noqa: E402
+from grpo_pipeline.backends.metrics import read_metrics  # noqa: E402
 
 
 def run_once(model: str, device: str, workers: int, steps: int, prompts: int, generations: int, length: int,
              root: Path) -> dict:
     """One pipeline run with `workers` training workers; its step records and wall time."""
     name = f"workers-{workers}"
-    command = [sys.executable, "-m", "flows.grpo", "--model", model, "--device", device, "--backend", "local",
+    command = [sys.executable, "-m", "grpo_pipeline", "--model", model, "--device", device, "--backend", "local",
                "--stages", "train", "--run-dir", str(root / "runs"), "--run-name", name,
                "--set", f"cluster.devices_per_node={workers}", "--set", f"trainer.total_training_steps={steps}",
                "--set", f"trainer.save_freq={steps}", "--set", f"data.train_batch_size={prompts}",

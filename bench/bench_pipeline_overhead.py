@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_pipeline_overhead.py [--model smollm2-135m] [--rounds 1]
 
 First a warm-up run of the data and model stages fills the stores and Prefect's cache. Then each
-round runs the whole pipeline as `make demo` does (`python -m flows.grpo ...` in a fresh process,
+round runs the whole pipeline as `make demo` does (`python -m grpo_pipeline ...` in a fresh process,
 the Prefect API the CLI starts for the run, a local Ray), timed from process start to exit. The run's
 `timings.json` gives the time inside the train and evaluate stages; everything else (process start,
 imports, the Prefect API, device detection, profile, environment, the cached data and model stages,
@@ -27,7 +27,7 @@ WORK_STAGES = ("train", "evaluate")
 
 
 def run_pipeline(model: str, run_dir: Path, name: str, stages: str | None = None) -> float:
-    command = [sys.executable, "-m", "flows.grpo", "--model", model, "--device", "cpu", "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "grpo_pipeline", "--model", model, "--device", "cpu", "--run-dir", str(run_dir),
                "--run-name", name]
     if stages:
         command += ["--stages", stages]
@@ -51,7 +51,7 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     if args.started_api:
         sys.path.insert(0, str(ROOT))
-        from flows.local_api import LocalAPI
+        from grpo_pipeline.flows.local_api import LocalAPI
 
         api = LocalAPI(run_dir / "prefect-api.log")
         api.wait_ready()

@@ -39,9 +39,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.errors import ProfileError  # noqa: E402
-from flows.plan import checked_profile  # noqa: E402
-from planner.memory import GIB, MemoryPlan, plan_for  # noqa: E402
+from grpo_pipeline.common.errors import ProfileError  # noqa: E402
+from grpo_pipeline.stages.plan import checked_profile  # noqa: E402
+from grpo_pipeline.planner.memory import GIB, MemoryPlan, plan_for  # noqa: E402
 
 REFERENCE = ROOT / "bench" / "reference" / "published_runs.yaml"
 PEAK_TOLERANCE = 0.2

@@ -38,12 +38,12 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 
-from backends import backend_for  # noqa: E402
-from common.preflight import run_preflight  # noqa: E402
-from common.ray_cluster import connect_ray  # noqa: E402
+from grpo_pipeline.backends import backend_for  # noqa: E402
+from grpo_pipeline.common.preflight import run_preflight  # noqa: E402
+from grpo_pipeline.common.ray_cluster import connect_ray  # noqa: E402
 from node_images import node_image  # noqa: E402
-from flows.plan import resolve_profile  # noqa: E402
-from stages.environment import resolve_environment  # noqa: E402
+from grpo_pipeline.stages.plan import resolve_profile  # noqa: E402
+from grpo_pipeline.stages.environment import resolve_environment  # noqa: E402
 
 STAND_IN_SLEEP = "import time; time.sleep(5)"
 

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_tracking.py [--model tiny] [--steps 6] [--rounds 1] [--out bench/results-cpu-tracking.json]
 
-Each variant is a whole command-line run of the data, model and train stages (`python -m flows.grpo`, a
+Each variant is a whole command-line run of the data, model and train stages (`python -m grpo_pipeline`, a
 fresh process, its own Prefect API, a local Ray), in the same run of this script, the variants in
 turn and alternated across rounds. MLflow logs to a real `mlflow server` (SQLite, HTTP on 127.0.0.1)
 that the bench starts; W&B runs offline; TensorBoard writes event files. From each run's files:
@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from backends.metrics import read_metrics  # noqa: E402
+from grpo_pipeline.backends.metrics import read_metrics  # noqa: E402
 from mlflow_server import mlflow_server  # noqa: E402
 
 VARIANTS = {
@@ -46,7 +46,7 @@ VARIANTS = {
 def run(model: str, root: Path, name: str, steps: int, settings: list[str], env: dict) -> dict:
     overrides = [f"data.root={root / 'data'}", f"model.root={root / 'models'}", f"trainer.total_training_steps={steps}",
                  "trainer.save_freq=-1", *settings]
-    command = [sys.executable, "-m", "flows.grpo", "--model", model, "--device", "cpu", "--run-dir", str(root),
+    command = [sys.executable, "-m", "grpo_pipeline", "--model", model, "--device", "cpu", "--run-dir", str(root),
                "--run-name", name, "--stages", "fetch_dataset,prepare_checkpoint,train",
                *(arg for item in overrides for arg in ("--set", item))]
     started = time.perf_counter()
@@ -62,10 +62,10 @@ def run(model: str, root: Path, name: str, steps: int, settings: list[str], env:
 
 def log_step_cost(root: Path, url: str, calls: int) -> dict[str, float]:
     """Milliseconds per logged step, per tool (median of the blocks)."""
-    from backends.metrics import StepMetrics
-    from common.tracking import start_tracking, tracking_session
-    from flows.tracking import step_values
-    from profiles.tracking import TrackingSection
+    from grpo_pipeline.backends.metrics import StepMetrics
+    from grpo_pipeline.common.tracking import start_tracking, tracking_session
+    from grpo_pipeline.tasks.tracking import step_values
+    from grpo_pipeline.profiles.tracking import TrackingSection
 
     record = StepMetrics(step=1, reward_mean=0.5, reward_std=0.1, kl=0.01, loss=0.2, entropy=2.0, response_length=12.0,
                          tokens_per_s=100.0, step_time_s=1.0, generation_s=0.5, learning_rate=1e-3, time=time.time())

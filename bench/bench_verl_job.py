@@ -37,14 +37,14 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.job_submission import JobSubmissionClient  # noqa: E402
 
-from backends import backend_for  # noqa: E402
-from backends.base import TrainingInputs, TrainingRun  # noqa: E402
-from backends.verl.job import job_spec, read_record  # noqa: E402
-from flows.plan import resolve_profile  # noqa: E402
-from generation.plan import plan_generation  # noqa: E402
-from profiles.schema import DataSection  # noqa: E402
-from stages.dataset import DataSpec, fetch_dataset  # noqa: E402
-from stages.environment import resolve_environment  # noqa: E402
+from grpo_pipeline.backends import backend_for  # noqa: E402
+from grpo_pipeline.backends.base import TrainingInputs, TrainingRun  # noqa: E402
+from grpo_pipeline.backends.verl.job import job_spec, read_record  # noqa: E402
+from grpo_pipeline.stages.plan import resolve_profile  # noqa: E402
+from grpo_pipeline.generation.plan import plan_generation  # noqa: E402
+from grpo_pipeline.profiles.schema import DataSection  # noqa: E402
+from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset  # noqa: E402
+from grpo_pipeline.stages.environment import resolve_environment  # noqa: E402
 
 STAND_IN = ROOT / "tests" / "verl_stand_in.py"
 

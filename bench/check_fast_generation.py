@@ -24,9 +24,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench_generation import model_dir_for
-    from generation.compiled import greedy_with_logprobs
-    from common.rewards import score
-    from common.rl_data import arith_splits
+    from grpo_pipeline.generation.compiled import greedy_with_logprobs
+    from grpo_pipeline.common.rewards import score
+    from grpo_pipeline.common.rl_data import arith_splits
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2-135m", "qwen3-0.6b"])

@@ -105,7 +105,7 @@ def correctness(shape: str, vocab: int, device: str, tokenizer, batch: int, new_
     import torch
 
     from bench_decode_floor import build_model, chat_prompts
-    from generation.decoding import NativeDecoder, Sampling
+    from grpo_pipeline.generation.decoding import NativeDecoder, Sampling
 
     model = build_model(shape, vocab, device, tokenizer)
     prompts = chat_prompts(tokenizer, batch, seed=1)
@@ -162,8 +162,8 @@ def probe(shape: str, vocab: int, device: str, batch: int) -> dict:
     import torch  # noqa: F401
 
     from bench_decode_floor import build_model, chat_prompts
-    from common.builtin_models import train_tiny_tokenizer
-    from generation.decoding import NativeDecoder, Sampling
+    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.generation.decoding import NativeDecoder, Sampling
 
     imported = time.time()
     tokenizer = train_tiny_tokenizer(512, seed=0)

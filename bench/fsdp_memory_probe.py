@@ -223,8 +223,8 @@ def measure(config: dict) -> dict:
 def planned(config: dict, world: int = 1) -> dict:
     """The planner's update and old-policy log-prob figures for the config (planner/fsdp.py)."""
     sys.path.insert(0, str(ROOT))
-    from planner.memory import estimate
-    from profiles.loader import resolve_run_profile
+    from grpo_pipeline.planner.memory import estimate
+    from grpo_pipeline.profiles.loader import resolve_run_profile
 
     cfg = full_config(config)
     m = cfg["model"]

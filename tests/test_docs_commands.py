@@ -1,4 +1,4 @@
-"""What the docs tell a person to run, run: every `flows.grpo` command of a bash block in README.md
+"""What the docs tell a person to run, run: every `grpo_pipeline.flows.grpo` command of a bash block in README.md
 and docs/*.md that plans without starting anything (`--dry-run`, `--suggest-layout`) exits 0 here, the
 sample profile file of docs/configuration.md loads, and the dry run's resolved profile loads back as
 a profile file and plans the same run."""
@@ -37,10 +37,10 @@ def planning_commands() -> list[tuple[str, list[str]]]:
     for path in DOCS:
         for line in bash_lines(path):
             command = line.split(" #")[0].split(" | ")[0].strip()
-            words = shlex.split(command) if "flows.grpo" in command else []
+            words = shlex.split(command) if "grpo_pipeline" in command else []
             if not words or not {"--dry-run", "--suggest-layout"} & set(words) or "<" in command:
                 continue
-            found.append((f"{path.name}: {command}", words[words.index("flows.grpo") + 1:]))
+            found.append((f"{path.name}: {command}", words[words.index("grpo_pipeline") + 1:]))
     return found
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import ProfileError
-from flows.plan import resolve_profile
-from stages.environment import NO_PROXY_VARS, PROXY_VARS, ray_head_host, redact, resolve_environment
+from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.stages.environment import NO_PROXY_VARS, PROXY_VARS, ray_head_host, redact, resolve_environment
 
 PROXIES = {"http_proxy": "http://proxy:3128", "HTTPS_PROXY": "http://user:pw@proxy:3128", "ALL_PROXY": "socks5://proxy:1080"}
 

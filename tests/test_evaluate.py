@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from datasets_fixtures import geo3k_table, gsm8k_table
-from common.errors import UserError
-from generation.plan import GenerationPlan
-from stages.evaluate import EvalSettings, Response, evaluate, pass_at_k
-from common.rewards import score
-from common.rl_data import arith_splits, convert_geo3k, convert_gsm8k
+from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.generation.plan import GenerationPlan
+from grpo_pipeline.stages.evaluate import EvalSettings, Response, evaluate, pass_at_k
+from grpo_pipeline.common.rewards import score
+from grpo_pipeline.common.rl_data import arith_splits, convert_geo3k, convert_gsm8k
 
 
 def write(table: pa.Table, path: Path) -> Path:
@@ -121,7 +121,7 @@ def test_bad_input_is_one_clear_error_and_nothing_is_written(tiny_model_dir, tmp
 
 
 def test_several_samples_need_sampling():
-    from flows.plan import resolve_profile
+    from grpo_pipeline.stages.plan import resolve_profile
 
     with pytest.raises(UserError, match="eval.samples_per_prompt=4 with eval.temperature=0"):
         profile = resolve_profile("tiny", "cpu", overrides=["eval.samples_per_prompt=4"])
@@ -129,9 +129,9 @@ def test_several_samples_need_sampling():
 
 
 def test_generation_runs_where_the_platform_says():
-    from flows.plan import resolve_profile
+    from grpo_pipeline.stages.plan import resolve_profile
 
-    from generation.plan import plan_generation
+    from grpo_pipeline.generation.plan import plan_generation
 
     cpu, npu = (EvalSettings.from_profile(p, plan_generation(p)) for p in (resolve_profile("tiny", "cpu"),
                                                                            resolve_profile("qwen3.5-122b-a10b", "npu")))
@@ -142,9 +142,9 @@ def test_generation_runs_where_the_platform_says():
 def test_sharded_generation_returns_every_prompt_in_order(tiny_model_dir):
     import ray
 
-    from profiles.platform import Platform
-    from generation.engines import transformers_generate
-    from generation.sharding import sharded
+    from grpo_pipeline.profiles.platform import Platform
+    from grpo_pipeline.generation.engines import transformers_generate
+    from grpo_pipeline.generation.sharding import sharded
 
     prompts = [row["prompt"] for row in arith_splits(4, 10, seed=3)["test"].to_pylist()]
     settings = EvalSettings(max_new_tokens=5, batch_size=4)
@@ -161,8 +161,8 @@ def test_the_vllm_engine_translates_settings_and_outputs(tiny_model_dir, monkeyp
     import types
     from dataclasses import dataclass
 
-    from generation.engines import transformers_generate, vllm_generate
-    from generation.sharding import choose_engine
+    from grpo_pipeline.generation.engines import transformers_generate, vllm_generate
+    from grpo_pipeline.generation.sharding import choose_engine
 
     seen = {}
 
@@ -188,14 +188,14 @@ def test_the_vllm_engine_translates_settings_and_outputs(tiny_model_dir, monkeyp
     assert seen["tp"] == 4  # a cluster evaluation's engine spans rollout.tp devices
     assert [[r.text for r in group] for group in out] == [["0-0", "0-1"], ["1-0", "1-1"]]
     assert [r.truncated for r in out[0]] == [False, True] and out[0][1].tokens == 2
-    from profiles.platform import Platform
+    from grpo_pipeline.profiles.platform import Platform
 
     assert choose_engine(Platform(), 4, GenerationPlan()) is transformers_generate  # the CPU: transformers, not sharded
     assert choose_engine(Platform(), 4, GenerationPlan(engine="vllm", decoder=None)) is vllm_generate  # the plan's engine
 
 
 def test_the_native_decoder_evaluates_as_generate_does(tiny_model_dir):
-    from generation.engines import transformers_generate
+    from grpo_pipeline.generation.engines import transformers_generate
 
     prompts = [row["prompt"] for row in arith_splits(8, 6, seed=3)["test"].to_pylist()]
     greedy = [transformers_generate(tiny_model_dir, prompts, EvalSettings(max_new_tokens=8, batch_size=4,
@@ -209,7 +209,7 @@ def test_the_native_decoder_evaluates_as_generate_does(tiny_model_dir):
 
 
 def test_generation_time_is_reported_beside_the_rollouts(tiny_model_dir, tmp_path):
-    from backends.metrics import StepMetrics, append_metrics
+    from grpo_pipeline.backends.metrics import StepMetrics, append_metrics
 
     for step, seconds in ((1, 2.5), (2, 0.0), (3, 1.5)):  # two generation rounds, the second step reused one
         append_metrics(tmp_path / "metrics.jsonl", StepMetrics(step=step, reward_mean=0.0, step_time_s=3.0,

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from backends.base import TrainResult
-from common.errors import UserError
-from stages.export import export_checkpoint
-from stages.model import ModelFormatError
+from grpo_pipeline.backends.base import TrainResult
+from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.stages.export import export_checkpoint
+from grpo_pipeline.stages.model import ModelFormatError
 
 
 def trained(backend: str, checkpoint_dir: str, step: int) -> TrainResult:

@@ -7,8 +7,8 @@ import errno
 
 import pytest
 
-from common.file_faults import FileFault, file_fault
-from common.errors import UserError
+from grpo_pipeline.common.file_faults import FileFault, file_fault
+from grpo_pipeline.common.errors import UserError
 
 
 def _raised_from(outer: Exception, inner: BaseException) -> Exception:

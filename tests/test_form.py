@@ -1,4 +1,4 @@
-"""The deployments' form (flows/form.py, flows/form_rules.py): one table of cases, each checked three
+"""The deployments' form (flows/form.py, stages/form_rules.py): one table of cases, each checked three
 ways. The form: the Prefect API's own validator against the deployment's parameter schema, as it
 runs before a flow run (and its parameters) is stored. The run: `RunRequest.from_form`, what the flow
 does with the form's fields. The run's YAML-based secret rules (profiles/secrets.py, what every
@@ -12,12 +12,12 @@ import random
 
 import pytest
 
-from flows.form import run_from_form
-from flows.form_rules import FORM_RULES, override_lines
-from flows.request import RunRequest
-from common.errors import ProfileError, UserError
-from profiles.loader import overrides_to_layer
-from profiles.secrets import secret_literal_problems
+from grpo_pipeline.flows.form import run_from_form
+from grpo_pipeline.stages.form_rules import FORM_RULES, override_lines
+from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.common.errors import ProfileError, UserError
+from grpo_pipeline.profiles.loader import overrides_to_layer
+from grpo_pipeline.profiles.secrets import secret_literal_problems
 
 FORM = {name: p.default for name, p in inspect.signature(run_from_form.fn).parameters.items()
         if p.default is not inspect.Parameter.empty} | {"model": "tiny", "device": "cpu"}

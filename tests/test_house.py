@@ -58,7 +58,7 @@ def test_the_layout_doc_is_the_map_the_modules_make():
 
 
 def test_the_packages_a_ray_job_carries_are_the_projects_own_folders():
-    from common.ray_cluster import project_modules
+    from grpo_pipeline.common.ray_cluster import project_modules
 
     folders = [Path(folder) for folder in project_modules()]
     assert {folder.name for folder in folders} == set(PACKAGES) - {"flows"}
@@ -70,7 +70,7 @@ def test_a_runs_generation_path_is_decided_in_one_place():
     or, for a run from the form, right after the flow resolves the profile; everything else reads the
     `GenerationPlan` it is handed, never the profile's `generation` section (docs/layout.md walks it)."""
     decided = [f"{p.relative_to(ROOT)}" for p in modules(*PACKAGES) if "plan_generation(" in p.read_text()]
-    assert sorted(decided) == ["flows/pipeline.py", "flows/plan.py", "generation/plan.py"]
+    assert sorted(decided) == ["flows/pipeline.py", "stages/plan.py", "generation/plan.py"]
     section = re.compile(r"\.generation\.(engine|decoder|cache|compile|attn_implementation|steps_per_generation)\b")
     read = [f"{p.relative_to(ROOT)}:{i}" for p in modules(*PACKAGES) if p.parts[-2:] != ("generation", "plan.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if section.search(line)]

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from planner.layouts import parallel_dims, suggest_layouts
-from flows.plan import resolve_profile
-from profiles.loader import resolve_run_profile
-from planner.memory import Layout, estimate
-from profiles.model_size import model_size
-from stages.device import DeviceInfo
-from stages.model import verify_hf_dir
+from grpo_pipeline.planner.layouts import parallel_dims, suggest_layouts
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.profiles.loader import resolve_run_profile
+from grpo_pipeline.planner.memory import Layout, estimate
+from grpo_pipeline.profiles.model_size import model_size
+from grpo_pipeline.stages.device import DeviceInfo
+from grpo_pipeline.stages.model import verify_hf_dir
 
 # The 122B on one 8-GPU node with nothing offloaded (EP 8 over the node's 8 GPUs).
 ONE_NODE_NO_OFFLOAD = ["--set", "cluster.nnodes=1", "--set", "engine.pp=1", "--set", "engine.param_offload=false",
@@ -182,7 +182,7 @@ def test_the_estimates_stay_within_15_percent_of_the_peaks_measured_on_the_h200(
 
 
 def test_the_report_of_a_verl_run_shows_its_memory_plan(tmp_path):
-    from stages.report import write_report
+    from grpo_pipeline.stages.report import write_report
 
     profile = resolve_profile("qwen3.5-35b-a3b", "gpu").model_dump(mode="json")
     device = {"kind": "gpu", "count": 8, "names": ["NVIDIA H200"] * 8, "memory_gib": [139.8] * 8,

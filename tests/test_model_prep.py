@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from flows.plan import resolve_profile
-from profiles.schema import ModelSection
-from stages.model import ModelFormatError, ModelSpec, model_dir, prepare_model, verify_hf_dir
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.profiles.schema import ModelSection
+from grpo_pipeline.stages.model import ModelFormatError, ModelSpec, model_dir, prepare_model, verify_hf_dir
 
 
 def spec_for(tmp_path, path: str) -> ModelSpec:
@@ -116,7 +116,7 @@ def test_a_correctly_sharded_directory_passes(tiny_model_dir, tmp_path):
 
 
 def test_unknown_builtin_and_missing_local_paths_are_user_errors(tmp_path):
-    from common.errors import UserError
+    from grpo_pipeline.common.errors import UserError
 
     arch = resolve_profile("tiny", "cpu").model.architecture
     with pytest.raises(UserError, match="no such built-in model; use one of builtin:tiny, builtin:smollm2-135m"):

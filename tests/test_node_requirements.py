@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from backends import backend_for
-from common.node_image import look
-from common.preflight import Preflight
+from grpo_pipeline.backends import backend_for
+from grpo_pipeline.common.node_image import look
+from grpo_pipeline.common.preflight import Preflight
 from node_images import TORCH_RELEASE
-from flows.plan import resolve_profile
-from profiles.requirements import NodeFacts, NodeRequirement, node_problems
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.profiles.requirements import NodeFacts, NodeRequirement, node_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,7 +107,7 @@ def test_torch_npu_and_vllm_ascend_must_be_releases_of_torch_and_vllm():
 @pytest.mark.parametrize("version", ["=>banana", "==", "0.9.1", ">=1.0;<2"])
 def test_a_version_that_is_no_specifier_is_refused_at_planning(version):
     """It passed planning and then matched no node's version: every node was blamed."""
-    from common.errors import ProfileError
+    from grpo_pipeline.common.errors import ProfileError
 
     with pytest.raises(ProfileError, match=f"requires.vllm.version={version!r}: .* is not a PEP 440 version specifier; "
                        "write one like ==0.9.1"):
@@ -182,7 +182,7 @@ def test_identical_nodes_are_one_column_and_one_line():
 
 
 def test_the_dry_run_lists_each_stage_s_node_requirements():
-    done = subprocess.run([sys.executable, "-m", "flows.grpo", "--model", "qwen3.5-122b-a10b", "--device", "npu",
+    done = subprocess.run([sys.executable, "-m", "grpo_pipeline", "--model", "qwen3.5-122b-a10b", "--device", "npu",
                            "--dry-run", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     needs = json.loads(done.stdout)["node_requirements"]
@@ -190,7 +190,7 @@ def test_the_dry_run_lists_each_stage_s_node_requirements():
         "install the torch_npu release of the node's torch (torch X.Y.Z needs torch_npu X.Y.Z[.postN])")}
     assert needs["train"]["megatron-bridge"]["knows"] == "Qwen3_5MoeForConditionalGeneration"
     assert "mindspeed" in needs["train"] and "mindspeed" not in needs["evaluate"]
-    text = subprocess.run([sys.executable, "-m", "flows.grpo", "--model", "qwen3.5-122b-a10b", "--device", "npu",
+    text = subprocess.run([sys.executable, "-m", "grpo_pipeline", "--model", "qwen3.5-122b-a10b", "--device", "npu",
                            "--dry-run"], capture_output=True, text=True, timeout=300, cwd=ROOT).stdout
     assert "# node requirements of the train stage (checked on every Ray node before it starts there)" in text
     assert "#   vllm-ascend (same release as vllm): the rollout engine on NPUs" in text

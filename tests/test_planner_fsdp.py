@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from flows.plan import resolve_profile
-from planner.fsdp import backward_working_bytes, hf_layer_bytes
-from planner.layouts import candidate_layouts, suggest_layouts, suggestion_table
-from planner.memory import GIB, estimate
-from profiles.loader import resolve_run_profile
-from profiles.model_size import model_size
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.planner.fsdp import backward_working_bytes, hf_layer_bytes
+from grpo_pipeline.planner.layouts import candidate_layouts, suggest_layouts, suggestion_table
+from grpo_pipeline.planner.memory import GIB, estimate
+from grpo_pipeline.profiles.loader import resolve_run_profile
+from grpo_pipeline.profiles.model_size import model_size
 
 # A Qwen3-8B-shaped dense model on one node of 8 H200s: big enough that sharding and activations show.
 QWEN3_8B = ["model.architecture.num_layers=36", "model.architecture.num_attention_heads=32",

@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from planner.activations import mlp_bytes
-from common.errors import ProfileError
-from profiles.hf_config import architecture_from_hf_config
-from flows.plan import resolve_profile
-from profiles.loader import resolve_run_profile
-from planner.memory import GIB, estimate
-from profiles.model_size import kv_bytes_per_token, model_size
-from planner.parallel import Layout, stages as pipeline_stages
-from profiles.schema import ModelArchitecture
-from planner.rules import layout_problems
+from grpo_pipeline.planner.activations import mlp_bytes
+from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.profiles.hf_config import architecture_from_hf_config
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.profiles.loader import resolve_run_profile
+from grpo_pipeline.planner.memory import GIB, estimate
+from grpo_pipeline.profiles.model_size import kv_bytes_per_token, model_size
+from grpo_pipeline.planner.parallel import Layout, stages as pipeline_stages
+from grpo_pipeline.profiles.schema import ModelArchitecture
+from grpo_pipeline.planner.rules import layout_problems
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -197,7 +197,7 @@ def test_the_estimate_is_the_fullest_stage_of_an_uneven_split():
 
 
 def test_the_suggested_layouts_split_unevenly_where_the_layers_do_not_divide():
-    from planner.layouts import suggest_layouts
+    from grpo_pipeline.planner.layouts import suggest_layouts
 
     base = {"model": {"architecture": {**UNSET, **QWEN3_235B}}, "cluster": {"nnodes": 4, "devices_per_node": 8},
             "data": {"train_batch_size": 32, "max_prompt_length": 2048, "max_response_length": 8192},
@@ -362,7 +362,7 @@ def test_planner_enforce_false_turns_the_refusal_into_a_warning_in_the_dry_run_a
 
 
 def test_the_report_of_a_run_planned_past_a_refusal_shows_the_warning(tmp_path):
-    from stages.report import write_report
+    from grpo_pipeline.stages.report import write_report
 
     profile = resolve_run_profile("qwen3.5-122b-a10b", "gpu", overrides=[
         "cluster.nnodes=1", "engine.pp=1", "engine.param_offload=false", "engine.optimizer_offload=false",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from planner.memory import estimate
+from grpo_pipeline.planner.memory import estimate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -87,8 +87,8 @@ def test_fsdp_points_are_planned_with_the_fsdp_model(rows, tmp_path):
                                    "qwen3.5-122b-a10b-grpo-32k-64xa3"])
 def test_suggest_layout_lists_the_documented_layout_among_those_that_fit(point, tmp_path):
     """Uneven pipeline stages (PP8 over 94 layers, PP12 over 61), a rollout engine over four nodes, CP 4."""
-    from planner.layouts import parallel_dims, suggest_layouts
-    from planner.parallel import Layout
+    from grpo_pipeline.planner.layouts import parallel_dims, suggest_layouts
+    from grpo_pipeline.planner.parallel import Layout
 
     profile = profile_for(next(p for p in load_points() if p["id"] == point), tmp_path)
     suggestions, _ = suggest_layouts(profile)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from common.errors import ProfileError
-from flows.plan import resolve_profile
+from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.stages.plan import resolve_profile
 
 Q122 = "qwen3.5-122b-a10b"
 
@@ -122,7 +122,7 @@ def test_env_values_become_strings_and_malformed_ones_fail(tmp_path):
 def test_profile_reference_is_current():
     from pathlib import Path
 
-    from profiles.reference import render
+    from grpo_pipeline.profiles.reference import render
 
     committed = (Path(__file__).resolve().parents[1] / "docs" / "profiles.md").read_text()
-    assert committed == render(), "docs/profiles.md is stale: python -m profiles.reference > docs/profiles.md"
+    assert committed == render(), "docs/profiles.md is stale: python -m grpo_pipeline.profiles.reference > docs/profiles.md"

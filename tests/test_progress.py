@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.progress import Bar, reporting_to
+from grpo_pipeline.common.progress import Bar, reporting_to
 
 
 @pytest.mark.parametrize("disable", [False, True])  # True: TQDM_DISABLE=1, or no terminal

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-from backends.metrics import StepMetrics
-from stages.report import write_report
+from grpo_pipeline.backends.metrics import StepMetrics
+from grpo_pipeline.stages.report import write_report
 
 
 def model(name: str, mean: float, low: float, high: float, tmp_path) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import UserError
-from common.rewards import arith_score, boxed_content, geo3k_score, gsm8k_score, score
+from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.common.rewards import arith_score, boxed_content, geo3k_score, gsm8k_score, score
 
 
 @pytest.mark.parametrize(

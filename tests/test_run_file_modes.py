@@ -9,8 +9,8 @@ import stat
 import torch
 from safetensors.torch import save_file
 
-from backends.local.checkpoints import LATEST, TRAINER_DIR, latest_step, publish_step
-from common.files import current_umask
+from grpo_pipeline.backends.local.checkpoints import LATEST, TRAINER_DIR, latest_step, publish_step
+from grpo_pipeline.common.files import current_umask
 
 
 def _mode(path) -> int:

@@ -9,11 +9,11 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from flows.request import RunRequest
-from common.errors import ProfileError
-from flows.plan import resolve_profile
-from profiles.secrets import is_secret, parse_reference, redact, scrub, secret_literal_problems
-from stages.environment import resolve_environment
+from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.profiles.secrets import is_secret, parse_reference, redact, scrub, secret_literal_problems
+from grpo_pipeline.stages.environment import resolve_environment
 
 TOKEN = "hf_aB3dE5gH7jK9mN"
 DB_PASSWORD = "made-up-pass-4b81e2"
@@ -45,7 +45,7 @@ def test_scrub_hides_this_processes_secret_values_and_url_credentials(monkeypatc
 
 
 def test_a_log_line_or_traceback_of_the_run_never_carries_a_secret_value(monkeypatch):
-    from flows.task_policy import RunLogFilter
+    from grpo_pipeline.tasks.policy import RunLogFilter
 
     monkeypatch.setenv("WANDB_API_KEY", TOKEN)
     try:
@@ -177,7 +177,7 @@ def test_scrub_hides_what_a_secret_entry_reads_and_the_credentials_in_any_url_va
 
 
 def test_the_run_plan_prefect_stores_as_a_flow_parameter_holds_no_secret_value(monkeypatch, tmp_path):
-    from flows.plan import plan_run
+    from grpo_pipeline.stages.plan import plan_run
 
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setenv("MY_DB_URL", DB_URL)
@@ -191,8 +191,8 @@ def test_the_run_plan_prefect_stores_as_a_flow_parameter_holds_no_secret_value(m
 
 def test_a_stage_error_quoting_a_secret_is_raised_scrubbed_and_keeps_its_kind(monkeypatch):
     """Prefect stores a failed task's message and pickles its exception: neither may hold the value."""
-    from flows.task_policy import errors_scrubbed
-    from common.errors import UserError
+    from grpo_pipeline.tasks.policy import errors_scrubbed
+    from grpo_pipeline.common.errors import UserError
 
     monkeypatch.setenv("HF_TOKEN", "made-up-token-value-5150")
 

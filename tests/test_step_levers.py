@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from backends.local.packing import PackedLogProbs, pack, padding_free, unpack
+from grpo_pipeline.backends.local.packing import PackedLogProbs, pack, padding_free, unpack
 
 
 def tiny_qwen3(vocab: int = 97, seed: int = 0):
@@ -127,8 +127,8 @@ def grpo_phases(model_dir, tmp_path, beta: float, steps_per_generation: int, pac
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from backends.local.phases import StepPhases
-    from common.rl_data import arith_splits
+    from grpo_pipeline.backends.local.phases import StepPhases
+    from grpo_pipeline.common.rl_data import arith_splits
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

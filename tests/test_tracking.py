@@ -3,7 +3,7 @@ through MLflow's client, W&B offline read back from its files, TensorBoard read 
 
     PYTHONPATH=$PWD python -m pytest -q tests/test_tracking.py
 
-The flow's own calls (flows/tracking.py) open the tracker run, log training's steps through a retry
+The flow's own calls (tasks/tracking.py) open the tracker run, log training's steps through a retry
 that resumes from a checkpoint, the evaluation and the report; verl's tracking layer continues the
 same tracker runs from the variables the verl backend renders for its job.
 """
@@ -20,17 +20,17 @@ from uuid import uuid4
 import pytest
 from mlflow.tracking import MlflowClient
 
-from backends.base import TrainingInputs
-from backends.metrics import StepMetrics
-from backends.verl.command import verl_command
-from backends.verl.job import job_spec
-from common.tracking import read_state, tracking_session
-from flows.tracking import StepTracking, finish_tracker_run, open_tracker_run, report_files, tracking_lines
+from grpo_pipeline.backends.base import TrainingInputs
+from grpo_pipeline.backends.metrics import StepMetrics
+from grpo_pipeline.backends.verl.command import verl_command
+from grpo_pipeline.backends.verl.job import job_spec
+from grpo_pipeline.common.tracking import read_state, tracking_session
+from grpo_pipeline.tasks.tracking import StepTracking, finish_tracker_run, open_tracker_run, report_files, tracking_lines
 from mlflow_server import free_port, mlflow_server
-from common.errors import UserError
-from profiles.loader import resolve_profile
-from stages.device import DeviceInfo
-from stages.environment import resolve_environment
+from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.profiles.loader import resolve_profile
+from grpo_pipeline.stages.device import DeviceInfo
+from grpo_pipeline.stages.environment import resolve_environment
 from tracker_readers import tensorboard_scalars, tensorboard_texts, wandb_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,7 +209,7 @@ def test_the_verl_job_continues_the_tracker_runs_through_verls_own_tracking_laye
 
 def test_an_unknown_tracker_is_refused_at_planning_in_one_line():
     answer = subprocess.run(
-        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--dry-run",
+        [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "cpu", "--dry-run",
          "--set", "tracking.trackers=[mlflow,neptune]"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert answer.returncode == 2, answer.stderr
     lines = answer.stderr.strip().splitlines()
@@ -217,8 +217,8 @@ def test_an_unknown_tracker_is_refused_at_planning_in_one_line():
 
 
 def test_the_forms_tracker_choice_is_the_profiles_tracking_trackers():
-    from flows.form import run_from_form
-    from flows.request import RunRequest
+    from grpo_pipeline.flows.form import run_from_form
+    from grpo_pipeline.stages.request import RunRequest
     from prefect.utilities.callables import parameter_schema
 
     schema = parameter_schema(run_from_form.fn).model_dump()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.errors import ProfileError
-from flows.plan import resolve_profile
+from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.stages.plan import resolve_profile
 
 Q122 = "qwen3.5-122b-a10b"
 Q35 = "qwen3.5-35b-a3b"

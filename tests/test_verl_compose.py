@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from backends.verl.command import ADD_OR_OVERRIDE, entrypoint, verl_settings
-from backends.verl.job import FILE_LOGGER_PATH_VAR, job_spec
-from stages.train import PLANNED_DIST_CHECKPOINT, training_inputs
-from common.errors import ProfileError
-from flows.plan import resolve_profile
-from profiles.loader import PROFILES_DIR
-from profiles.yaml_files import load_yaml_mapping
-from stages.environment import resolve_environment
+from grpo_pipeline.backends.verl.command import ADD_OR_OVERRIDE, entrypoint, verl_settings
+from grpo_pipeline.backends.verl.job import FILE_LOGGER_PATH_VAR, job_spec
+from grpo_pipeline.stages.train import PLANNED_DIST_CHECKPOINT, training_inputs
+from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.profiles.loader import PROFILES_DIR
+from grpo_pipeline.profiles.yaml_files import load_yaml_mapping
+from grpo_pipeline.stages.environment import resolve_environment
 from upstream_recipe import upstream_overrides
 from verl_config import compose_verl, flatten, select
 

@@ -12,14 +12,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from backends.verl import follow, job_api
-from backends.verl.backend import planned_steps
-from backends.verl.failures import diagnose
-from backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
-from backends.verl.job import JobRecord, job_spec, submission_id
-from common.errors import ProfileError
-from flows.plan import resolve_profile
-from stages.train import training_inputs
+from grpo_pipeline.backends.verl import follow, job_api
+from grpo_pipeline.backends.verl.backend import planned_steps
+from grpo_pipeline.backends.verl.failures import diagnose
+from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
+from grpo_pipeline.backends.verl.job import JobRecord, job_spec, submission_id
+from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.stages.train import training_inputs
 
 
 @pytest.mark.parametrize(

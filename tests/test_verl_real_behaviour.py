@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from backends.verl.backend import planned_steps, step_count_problem
-from backends.verl.checkpoint import verl_hf_dir
-from backends.verl.failures import diagnose
-from backends.verl.follow import JobLog, VerlMetrics, steps_missing_from
-from common.errors import UserError
-from profiles.loader import resolve_profile
+from grpo_pipeline.backends.verl.backend import planned_steps, step_count_problem
+from grpo_pipeline.backends.verl.checkpoint import verl_hf_dir
+from grpo_pipeline.backends.verl.failures import diagnose
+from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from
+from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.profiles.loader import resolve_profile
 from verl_config import compose_verl
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ray.cluster_utils import Cluster
 
-from backends.metrics import read_metrics
+from grpo_pipeline.backends.metrics import read_metrics
 from node_images import node_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,13 +70,13 @@ class FlowProcess(subprocess.Popen):
 
 def flow_process(address: str, tmp_path: Path, name: str, *overrides: str,
                  stages: str = "fetch_dataset,prepare_checkpoint,train,report") -> FlowProcess:
-    """`python -m flows.grpo` for the tiny model on the cluster, its own Prefect API under tmp_path."""
+    """`python -m grpo_pipeline` for the tiny model on the cluster, its own Prefect API under tmp_path."""
     settings = [*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}", *overrides]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
     log = Path(tempfile.mkstemp(dir=tmp_path, prefix=f"flow-{name}-", suffix=".log")[1])
     return FlowProcess(
-        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "npu", "--backend", "verl",
+        [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "npu", "--backend", "verl",
          "--ray-address", address, "--run-dir", str(tmp_path), "--run-name", name, "--stages", stages,
          *(arg for item in settings for arg in ("--set", item))],
         log, cwd=ROOT, env=env)

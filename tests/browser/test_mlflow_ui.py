@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from common.tracking import read_state
+from grpo_pipeline.common.tracking import read_state
 from mlflow_server import mlflow_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]
@@ -30,7 +30,7 @@ def screenshot(page, name: str) -> None:
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
-    """`python -m flows.grpo --model tiny` logged to a real MLflow server: (server URL, ids)."""
+    """`python -m grpo_pipeline --model tiny` logged to a real MLflow server: (server URL, ids)."""
     root = tmp_path_factory.mktemp("mlflow-demo")
     with mlflow_server(root) as url:
         settings = [f"data.root={root / 'data'}", f"model.root={root / 'models'}", "trainer.total_training_steps=6",
@@ -38,7 +38,7 @@ def demo_run(tmp_path_factory):
         env = {**os.environ, "PREFECT_HOME": str(root / "prefect"), "TQDM_DISABLE": "1"}
         env.pop("PREFECT_API_URL", None)
         done = subprocess.run(
-            [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--run-dir", str(root),
+            [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "cpu", "--run-dir", str(root),
              "--run-name", "tiny-demo", *(arg for item in settings for arg in ("--set", item))],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from common.rl_data import arith_splits
+from grpo_pipeline.common.rl_data import arith_splits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
     return subprocess.run(
-        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
+        [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
          "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
@@ -40,7 +40,7 @@ def test_a_bad_dataset_fails_the_flow_with_one_line_and_exit_2(tmp_path):
 
 
 def test_evaluate_any_directories_without_training_and_refuse_one_without_weights(tmp_path):
-    from common.builtin_models import build_tiny
+    from grpo_pipeline.common.builtin_models import build_tiny
 
     first, second = tmp_path / "policy-a", tmp_path / "policy-b"
     build_tiny(first)
@@ -73,7 +73,7 @@ def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stoppe
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
     process = subprocess.Popen(
-        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
+        [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
          "--run-name", "stopped", "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}",
          "--set", "trainer.total_training_steps=500"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -105,7 +105,7 @@ def _train_workers() -> list[str]:
 def test_the_local_api_stops_even_when_sending_the_last_logs_fails(monkeypatch, tmp_path):
     from prefect.logging.handlers import APILogHandler
 
-    from flows.local_api import local_api_unless_configured
+    from grpo_pipeline.flows.local_api import local_api_unless_configured
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
 
@@ -131,7 +131,7 @@ def test_a_port_that_is_not_rays_is_refused_before_the_run_starts_naming_the_add
         env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
         env.pop("PREFECT_API_URL", None)
         done = subprocess.run(
-            [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
+            [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
              "--run-name", "not-ray", "--ray-address", address, "--stages", "fetch_dataset",
              "--set", f"data.root={tmp_path / 'data'}"],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
@@ -151,15 +151,15 @@ def test_a_run_killed_with_sigkill_leaves_nothing_a_later_run_does_not_end(tmp_p
 
     import psutil
 
-    from flows.lease import _lease_of
-    from flows.local_api import LocalAPI
+    from grpo_pipeline.flows.lease import _lease_of
+    from grpo_pipeline.flows.local_api import LocalAPI
 
     home = tmp_path / "prefect"
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
     common = ["--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
               "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}"]
-    killed = subprocess.Popen([sys.executable, "-m", "flows.grpo", *common, "--run-name", "killed",
+    killed = subprocess.Popen([sys.executable, "-m", "grpo_pipeline", *common, "--run-name", "killed",
                                "--set", "trainer.total_training_steps=500"],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = tmp_path / "runs" / "killed" / "metrics.jsonl"
@@ -188,7 +188,7 @@ def test_a_run_killed_with_sigkill_leaves_nothing_a_later_run_does_not_end(tmp_p
         assert time.monotonic() < deadline, "the local Prefect API outlived the process that started it"
         time.sleep(0.5)
 
-    later = subprocess.run([sys.executable, "-m", "flows.grpo", *common, "--run-name", "later", "--stages", "fetch_dataset"],
+    later = subprocess.run([sys.executable, "-m", "grpo_pipeline", *common, "--run-name", "later", "--stages", "fetch_dataset"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert later.returncode == 0, later.stderr[-3000:]
     assert f"marked 1 flow run(s) crashed, left by killed run(s) of pid(s) {lease['pid']}" in later.stdout + later.stderr

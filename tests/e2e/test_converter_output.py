@@ -15,8 +15,8 @@ import subprocess
 import pytest
 from converter_inputs import HANG_GUARD_S, ROOT, cli, env, llama, stopped_mid_way
 
-from common.dist_reader import DistCheckpointReader
-from common.megatron_layout import dist_plan, dist_to_hf, hf_to_dist, model_shape
+from grpo_pipeline.common.dist_reader import DistCheckpointReader
+from grpo_pipeline.common.megatron_layout import dist_plan, dist_to_hf, hf_to_dist, model_shape
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.local_api import LocalAPI
+from grpo_pipeline.flows.local_api import LocalAPI
 
 REPO = Path(__file__).resolve().parents[2]
 # Prefect's CLI through this interpreter: its `prefect` script need not sit beside it.
@@ -102,7 +102,7 @@ def test_the_form_is_the_fields_a_person_fills_each_described_and_checked(deploy
     validate(ok, schema, raise_on_error=True)
     for bad in ({"overrides": "env.HF_TOKEN=made-up-value-1234"}, {"overrides": "no equals sign"},
                 {"overrides": "data.source=https://user:made-up-pass@mirror/x"}, {"run_name": "has space"}):
-        with pytest.raises(Exception, match=" was expected$") as refused:  # the rule's words (flows/form_rules.py)
+        with pytest.raises(Exception, match=" was expected$") as refused:  # the rule's words (stages/form_rules.py)
             validate({**deployment.parameters, **bad}, schema, raise_on_error=True)
         assert "made-up" not in str(refused.value) and "has space" not in str(refused.value)  # never the value
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.dist_writer import cpu_megatron
-from common.hf_shards import HFTensors
-from common.megatron_layout import dist_to_hf, hf_to_dist
+from grpo_pipeline.common.dist_writer import cpu_megatron
+from grpo_pipeline.common.hf_shards import HFTensors
+from grpo_pipeline.common.megatron_layout import dist_to_hf, hf_to_dist
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_the_metadata_unpickler_admits_every_class_megatron_core_and_this_conver
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
-    from common.dist_reader import MetadataUnpickler, load_metadata
+    from grpo_pipeline.common.dist_reader import MetadataUnpickler, load_metadata
 
     class Listing(pickle.Unpickler):
         def find_class(self, module, name):
@@ -265,11 +265,11 @@ def test_a_verl_step_exports_from_either_layout_and_is_scored(tiny_model_dir, tm
     """verl's layout v2: HF weights in actor/model/huggingface (the bridge's), or a dist checkpoint in
     actor/model/dist_ckpt with only the config and tokenizer in huggingface/. Both export to a
     verified HF directory of the same weights, which the evaluation stage scores alike."""
-    from backends.base import TrainResult
-    from profiles.schema import DataSection
-    from stages.dataset import DataSpec, fetch_dataset
-    from stages.evaluate import EvalSettings, evaluate
-    from stages.export import export_checkpoint
+    from grpo_pipeline.backends.base import TrainResult
+    from grpo_pipeline.profiles.schema import DataSection
+    from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
+    from grpo_pipeline.stages.evaluate import EvalSettings, evaluate
+    from grpo_pipeline.stages.export import export_checkpoint
 
     steps = {}
     for layout in ("huggingface", "dist_ckpt"):
@@ -298,8 +298,8 @@ def test_a_verl_step_exports_from_either_layout_and_is_scored(tiny_model_dir, tm
 
 
 def test_a_step_without_a_policy_is_one_line_naming_what_is_missing(tmp_path):
-    from backends.verl.checkpoint import verl_hf_dir
-    from common.errors import UserError
+    from grpo_pipeline.backends.verl.checkpoint import verl_hf_dir
+    from grpo_pipeline.common.errors import UserError
 
     (tmp_path / "global_step_2" / "actor" / "model" / "huggingface").mkdir(parents=True)
     with pytest.raises(UserError, match="no policy to export: neither HF weights in actor/model/huggingface or "

@@ -23,8 +23,8 @@ from prefect.client.schemas.filters import (
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 
 from datasets_fixtures import gsm8k_repo_files
-from flows.pipeline import grpo_pipeline
-from flows.request import STAGES, RunRequest
+from grpo_pipeline.flows.pipeline import grpo_pipeline
+from grpo_pipeline.stages.request import STAGES, RunRequest
 from hub_server import HubServer
 
 
@@ -169,10 +169,10 @@ def test_a_config_error_is_not_retried(prefect_api, tmp_path):
 def test_a_hung_training_is_stopped_and_the_failure_hook_reports_it_and_ends_the_ray_job(prefect_api, tmp_path, monkeypatch):
     import ray
 
-    import flows.pipeline
+    import grpo_pipeline.flows.pipeline
 
     # One attempt: the retries (resuming from the checkpoint) are the kill test's subject, not this one's.
-    monkeypatch.setattr(flows.pipeline, "train_task", flows.pipeline.train_task.with_options(retries=0))
+    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "train_task", grpo_pipeline.flows.pipeline.train_task.with_options(retries=0))
     request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="hung",
                          overrides=[*stores(tmp_path), "trainer.step_timeout_s=1"])
     state = grpo_pipeline(request, return_state=True)
@@ -212,7 +212,7 @@ def test_a_damaged_store_entry_is_never_served_from_the_cache(prefect_api, tmp_p
     """The probe: stage a hub dataset (gsm8k) and the tiny model, flip a byte in the middle of the stored
     train.parquet and model.safetensors, run again: both stages run (not Cached), find the damage and
     build the entries again; a third run with intact entries is served from the cache."""
-    from common.store import verify_entry
+    from grpo_pipeline.common.store import verify_entry
 
     with HubServer() as hub:
         hub.add_repo("openai/gsm8k", gsm8k_repo_files())

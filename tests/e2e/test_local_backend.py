@@ -14,14 +14,14 @@ from pathlib import Path
 import psutil
 import ray
 
-from backends.local.checkpoints import latest_step
-from backends.local.driver import train_local
-from backends.local.settings import plan_local_training
-from generation.plan import plan_generation
-from flows.request import RunRequest
-from flows.plan import resolve_profile
-from stages.dataset import DataSpec, fetch_dataset
-from stages.model import ModelSpec, prepare_model
+from grpo_pipeline.backends.local.checkpoints import latest_step
+from grpo_pipeline.backends.local.driver import train_local
+from grpo_pipeline.backends.local.settings import plan_local_training
+from grpo_pipeline.generation.plan import plan_generation
+from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
+from grpo_pipeline.stages.model import ModelSpec, prepare_model
 
 LEARNABLE = f"{Path(__file__).resolve().parents[1] / 'learnable_reward.py'}:digit_share"
 
@@ -109,7 +109,7 @@ def _kill_a_worker_after_checkpoint(checkpoints: Path, at_least: int, killed: di
 def test_a_killed_worker_is_resumed_by_the_prefect_retry_and_a_finished_run_is_not_retrained(
     prefect_api, tmp_path, monkeypatch
 ):
-    import flows.pipeline as pipeline
+    import grpo_pipeline.flows.pipeline as pipeline
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 

@@ -14,8 +14,8 @@ def grpo_trainer(model_dir, tmp_path, **config):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from backends.local.rollouts import NativeRolloutTrainer
-    from generation.plan import GenerationPlan
+    from grpo_pipeline.backends.local.rollouts import NativeRolloutTrainer
+    from grpo_pipeline.generation.plan import GenerationPlan
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

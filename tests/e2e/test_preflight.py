@@ -19,12 +19,12 @@ import pytest
 import ray
 from ray.job_submission import JobSubmissionClient
 
-from backends import backend_for
-from backends.base import TrainingInputs, TrainingRun
-from common.preflight import NodesCannotRun
-from generation.plan import plan_generation
+from grpo_pipeline.backends import backend_for
+from grpo_pipeline.backends.base import TrainingInputs, TrainingRun
+from grpo_pipeline.common.preflight import NodesCannotRun
+from grpo_pipeline.generation.plan import plan_generation
 from node_images import node_image
-from flows.plan import resolve_profile
+from grpo_pipeline.stages.plan import resolve_profile
 from verl_cluster import CLUSTER, EVENT_WAIT_S, flow_process, npu_cluster
 
 pytestmark = pytest.mark.e2e
@@ -157,7 +157,7 @@ def test_a_node_that_does_not_answer_is_named_within_the_timeout(tmp_path):
 
 
 def test_the_cluster_evaluation_checks_only_what_its_engines_need(mixed, tmp_path):
-    from stages.evaluate import EvalSettings
+    from grpo_pipeline.stages.evaluate import EvalSettings
 
     cluster, labels = mixed
     profile = resolve_profile("tiny", "npu", overrides=[*CLUSTER, "cluster.nnodes=4"])
@@ -178,7 +178,7 @@ def test_the_cluster_evaluation_checks_only_what_its_engines_need(mixed, tmp_pat
 def test_the_preflight_alone_names_what_each_image_lacks_and_submits_nothing(mixed, tmp_path, capsys):
     """`--preflight` (docs/install.md's check of a cluster's images): both stages' requirements asked
     of every node, the tables printed, exit 2 with the preflight's own lines."""
-    from flows.grpo import main
+    from grpo_pipeline.flows.grpo import main
 
     cluster, labels = mixed
     code = main(["--model", "tiny", "--device", "npu", "--ray-address", cluster.address, "--preflight",

@@ -9,8 +9,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from flows.plan import resolve_profile
-from stages.environment import PROXY_VARS, resolve_environment
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.stages.environment import PROXY_VARS, resolve_environment
 
 
 @pytest.fixture

@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # Holds a lease, starts a local Ray the way the train stage does, says its session, then waits.
 OWNER = """
 import sys, time
-from flows import lease
-from common.ray_cluster import connect_ray
+from grpo_pipeline.flows import lease
+from grpo_pipeline.common.ray_cluster import connect_ray
 with lease.held(None):
     connect_ray(None, None)
     import ray
@@ -58,7 +58,7 @@ def _of_session(session: str) -> list[str]:
 
 
 def test_a_killed_runs_ray_agents_are_ended_by_the_next_clean_up(tmp_path, monkeypatch):
-    from flows.lease import reap, stale_leases
+    from grpo_pipeline.flows.lease import reap, stale_leases
 
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled", "PREFECT_HOME": str(tmp_path / "prefect")}
@@ -95,6 +95,6 @@ def test_a_killed_runs_ray_agents_are_ended_by_the_next_clean_up(tmp_path, monke
             except psutil.Error:
                 pass
         if owner.returncode is not None and (lease := list((tmp_path / "prefect").rglob("*.json"))):
-            from flows.lease import Lease
+            from grpo_pipeline.flows.lease import Lease
 
             reap([Lease.model_validate_json(path.read_text()) for path in lease])

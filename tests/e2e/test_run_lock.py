@@ -1,4 +1,4 @@
-"""A run folder belongs to one live run (flows/run_lock.py): a second run of the same --run-name is
+"""A run folder belongs to one live run (stages/run_lock.py): a second run of the same --run-name is
 refused in one line while the first lives, and the folder of a run killed outright is free again. The
 lock cannot be turned against its users: a link planted at .run.lock is never followed nor written
 through, deleting or replacing .run.lock during a run does not free the folder, and a directory or a
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from flows import run_lock
-from flows.grpo import main
-from common.errors import UserError
+from grpo_pipeline.stages import run_lock
+from grpo_pipeline.flows.grpo import main
+from grpo_pipeline.common.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -86,7 +86,7 @@ def test_a_directory_or_a_fifo_at_the_lock_file_is_one_line_exit_2(tmp_path, cap
     run_dir.mkdir(parents=True)
     (run_dir / run_lock.LOCK_FILE).mkdir() if kind == "directory" else os.mkfifo(run_dir / run_lock.LOCK_FILE)
     if kind == "fifo":  # in a process of its own, so a hang on the FIFO fails the test instead of stalling it
-        done = subprocess.run([sys.executable, "-m", "flows.grpo", *_cli_args(tmp_path, kind)], cwd=ROOT,
+        done = subprocess.run([sys.executable, "-m", "grpo_pipeline", *_cli_args(tmp_path, kind)], cwd=ROOT,
                               capture_output=True, text=True, timeout=300,
                               env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")})
         assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
@@ -135,7 +135,7 @@ def test_a_second_run_of_a_live_runs_folder_is_refused_and_a_killed_runs_folder_
               "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}"]
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
-    first = subprocess.Popen([sys.executable, "-m", "flows.grpo", *common, "--stages", "train"], cwd=ROOT, env=env,
+    first = subprocess.Popen([sys.executable, "-m", "grpo_pipeline", *common, "--stages", "train"], cwd=ROOT, env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 240  # planning on a loaded 2-core machine: imports take most of it

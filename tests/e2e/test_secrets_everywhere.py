@@ -31,7 +31,7 @@ def start_cli(*args: str, tmp_path: Path) -> subprocess.Popen:
            "HF_TOKEN": TOKEN, "MY_DB_URL": DB_URL}
     env.pop("PREFECT_API_URL", None)
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.grpo", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
+        [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
          "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}", *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -18,9 +18,9 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from profiles.schema import DataSection
-from stages.dataset import DataSpec, fetch_dataset
-from common.node_tasks import NotSharedError, check_visible_on_nodes
+from grpo_pipeline.profiles.schema import DataSection
+from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
+from grpo_pipeline.common.node_tasks import NotSharedError, check_visible_on_nodes
 
 RAY_CLI = Path(sys.executable).with_name("ray")
 

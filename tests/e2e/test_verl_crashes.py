@@ -1,7 +1,7 @@
 """The verl job path under crashes, on a real 2-node Ray cluster: the flow process killed outright
 mid-job and run again, and the cluster's head killed outright mid-job.
 
-The flow runs as a user runs it (`python -m flows.grpo`, a subprocess), the job as the stand-in
+The flow runs as a user runs it (`python -m grpo_pipeline`, a subprocess), the job as the stand-in
 entrypoint (tests/verl_stand_in.py), held before a step by its gate file, so each kill lands mid-job
 whatever the machine's load.
 """
@@ -16,7 +16,7 @@ import pytest
 import ray
 from ray.job_submission import JobSubmissionClient
 
-from backends.verl.job import LOST, read_record
+from grpo_pipeline.backends.verl.job import LOST, read_record
 from verl_cluster import EVENT_WAIT_S, flow_process, npu_cluster, steps_in, submissions, wait_for
 
 

@@ -27,22 +27,22 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 from ray.job_submission import JobSubmissionClient
 
-from backends import backend_for
-from backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
-from backends.metrics import read_metrics
-from backends.verl.backend import JobStopped
-from backends.verl.job import JobRecord, job_spec, read_record, write_record
-from backends.verl.job_api import submit
-from common.hf_shards import HFTensors
-from flows.pipeline import grpo_pipeline
-from flows.plan import plan_run
-from flows.request import RunRequest
-from common.errors import UserError
-from flows.plan import resolve_profile
-from generation.plan import plan_generation
-from profiles.schema import DataSection
-from stages.dataset import DataSpec, fetch_dataset
-from stages.environment import resolve_environment
+from grpo_pipeline.backends import backend_for
+from grpo_pipeline.backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
+from grpo_pipeline.backends.metrics import read_metrics
+from grpo_pipeline.backends.verl.backend import JobStopped
+from grpo_pipeline.backends.verl.job import JobRecord, job_spec, read_record, write_record
+from grpo_pipeline.backends.verl.job_api import submit
+from grpo_pipeline.common.hf_shards import HFTensors
+from grpo_pipeline.flows.pipeline import grpo_pipeline
+from grpo_pipeline.stages.plan import plan_run
+from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.generation.plan import plan_generation
+from grpo_pipeline.profiles.schema import DataSection
+from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
+from grpo_pipeline.stages.environment import resolve_environment
 from verl_cluster import CLUSTER, ENTRYPOINT, EVENT_WAIT_S, flow_process, npu_cluster, submissions, wait_for
 
 NCCL_TIMEOUT = ("RuntimeError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, "
@@ -137,7 +137,7 @@ def _flow(cluster, tmp_path, name: str, *overrides: str,
 def _train_runs_and_logs(flow_run_id):
     """The flow run's train task runs and log lines, once Prefect has sent the lines it still holds
     (its log worker sends them in batches, in the background)."""
-    from flows.local_api import flush_prefect
+    from grpo_pipeline.flows.local_api import flush_prefect
 
     flush_prefect()
     return asyncio.run(_read_train_runs_and_logs(flow_run_id))

@@ -1,1 +1,0 @@
-"""The Prefect flow and the command line: `python -m flows.grpo --help`."""

@@ -1,0 +1,40 @@
+"""The local backend's checkpoint layout, which a retry resumes from and the export stage reads.
+
+    runs/<run>/checkpoints/global_step_N/   HF policy + tokenizer + optimizer, scheduler, RNG, trainer state
+    runs/<run>/checkpoints/latest           "N", written (atomically) after global_step_N is complete
+
+Nothing here is ever deleted: a step saved again after a resume moves its older copy aside.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from grpo_pipeline.common.files import share_tree, write_text_atomic
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+TRAINER_DIR = ".trainer"  # where TRL writes checkpoint-N before it is published
+
+
+def latest_step(checkpoints: Path) -> int | None:
+    """The step of the last complete checkpoint (the `latest` marker is written after it)."""
+    try:
+        step = int((checkpoints / LATEST).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return step if (checkpoints / f"global_step_{step}").is_dir() else None
+
+
+def publish_step(checkpoints: Path, step: int) -> None:
+    """Move the trainer's `checkpoint-N` to `global_step_N`, then point `latest` at it (rank 0,
+    once every rank has written its part)."""
+    written = checkpoints / TRAINER_DIR / f"checkpoint-{step}"
+    final = checkpoints / f"global_step_{step}"
+    if written.is_dir():
+        if final.exists():
+            os.replace(final, checkpoints / f".replaced-global_step_{step}-{time.time_ns()}")
+        os.replace(share_tree(written), final)
+        write_text_atomic(checkpoints / LATEST, f"{step}\n")

@@ -1,0 +1,219 @@
+"""What runs inside each Ray Train worker: one data-parallel rank of TRL's GRPOTrainer.
+
+    python -m grpo_pipeline --model tiny --device cpu --set cluster.devices_per_node=2   # two of these
+
+Imported by the driver only when it starts training, and by the workers: transformers, TRL and
+torch load here, never when the flow is imported. A worker never calls Prefect: rank 0 appends a
+`StepMetrics` record per optimizer step to metrics.jsonl and publishes checkpoints; the driver
+follows both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from transformers import TrainerCallback
+
+from grpo_pipeline.backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
+from grpo_pipeline.backends.local.settings import PHASES_FILE, LocalTrainSettings, prompt_length
+from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, keep_metrics_up_to
+from grpo_pipeline.generation.compiled import compiled_decoding
+
+
+def worker_loop(config: dict[str, Any]) -> None:
+    """One data-parallel rank: TRL's GRPOTrainer, resuming from the latest checkpoint if any."""
+    import datasets
+    import ray.train
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+    from trl import GRPOConfig, GRPOTrainer
+
+    settings = LocalTrainSettings.model_validate(config)
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+    if settings.platform.ray_resource is None:
+        # Ray gives each worker its share of the cores; more threads than that only contend.
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    set_seed(settings.seed)
+    resume = latest_step(settings.checkpoints)
+    if rank == 0:
+        keep_metrics_up_to(settings.metrics_file, resume or 0)
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
+    plan = settings.generation  # decided at planning (generation/plan.py); the engine is in settings.grpo
+    model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=getattr(torch, settings.dtype),
+                                                 attn_implementation=plan.attn_implementation)
+    timer = GenerationTimer(model)
+    train = training_rows(settings, tokenizer, datasets)
+    args = GRPOConfig(
+        output_dir=str(settings.checkpoints / TRAINER_DIR),
+        max_steps=settings.max_steps,
+        save_strategy="steps" if settings.save_steps > 0 else "no",
+        save_steps=max(settings.save_steps, 1),
+        logging_steps=1,
+        report_to=[],
+        seed=settings.seed,
+        use_cpu=not settings.platform.accelerated,
+        bf16=settings.dtype == "bfloat16",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        **settings.grpo,
+    )
+    trainer_class, native_options = GRPOTrainer, {}
+    if plan.native:
+        from grpo_pipeline.backends.local.rollouts import NativeRolloutTrainer
+
+        trainer_class = NativeRolloutTrainer
+        native_options = dict(plan=plan, max_prompt_tokens=settings.max_prompt_length, timer=timer,
+                              compile_cache_dir=settings.compile_cache_dir)
+    if settings.padding_free:
+        from grpo_pipeline.backends.local.packing import PackedLogProbs
+
+        trainer_class = type(f"Packed{trainer_class.__name__}", (PackedLogProbs, trainer_class), {})
+    trainer = trainer_class(
+        model=model,
+        reward_funcs=_reward_function(settings.reward_function),
+        args=args,
+        train_dataset=train,
+        processing_class=tokenizer,
+        callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
+        **native_options,
+    )
+    if settings.phase_timing and rank == 0:
+        from grpo_pipeline.backends.local.phases import StepPhases
+
+        StepPhases.attach(trainer, Path(settings.run_dir) / PHASES_FILE)
+    native_rollouts = plan.native and trainer.native_refusal is None
+    if plan.native and not native_rollouts:
+        print(f"rollouts: transformers generate, not native decoding: {trainer.native_refusal}", flush=True)
+    if plan.compile and plan.engine == "transformers" and not native_rollouts:
+        compiled_decoding(trainer.generation_config, settings.platform.accelerated)
+    checkpoint = settings.checkpoints / f"global_step_{resume}" if resume is not None else None
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+
+
+class GenerationTimer:
+    """Seconds spent generating since the last `take()`: in the model's `generate` (TRL generates
+    through the unwrapped model, so wrapping this instance's method sees every rollout) and inside
+    `timing()` (the native decoder's rollouts)."""
+
+    def __init__(self, model):
+        self.seconds, generate = 0.0, model.generate
+
+        def timed(*args, **kwargs):
+            with self.timing():
+                return generate(*args, **kwargs)
+
+        model.generate = timed
+
+    @contextlib.contextmanager
+    def timing(self):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def training_rows(settings: LocalTrainSettings, tokenizer, datasets_module):
+    """The train split as TRL reads it: `prompt` (chat messages) plus what the reward needs, without
+    the prompts longer than data.max_prompt_length when data.filter_overlong_prompts is set (the
+    driver refused the run already if some are too long and filtering is off)."""
+    rows = datasets_module.load_dataset("parquet", data_files=settings.train_files, split="train")
+    rows = rows.map(
+        lambda row: {"ground_truth": row["reward_model"]["ground_truth"]},
+        remove_columns=[c for c in rows.column_names if c not in ("prompt", "data_source", "reward_model")],
+    ).remove_columns(["reward_model"])
+    if settings.filter_overlong_prompts:
+        rows = rows.filter(lambda row: prompt_length(tokenizer, row["prompt"]) <= settings.max_prompt_length)
+    return rows
+
+
+def _reward_function(custom: str | None) -> Callable:
+    from grpo_pipeline.common.rewards import score
+
+    def reward(prompts, completions, data_source, ground_truth, **_) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [score(source, text, truth, custom).reward for source, text, truth in zip(data_source, texts, ground_truth)]
+
+    reward.__name__ = "reward"
+    return reward
+
+
+# What TRL logs once per generation round (a round serves generation.steps_per_generation steps).
+ROUND_KEYS = ("reward", "reward_std", "completions/mean_length")
+
+
+class _MetricsWriter(TrainerCallback):
+    """Rank 0 appends one JSON line per optimizer step; the driver follows the file."""
+
+    def __init__(self, settings: LocalTrainSettings, rank: int, resumed_from: int | None, timer: GenerationTimer):
+        self.settings, self.rank, self.resumed_from, self.timer = settings, rank, resumed_from, timer
+        self.round: dict[str, float] = {}
+        self.step_started = time.perf_counter()
+        grpo = settings.grpo
+        self.completions_per_step = grpo["per_device_train_batch_size"] * settings.workers * grpo["gradient_accumulation_steps"]
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.step_started = time.perf_counter()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.rank != 0 or not logs or ("loss" not in logs and "reward" not in logs):
+            return  # the end-of-training summary
+        # TRL logs the rewards of a generation round on its first step only; the round's other steps
+        # (generation.steps_per_generation > 1) train on the same responses: their record says so.
+        if "reward" in logs:
+            self.round = {key: logs[key] for key in ROUND_KEYS if key in logs}
+        if not self.round:
+            return
+        logs = {**self.round, **logs}
+        step_time = time.perf_counter() - self.step_started
+        length = logs.get("completions/mean_length", 0.0)
+        append_metrics(self.settings.metrics_file, StepMetrics(
+            step=state.global_step,
+            reward_mean=logs["reward"],
+            reward_std=logs.get("reward_std"),
+            kl=logs.get("kl"),
+            loss=logs.get("loss"),
+            entropy=logs.get("entropy"),
+            response_length=length,
+            tokens_per_s=length * self.completions_per_step / step_time if step_time > 0 else None,
+            step_time_s=step_time,
+            generation_s=self.timer.take(),
+            learning_rate=logs.get("learning_rate"),
+            resumed_from=self.resumed_from,
+            time=time.time(),
+        ))
+
+
+class _CheckpointPublisher(TrainerCallback):
+    """Moves the trainer's `checkpoint-N` to `global_step_N` once every rank has written its part,
+    then points `latest` at it. A step saved again (after a resume) replaces its older copy."""
+
+    def __init__(self, settings: LocalTrainSettings, rank: int):
+        self.settings, self.rank = settings, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= state.max_steps:
+            control.should_save = True  # the final policy, whatever save_freq is
+
+    def on_save(self, args, state, control, **kwargs):
+        self.publish(state.global_step)
+
+    def publish(self, step: int) -> None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every rank's RNG state is in checkpoint-N before it moves
+        if self.rank == 0:
+            publish_step(self.settings.checkpoints, step)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()

@@ -1,0 +1,78 @@
+"""One record per training step, whatever the engine: written to `runs/<run>/metrics.jsonl` by the
+training side, followed by the flow (log, progress bar, Prefect artifact) and plotted by the report.
+
+    python -m grpo_pipeline --model tiny --device cpu    # then: runs/<run>/metrics.jsonl
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError
+
+from grpo_pipeline.common.files import write_text_atomic
+
+METRICS = "metrics.jsonl"
+
+
+class StepMetrics(BaseModel):
+    step: int = Field(..., description="Optimizer step, from 1.")
+    reward_mean: float
+    reward_std: float | None = None
+    kl: float | None = Field(None, description="KL to the reference policy (none without a KL loss).")
+    loss: float | None = None
+    entropy: float | None = None
+    response_length: float = Field(0.0, description="Mean generated tokens per response.")
+    tokens_per_s: float | None = Field(None, description="Generated tokens per second of step time.")
+    step_time_s: float
+    generation_s: float | None = Field(
+        None, description="Seconds of the step spent generating rollouts (0 on the steps that reuse a round's).")
+    learning_rate: float | None = None
+    resumed_from: int | None = Field(None, description="Step the attempt that wrote this record resumed from.")
+    time: float = Field(..., description="Unix time the step ended.")
+
+    def log_line(self, max_steps: int) -> str:
+        kl = "-" if self.kl is None else f"{self.kl:.4f}"
+        return (f"step {self.step}/{max_steps} reward {self.reward_mean:.3f} +- {self.reward_std or 0.0:.3f} | kl {kl} | "
+                f"loss {self.loss or 0.0:.4f} | entropy {self.entropy or 0.0:.3f} | length {self.response_length:.1f} | "
+                f"{self.tokens_per_s or 0.0:.0f} tokens/s | {self.step_time_s:.2f} s")
+
+
+def append_metrics(path: Path, record: StepMetrics) -> None:
+    with open(path, "a") as handle:
+        handle.write(record.model_dump_json() + "\n")
+
+
+def read_metrics(path: Path) -> list[StepMetrics]:
+    """Every complete record of the file (a line being written is skipped)."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            records.append(StepMetrics.model_validate_json(line))
+        except ValidationError:
+            continue
+    return records
+
+
+def keep_metrics_up_to(path: Path, step: int) -> None:
+    """Steps after the checkpoint an attempt starts from are trained again: drop their old records."""
+    if Path(path).is_file():
+        kept = [record for record in read_metrics(path) if record.step <= step]
+        write_text_atomic(path, "".join(record.model_dump_json() + "\n" for record in kept))
+
+
+class MetricsFollower:
+    """New step records since the last call (the file is rewritten on resume)."""
+
+    def __init__(self, path: Path, after_step: int | None):
+        self.path, self.last_step = path, after_step if after_step is not None else 0
+
+    def new(self) -> list[StepMetrics]:
+        records = [record for record in read_metrics(self.path) if record.step > self.last_step]
+        if records:
+            self.last_step = records[-1].step
+        return records

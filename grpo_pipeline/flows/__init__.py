@@ -1,0 +1,1 @@
+"""The Prefect flow and the command line: `python -m grpo_pipeline --help`."""

@@ -1,0 +1,159 @@
+"""The `grpo_pipeline` Prefect flow: the stages in order, each one task, typed values between them.
+
+    python -m grpo_pipeline --model tiny --device cpu --run-name try1
+
+Where the rest lives: each stage's task in tasks/stage_tasks.py (the stage functions themselves in
+stages/), retries, limits and caching in tasks/policy.py, what a run has done and the failure
+hooks in tasks/run_record.py, and the run's lease (what a killed run left is reaped) in
+flows/lease.py. Config errors (`UserError`) are never retried; anything else may be, per stage.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from uuid import UUID
+
+from prefect import flow, get_run_logger
+from prefect.context import get_run_context
+from prefect.exceptions import TerminationSignal
+
+from grpo_pipeline.common.node_tasks import check_shared
+from grpo_pipeline.flows import lease
+from grpo_pipeline.stages import run_lock
+from grpo_pipeline.stages.plan import RunPlan, run_dir_for, training_command
+from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.tasks.run_record import RUNS, RunRecord, after_failure, close_cancelled_run
+from grpo_pipeline.tasks.stage_tasks import (
+    convert_checkpoint_task,
+    detect_device_task,
+    evaluate_task,
+    export_checkpoint_task,
+    fetch_dataset_task,
+    prepare_checkpoint_task,
+    prepare_environment_task,
+    report_task,
+    resolve_profile_task,
+    train_task,
+)
+from grpo_pipeline.tasks.policy import filter_run_logs, reuse_only_if_intact
+from grpo_pipeline.tasks.tracking import open_tracker_run, tracking_lines
+from grpo_pipeline.generation.plan import plan_generation
+from grpo_pipeline.stages.dataset import DataSpec, dataset_dir
+from grpo_pipeline.stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
+
+
+# One flow, two doors: `grpo_pipeline` takes a typed request (the command line, with the plan it
+# checked; Python callers), `run_from_form` (flows/form.py) the fields a deployment's form shows.
+# Both are the flow `grpo_pipeline` in Prefect, with the same failure hooks.
+FLOW_OPTIONS = dict(name="grpo_pipeline", log_prints=True, on_failure=[after_failure], on_crashed=[after_failure],
+                    on_cancellation=[after_failure])
+
+
+@flow(**FLOW_OPTIONS)
+def grpo_pipeline(request: RunRequest, plan: RunPlan | None = None) -> dict:
+    """GRPO post-training, from a bare machine to an evaluated checkpoint.
+
+    Args:
+        request: What to run: the model recipe, the device, the backend, profile overrides, the
+            stages, where the run's files go, and the Ray cluster.
+        plan: Leave empty: the flow plans the run itself (device, profile, environment). The command
+            line passes the plan it has already checked, so the flow runs exactly that plan.
+    """
+    return run_pipeline(request, plan)
+
+
+def run_pipeline(request: RunRequest, plan: RunPlan | None) -> dict:
+    """The flow's body (inside a flow run of either door)."""
+    filter_run_logs()
+    flow_run_id = get_run_context().flow_run.id
+    database = lease.database_of_this_run()
+    with lease.held(database):
+        lease.note_flow_run(flow_run_id)
+        lease.end_leftovers(database, get_run_logger().warning)
+        try:
+            record = _run_planning_and_stages(request, plan, flow_run_id)
+        except TerminationSignal:
+            close_cancelled_run(flow_run_id)
+            raise
+        finally:
+            if flow_run_id in RUNS:  # the folder is free for the next run of it (the failure hooks only read it)
+                run_lock.release(RUNS[flow_run_id].run_dir)
+    RUNS.pop(flow_run_id, None)
+    return record.result
+
+
+def _run_planning_and_stages(request: RunRequest, plan: RunPlan | None, flow_run_id: UUID) -> RunRecord:
+    started = time.perf_counter()
+    device = detect_device_task(request, plan.device if plan else None)
+    run_dir = Path(plan.run_dir) if plan else run_dir_for(request, device.kind)
+    record = RUNS[flow_run_id] = RunRecord(run_dir=run_dir, device=device)
+    record.timings["detect_device"] = time.perf_counter() - started
+    record.result.update(run_dir=str(run_dir), device=device.kind)
+    if "resolve_profile" in request.stages:
+        record.profile = record.run("resolve_profile", resolve_profile_task, request, device, run_dir,
+                                    plan.profile if plan else None, plan.backend_reason if plan else None)
+        # How rollouts and evaluation generate: decided once (generation/plan.py), read by both stages.
+        record.generation = plan.generation if plan else plan_generation(record.profile)
+    if "prepare_environment" in request.stages:
+        record.env = record.run("prepare_environment", prepare_environment_task, record.profile, run_dir,
+                                request.ray_address, plan.env if plan else None)
+        with record.step("open_tracker_run"):  # after planning, before anything is fetched or trained
+            tracking = open_tracker_run(record.profile, device, record.env.redacted(), run_dir, flow_run_id,
+                                        get_run_logger().warning)
+        if tracking is not None:
+            record.result["tracking"] = tracking_lines(tracking)
+        _run_stages(request, record)
+        record.write("timings.json", record.timings)
+    return record
+
+
+def _run_stages(request: RunRequest, record: RunRecord) -> None:
+    profile, env, run_dir, result = record.profile, record.env, record.run_dir, record.result
+    data = model = policy = None
+    if "fetch_dataset" in request.stages:
+        with record.step("fetch_dataset"):
+            spec = DataSpec.from_profile(profile.data)
+            fetch, checked = reuse_only_if_intact(fetch_dataset_task, dataset_dir(spec), in_store=True)
+        data = record.run("fetch_dataset", fetch, spec, checked=checked)
+        with record.step("fetch_dataset: check that every Ray node sees data.root"):
+            _log_shared(check_shared(data.path, "data.root", request.ray_address, env.ray_runtime_env()), data.path)
+        record.write("data/dataset.json", data.model_dump(mode="json"))
+        result["dataset"] = data.model_dump(mode="json")
+    if "prepare_checkpoint" in request.stages:
+        with record.step("prepare_checkpoint"):
+            spec = ModelSpec.from_profile(profile.model)
+            prepare, checked = reuse_only_if_intact(prepare_checkpoint_task, model_dir(spec), spec.source_kind != "local")
+        model = record.run("prepare_checkpoint", prepare, spec, profile.model.architecture, checked=checked)
+        if spec.dist_checkpoint:
+            with record.step("convert_checkpoint"):
+                source = source_digest(Path(model.path))
+                convert, checked = reuse_only_if_intact(convert_checkpoint_task, dist_checkpoint_dir(spec, Path(model.path)), True)
+            dist = record.run("convert_checkpoint", convert, spec, model.path, source, checked=checked)
+            model = model.model_copy(update={"dist_checkpoint": dist})
+        with record.step("prepare_checkpoint: check that every Ray node sees model.root"):
+            _log_shared(check_shared(model.path, "model.root", request.ray_address, env.ray_runtime_env()), model.path)
+        record.write("model.json", model.model_dump(mode="json"))
+        result["model"] = model.model_dump(mode="json")
+    command = training_command(request, profile, run_dir, data, model)
+    record.write("plan.json", {"backend": profile.backend, "command": command,
+                               "generation": record.generation.model_dump(mode="json")})
+    result["command"] = command
+    if "train" in request.stages:
+        train = record.run("train", train_task, profile, record.device, env, data, model, run_dir, request.ray_address,
+                           record.generation)
+        result["train"] = train.model_dump(mode="json")
+        if "export_checkpoint" in request.stages:
+            policy = record.run("export_checkpoint", export_checkpoint_task, train, run_dir)
+            result["policy"] = policy.model_dump(mode="json")
+    if "evaluate" in request.stages:
+        evaluation = record.run("evaluate", evaluate_task, profile, record.device, data, model, policy, run_dir,
+                                record.generation, request.ray_address, env.ray_runtime_env())
+        result["eval"] = evaluation.model_dump(mode="json")
+    if "report" in request.stages:
+        result["report"] = str(record.run("report", report_task, record))
+
+
+def _log_shared(nodes: int | None, path: str) -> None:
+    if nodes is not None:
+        get_run_logger().info("%s is visible from all %d Ray nodes", path, nodes)

@@ -1,0 +1,253 @@
+"""Build a `RunProfile` from its layers and validate it.
+
+    python -m grpo_pipeline --model qwen3.5-122b-a10b --device npu --set engine.pp=8 --dry-run
+
+Layers, lowest to highest: the device platform (`profiles/devices/<kind>.yaml`), the model recipe
+(its `common` block, then its `devices.<kind>` block), a user profile file, `--set` overrides, and
+explicit flow parameters (backend). Every layer is a partial `RunProfile` in the same shape; each
+is checked for unknown keys on its own, so an error can say which layer holds the typo.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from grpo_pipeline.common.bounded_read import short
+from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, without_accelerators
+from grpo_pipeline.profiles.hf_config import architecture_from_hf_config
+from grpo_pipeline.profiles.schema import DeviceKind, Platform, RunProfile
+from grpo_pipeline.profiles.secrets import secret_literal_problems, secrets_of
+from grpo_pipeline.profiles.validation import validate_profile
+from grpo_pipeline.profiles.yaml_files import load_yaml_mapping, load_yaml_text, path_kind
+
+PROFILES_DIR = Path(__file__).resolve().parent
+DEVICE_KINDS: tuple[str, ...] = get_args(DeviceKind)
+
+
+def platform_for(kind: str) -> Platform:
+    """The device table's row for a kind (`profiles/devices/<kind>.yaml`)."""
+    layer = load_yaml_mapping(PROFILES_DIR / "devices" / f"{kind}.yaml", "device profile")
+    return Platform.model_validate(layer.get("platform") or {})
+
+
+def builtin_models() -> list[str]:
+    return sorted(p.stem for p in (PROFILES_DIR / "models").glob("*.yaml"))
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """`top` wins; nested mappings are merged key by key, everything else is replaced."""
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """`engine.tp=4` -> ("engine.tp", 4). The value is read as YAML, so `true`, `[a, b]` work.
+    Errors name the key, never the value (it may be a secret)."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        # Whatever follows the key-like start may be a value: it is not echoed.
+        start = re.match(r"[A-Za-z0-9_.]*", item.strip()).group(0)
+        shown = repr(start) if start == item.strip() else f"'{start}...' (the rest not shown: it may be a secret)"
+        raise ProfileError(f"--set {shown} is not KEY=VALUE; write e.g. --set engine.tp=4")
+    try:
+        value = load_yaml_text(raw, f"--set {key}") if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def overrides_to_layer(overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+    items = overrides.items() if isinstance(overrides, dict) else map(parse_override, overrides)
+    layer: dict[str, Any] = {}
+    for dotted, value in items:
+        node = layer
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ProfileError(f"--set {dotted}: conflicts with another --set of {part}")
+        node[leaf] = value
+    return layer
+
+
+def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        sub = section_type(field.annotation)
+        if sub is not None:
+            keys.extend(_known_keys(sub, f"{prefix}{name}."))
+    return keys
+
+
+def section_type(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) not in (None, dict):  # a dict of sections is a value, not a section
+        for arg in get_args(annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                return arg
+    return None
+
+
+def check_keys(layer: dict[str, Any], origin: str, model: type[BaseModel] = RunProfile, prefix: str = "") -> None:
+    """Reject keys the schema does not know, naming the layer and the closest real key."""
+    for key, value in layer.items():
+        field = model.model_fields.get(key)
+        if field is None:
+            dotted = prefix + key
+            close = difflib.get_close_matches(dotted, _known_keys(RunProfile), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else "; see docs/profiles.md for the settings"
+            raise ProfileError(f"unknown setting '{dotted}' in {origin}{hint}")
+        sub = section_type(field.annotation)
+        if sub is not None and isinstance(value, dict):
+            check_keys(value, origin, sub, f"{prefix}{key}.")
+
+
+def model_layers(model: str, device: str) -> list[tuple[str, dict[str, Any]]]:
+    """The recipe layers for `model` on `device`: a built-in recipe name or a local HF directory."""
+    if model in builtin_models():
+        recipe = load_yaml_mapping(PROFILES_DIR / "models" / f"{model}.yaml", "model recipe")
+        devices = recipe.get("devices") or {}
+        if device not in devices:
+            raise ProfileError(
+                f"model recipe '{model}' has no settings for device '{device}'; it supports "
+                f"{', '.join(devices)}: pass --device {next(iter(devices), 'gpu')}"
+            )
+        return [
+            (f"model recipe {model} (common)", recipe.get("common") or {}),
+            (f"model recipe {model} (devices.{device})", devices[device] or {}),
+        ]
+    model_dir = Path(model).expanduser()
+    if path_kind(model_dir, "--model") == "dir":
+        layer = {
+            "model": {
+                "name": "custom",
+                "path": str(model_dir.resolve()),
+                "architecture": architecture_from_hf_config(model_dir),
+            }
+        }
+        return [(f"model directory {model_dir}", layer)]
+    if "/" in model and not model.startswith((".", "/", "~")):
+        # A hub repo id: its config is not read here (no network before fetch); the architecture
+        # must come from a profile file or --set so the layout can still be validated.
+        return [(f"model {model}", {"model": {"name": "custom", "path": model}})]
+    raise ProfileError(
+        f"unknown model '{model}': not a built-in recipe ({', '.join(builtin_models())}) "
+        "nor a directory with config.json"
+    )
+
+
+def resolve_profile(
+    model: str,
+    device: str,
+    backend: str = "auto",
+    profile_file: str | Path | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> RunProfile:
+    """Merge the layers for (model, device), check the rules that hold for any backend, and return the
+    run's profile (stages/plan.py `resolve_profile` adds the backend's rules)."""
+    return resolve_run_profile(model, device, backend, profile_file, overrides)[0]
+
+
+def choose_backend(layers: list[tuple[str, dict[str, Any]]], requested: str, device: str) -> tuple[str, str]:
+    """The training backend and why, in words for the run's log. `--backend <name>` is taken as
+    asked, and so is a `backend` set in a profile file or --set. Otherwise (`auto`) a recipe gets its
+    own backend, unless that backend needs accelerators (profiles/backend_table.py) and the device has
+    none: then the table's backend that runs without them trains it."""
+    if requested != "auto":
+        return requested, f"--backend {requested}"
+    fallback = without_accelerators()
+    chosen, origin = fallback.name, "the default"
+    for layer_origin, layer in layers:
+        if "backend" in layer:
+            chosen, origin = layer["backend"], layer_origin
+    if not origin.startswith("model recipe") or chosen not in BACKEND_TABLE:
+        return chosen, f"backend: {chosen} in {origin}"
+    recipe, card = origin.split(" (")[0], BACKEND_TABLE[chosen]
+    if not card.needs_accelerators:
+        return chosen, f"{recipe} trains with the {chosen} backend"
+    if platform_for(device).accelerated:
+        return chosen, f"{recipe} trains with the {chosen} backend ({card.description}), and device {device} has accelerators"
+    return fallback.name, (f"{recipe} trains with {chosen}, which needs GPUs or NPUs: on device {device} the "
+                           f"{fallback.name} backend trains it")
+
+
+def resolve_run_profile(
+    model: str,
+    device: str,
+    backend: str = "auto",
+    profile_file: str | Path | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+    validate: bool = True,
+    detected: dict[str, Any] | None = None,
+) -> tuple[RunProfile, str]:
+    """`resolve_profile`, and why the profile has its backend (`choose_backend`). `validate=False`
+    skips the rules across fields (a layout search starts from a layout that may not be valid). The
+    backend's own rules (its layout, batches over its ranks) are added where plans are checked:
+    stages/plan.py `checked_profile`. `detected` is what the backend takes from this host's devices
+    (`Backend.detected_layer`): it sits just above the device profile, so a recipe, a profile file or
+    --set still wins over it."""
+    if device not in DEVICE_KINDS:
+        raise ProfileError(f"unknown device '{device}'; use one of {', '.join(DEVICE_KINDS)}")
+    layers = [(f"device profile {device}", load_yaml_mapping(PROFILES_DIR / "devices" / f"{device}.yaml", "device profile"))]
+    if detected:
+        layers.append(("the devices found on this host", detected))
+    layers += model_layers(model, device)
+    given = len(layers)  # the layers from here on are the user's
+    if profile_file:
+        layers.append((f"profile file {profile_file}", load_yaml_mapping(Path(profile_file), "profile file")))
+    if overrides:
+        layers.append(("--set", overrides_to_layer(overrides)))
+    chosen, reason = choose_backend(layers, backend, device)
+    layers.append(("--backend", {"backend": chosen}))
+
+    merged: dict[str, Any] = {}
+    known = secrets_of()
+    for index, (origin, layer) in enumerate(layers):
+        # Before anything that may echo a setting (an unknown key, an invalid value). A built-in
+        # layer's words ("console") are not compared with the secrets' values: a weak one may match.
+        if problems := secret_literal_problems(layer, origin, known if index >= given else {}):
+            raise ProfileError("; ".join(problems))
+        check_keys(layer, origin)
+        merged = deep_merge(merged, layer)
+    try:
+        profile = RunProfile.model_validate(merged)
+    except ValidationError as exc:
+        raise ProfileError(describe_validation_error(exc)) from None
+    if validate:
+        validate_profile(profile)
+    return profile, reason
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    problems = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"])
+        if error["type"] == "missing":
+            hint = " (a model given by repo id needs model.architecture.* in a profile file)" if "architecture" in field else ""
+            problems.append(f"{field} is required{hint}")
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            message = message[0].lower() + message[1:]
+            value = error.get("input")
+            # Never echo env values (they may hold secrets) or whole sections.
+            if field.startswith("env") or isinstance(value, dict):
+                # A section's own rule names its fields itself.
+                problems.append(message if message.startswith(f"{field}.") else f"{field}: {message}")
+            else:
+                problems.append(f"{field}={short(repr(value))}: {message}")  # a value from a file may be megabytes
+    return "invalid profile: " + "; ".join(problems)

@@ -1,0 +1,194 @@
+"""Secrets: which values are one, how a profile names one without its value, and the one redaction
+that every place a profile, an environment or a message is shown or stored goes through.
+
+    python -m grpo_pipeline --model tiny --device cpu --set 'env.MIRROR_AUTH=${HF_TOKEN}' --dry-run
+
+The rule: a secret's value lives only in the environment of the process that runs the flow (the
+shell of a CLI run, a Prefect worker's environment for a deployment). A profile layer, a `--set`
+override or a flow parameter may name a secret only by reference, `${NAME}`: Prefect stores flow
+parameters and shows them in its UI, and the resolved profile is written to profile.yaml, plan.json,
+the report and Prefect artifacts. The stages that use a token (hub downloads) run in the flow's
+process, which has it. The Ray `runtime_env` never carries one (Ray keeps it in its GCS, logs it and
+shows it in the dashboard): a process on another node that needs one reads its own node's
+environment (export it before `ray start` there; Ray workers inherit the raylet's environment).
+
+What is a secret: a variable named like one (`is_secret`: HF_TOKEN, WANDB_API_KEY, DB_PASSWORD); an
+env entry whose reference names one (MIRROR_AUTH=${HF_TOKEN}: the entry's name does not matter);
+and a value with credentials in a URL (`scheme://user:pass@host`). Only env values are references:
+any other setting (data.source, model.path, trainer.entrypoint) is stored and used as written, so
+credentials in a URL there are refused, as they are in a literal env value.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+from urllib.parse import unquote
+
+REDACTED = "***"
+# Whole name parts, so HF_TOKEN and WANDB_API_KEY are secrets but TOKENIZERS_PARALLELISM is not.
+_SECRET_PARTS = {"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL", "CREDENTIALS"}
+_SECRET_SUFFIX = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD)$")
+# A whole value that refers to another variable: `${NAME}` or `${NAME:-default}`.
+REFERENCE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
+# user:password@ (or a token as the user) in any URL: proxies, mirrors, databases, Ray addresses.
+_URL_CREDENTIALS = re.compile(r"(?<=://)([^/@\s]+)@")
+# Shorter values (`1`, `true`) would scrub ordinary words out of every message.
+_MIN_SCRUBBED_LENGTH = 6
+_AS_WRITTEN = "the setting is stored and shown as written (only env values are references)"
+_SETTING_NAME = re.compile(r"[A-Za-z0-9_-]+")
+# Variables of this process that hold a secret whatever their name: the ones a secret env entry of a
+# resolved profile reads (`env.MY_PASSWORD=${PW_VAR}`), and the entries themselves (stages/environment.py).
+_HELD_BY_REFERENCE: set[str] = set()
+
+
+def is_secret(name: str) -> bool:
+    upper = name.upper()
+    return bool(_SECRET_PARTS.intersection(upper.split("_")) or _SECRET_SUFFIX.search(upper))
+
+
+def parse_reference(value: str) -> tuple[str, str | None] | None:
+    """(name, default) when the whole value is a reference, else None."""
+    found = REFERENCE.fullmatch(value.strip()) if isinstance(value, str) else None
+    return (found["name"], found["default"]) if found else None
+
+
+def is_secret_entry(name: str, value: Any) -> bool:
+    """An env entry that names a secret: by its own name, or by the variable its reference reads."""
+    reference = parse_reference(value)
+    return is_secret(name) or (reference is not None and is_secret(reference[0]))
+
+
+def has_url_credentials(text: str) -> bool:
+    return bool(_URL_CREDENTIALS.search(text))
+
+
+def is_secret_value(value: str, environ: Mapping[str, str] | None = None) -> bool:
+    """A value with credentials in a URL, or that holds a secret value of the environment (`secrets_of`)."""
+    return has_url_credentials(value) or _holder(value, secrets_of(environ)) is not None
+
+
+def secret_literal_problems(layer: Any, where: str, values: Mapping[str, str] | None = None) -> list[str]:
+    """What in a profile layer would store a secret's value, each naming the setting, never the value:
+    a secret env entry that is not a bare reference, credentials in a URL anywhere, and any of this
+    process's secret values (`values`: value -> the variable that holds it, default `secrets_of()`),
+    e.g. an unquoted `$HF_TOKEN` that the shell expanded into a `--set`."""
+    if not isinstance(layer, Mapping):
+        return []
+    known = secrets_of() if values is None else values
+    problems = []
+    env = layer.get("env") if isinstance(layer.get("env"), Mapping) else {}
+    for name, value in env.items():
+        if not isinstance(name, str) or not _SETTING_NAME.fullmatch(name):
+            continue  # no variable's name: checked below as a key, and refused by the schema
+        reference = parse_reference(value)
+        source = reference[0] if reference else name
+        written = "\n".join(text for _, text in _strings(value, ""))  # a value that is no string is refused later, unshown
+        if is_secret_entry(name, value) and (reference is None or reference[1] is not None):
+            literal = "a default value in its reference (a literal too)" if reference else "a literal value"
+            problems.append(
+                f"{where}: env.{name} holds {literal}; a secret is read from the environment of the process that "
+                f"runs the flow: export {source} there and write env.{name}=${{{source}}} (or leave it out)"
+            )
+        elif has_url_credentials(written):
+            problems.append(
+                f"{where}: env.{name} holds credentials in a URL; a profile is stored and shown as written: export "
+                f"{source} where the flow runs and write env.{name}=${{{source}}}"
+            )
+        elif holder := _holder(written, known):
+            problems.append(
+                f"{where}: env.{name} holds the value of {holder}; write env.{name}=${{{holder}}} (on a command line "
+                f"in single quotes: the shell expands an unquoted ${holder})"
+            )
+    for setting, text in _strings(layer, ""):
+        if env and setting.startswith("env."):
+            continue  # an env entry: checked above, with its own fix
+        if has_url_credentials(text):
+            problems.append(
+                f"{where}: {setting} holds credentials in a URL; {_AS_WRITTEN}: put a hub token in HF_TOKEN (export "
+                "it; downloads send it), other credentials in an exported variable that an env entry references "
+                "(env.NAME=${NAME})"
+            )
+        elif holder := _holder(text, known):
+            problems.append(f"{where}: {setting} holds the value of {holder}; {_AS_WRITTEN}: keep it in the environment only")
+    return problems
+
+
+def _strings(node: Any, path: str) -> Iterator[tuple[str, str]]:
+    """(setting, text) for every string of a layer, keys included: a key that is not a setting's
+    name is named by its parent, never shown."""
+    if isinstance(node, str):
+        yield path, node
+    elif isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _strings(key, f"a key of {path or 'the profile'}")
+            key = key if _SETTING_NAME.fullmatch(str(key)) else "<key>"
+            yield from _strings(value, f"{path}.{key}" if path else key)
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            yield from _strings(value, f"{path}[{index}]")
+
+
+def _holder(text: str, values: Mapping[str, str]) -> str | None:
+    return next((name for value, name in values.items() if value in text), None)
+
+
+def hold_by_reference(names: Iterable[str]) -> None:
+    """Treat these variables of this process as secrets whatever their names (`scrub` hides their values)."""
+    _HELD_BY_REFERENCE.update(names)
+
+
+def redact(name: str, value: str | None, secret: bool = False) -> str | None:
+    """An environment value as it may be shown: a secret's (by its name, or `secret`) is `***`, a
+    URL's credentials are hidden."""
+    if value is None and not secret:
+        return None
+    if secret or is_secret(name):
+        return REDACTED
+    return redact_url_credentials(value)
+
+
+def redact_url_credentials(text: str) -> str:
+    return _URL_CREDENTIALS.sub(f"{REDACTED}@", text)
+
+
+def secrets_of(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's secret values, each with the variable that holds it: the values of secret-named
+    variables and of those a secret env entry reads, and the credentials inside any URL value (with
+    and without its %-escapes)."""
+    environ = os.environ if environ is None else environ
+    found: dict[str, str] = {}
+    for name, value in environ.items():
+        if is_secret(name) or name in _HELD_BY_REFERENCE:
+            found.setdefault(value, name)
+        for userinfo in _URL_CREDENTIALS.findall(value):
+            for part in (userinfo, userinfo.partition(":")[2]):
+                found.setdefault(part, name)
+                found.setdefault(unquote(part), name)
+    return {value: name for value, name in found.items() if len(value) >= _MIN_SCRUBBED_LENGTH}
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """This process's secret values (`secrets_of`), longest first."""
+    return sorted(secrets_of(environ), key=len, reverse=True)
+
+
+def scrub(text: str, values: Iterable[str] | None = None) -> str:
+    """Text with every secret value of this process (and URL credentials) replaced by `***`: the
+    last guard before a message is printed, logged or stored."""
+    for value in secret_values() if values is None else values:
+        text = text.replace(value, REDACTED)
+    return redact_url_credentials(text)
+
+
+def secret_name_pattern() -> str:
+    """A regex of the variable names `is_secret` calls secrets (a form's JSON-schema pattern, which the
+    Prefect API checks with Python's `re`: the scoped flag `(?i:...)` keeps it short enough to read)."""
+    parts = "|".join(sorted(_SECRET_PARTS, key=len, reverse=True))
+    suffixes = _SECRET_SUFFIX.pattern.strip("()$")
+    return rf"(?i:(?:[a-z0-9]*_)*(?:{parts})(?:_[a-z0-9_]*)?|[a-z0-9_]*(?:{suffixes}))"
+
+
+URL_CREDENTIALS_PATTERN = _URL_CREDENTIALS.pattern.replace("(?<=://)", "://")

@@ -1,0 +1,202 @@
+"""The `fetch_dataset` stage: training and validation parquet files in verl's RL schema, fetched once.
+
+    python -m grpo_pipeline --model tiny --stages fetch_dataset                      # arith, no network
+    python -m grpo_pipeline --model tiny --set data.dataset=gsm8k --stages fetch_dataset
+    HF_ENDPOINT=https://hf-mirror.com python -m grpo_pipeline --set data.dataset=geo3k \\
+        --set data.source=tyzhu/geo3k --stages fetch_dataset
+
+The result is a content-store entry (`common/store.py`) under `data.root`, keyed by source, revision,
+file patterns and converter version: the second run with the same inputs reads only the manifest
+and hashes the files (no network), and a damaged entry is built again.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, Field
+
+from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.profiles.yaml_files import path_kind
+from grpo_pipeline.profiles.schema import DataSection
+from grpo_pipeline.common.store import Built, Store
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+# pyarrow and huggingface_hub are imported where files are made, so planning a run (a dry run
+# renders paths of this stage) stays fast.
+ARITH = "arith"
+# Bumped whenever a converter's output (common/rl_data.py) changes, so cached datasets are rebuilt.
+CONVERTER_VERSION = 1
+
+SPLITS = ("train", "test")
+# Where each dataset comes from when `data.source` is empty, and which files of it are wanted.
+DEFAULT_SOURCES = {"gsm8k": "openai/gsm8k", "geo3k": "hiyouga/geometry3k"}
+DEFAULT_FILES = {"openai/gsm8k": ["main/*.parquet"], "hiyouga/geometry3k": ["data/*.parquet"]}
+ANY_PARQUET = ["*.parquet"]
+# The validation split is the test split where there is one, as in verl's examples.
+_SPLIT_OF_FILE = re.compile(r"(?:^|[/_-])(train|test|validation|valid|val|dev)(?:[-_.]|$)")
+_SPLIT_NAMES = {"train": "train", "test": "test", "validation": "validation", "valid": "validation", "val": "validation", "dev": "validation"}
+
+
+class DataSpec(BaseModel):
+    """What data a run asks for (the dataset part of the profile)."""
+
+    dataset: Literal["arith", "gsm8k", "geo3k"]
+    source_kind: Literal["builtin", "hub", "local"]
+    source: str = Field(..., description="Repo id, local directory, or `arith`.")
+    revision: str = Field("main", description="Hub revision; unused for local and built-in data.")
+    files: list[str] = Field(default_factory=list, description="File patterns within the source.")
+    root: Path = Field(..., description="Store root (shared by all nodes on a cluster).")
+    seed: int = 0
+    arith_rows: dict[str, int] = Field(default_factory=dict)
+
+    @classmethod
+    def from_profile(cls, data: DataSection) -> DataSpec:
+        root = Path(data.root).expanduser().resolve()
+        if data.dataset == ARITH and data.source in (None, "", ARITH):
+            return cls(
+                dataset=ARITH, source_kind="builtin", source=ARITH, root=root, seed=data.seed,
+                arith_rows={"train": data.arith_train_rows, "test": data.arith_test_rows},
+            )
+        if data.dataset == ARITH:
+            raise UserError(f"data.source={data.source!r}: arith data is generated; leave data.source empty")
+        source = data.source or DEFAULT_SOURCES[data.dataset]
+        local = Path(source).expanduser()
+        is_dir = path_kind(local, "data.source") == "dir"
+        kind = "local" if source.startswith(("/", ".", "~")) or is_dir else "hub"
+        if kind == "local" and not is_dir:
+            raise UserError(f"data.source={source!r} is not a directory; give a local directory or a hub repo id")
+        files = data.files or DEFAULT_FILES.get(source, ANY_PARQUET)
+        return cls(
+            dataset=data.dataset, source_kind=kind, source=str(local.resolve()) if kind == "local" else source,
+            revision=data.revision, files=files, root=root,
+        )
+
+    def identity(self) -> dict[str, Any]:
+        """What the content depends on; the store key hashes it."""
+        identity: dict[str, Any] = {"dataset": self.dataset, "source": self.source, "version": CONVERTER_VERSION}
+        if self.source_kind == "builtin":
+            identity |= {"seed": self.seed, "rows": self.arith_rows}
+        elif self.source_kind == "hub":
+            identity |= {"revision": self.revision, "files": self.files}
+        else:
+            # A local directory is keyed by what is in it now, so an edited file is converted again.
+            identity |= {"files": {p.relative_to(self.source).as_posix(): [p.stat().st_size, p.stat().st_mtime_ns]
+                                   for p in _matching_files(Path(self.source), self.files)}}
+        return identity
+
+    @property
+    def store_name(self) -> str:
+        return self.dataset
+
+
+class DatasetFiles(BaseModel):
+    dataset: str
+    source: str
+    revision: str | None = Field(None, description="Revision asked for (hub sources).")
+    commit: str | None = Field(None, description="Commit the revision resolved to (hub sources).")
+    path: str = Field(..., description="Directory of the verified files and their manifest.")
+    train_files: list[str]
+    val_files: list[str]
+    rows: dict[str, int] = Field(..., description="Rows per split.")
+    sha256: dict[str, str] = Field(..., description="sha256 of every file, from the manifest.")
+    cached: bool = Field(..., description="True when nothing was fetched or built.")
+
+
+def dataset_dir(spec: DataSpec) -> Path:
+    """Where the dataset's entry lives, known without fetching it (for a dry run's command)."""
+    return Store(spec.root).path_for(spec.store_name, spec.identity())
+
+
+def fetch_dataset(spec: DataSpec, log=print) -> DatasetFiles:
+    entry = Store(spec.root).get_or_build(spec.store_name, spec.identity(), lambda scratch, out: _build(spec, scratch, out), log)
+    details = entry.manifest.details
+    return DatasetFiles(
+        dataset=spec.dataset,
+        source=spec.source,
+        revision=spec.revision if spec.source_kind == "hub" else None,
+        commit=details.get("commit"),
+        path=str(entry.path),
+        train_files=[str(entry.path / "train.parquet")],
+        val_files=[str(entry.path / "test.parquet")],
+        rows=details["rows"],
+        sha256={name: record.sha256 for name, record in entry.manifest.files.items()},
+        cached=entry.cached,
+    )
+
+
+def _build(spec: DataSpec, scratch: Path, out: Path) -> Built:
+    import pyarrow.parquet as pq
+
+    from grpo_pipeline.common.hub import fetch_snapshot
+    from grpo_pipeline.common.rl_data import arith_splits, check_rl_file
+
+    details: dict[str, Any] = {}
+    if spec.source_kind == "builtin":
+        tables = arith_splits(spec.arith_rows["train"], spec.arith_rows["test"], spec.seed)
+    else:
+        if spec.source_kind == "hub":
+            snapshot = fetch_snapshot(spec.source, "dataset", spec.revision, spec.files, scratch / "download")
+            details |= {"commit": snapshot.commit, "source_files": snapshot.files}
+            source_dir = scratch / "download"
+        else:
+            source_dir = Path(spec.source)
+        tables = _convert(spec, _read_splits(source_dir, spec.files, spec.source))
+    for split, table in tables.items():
+        pq.write_table(table, out / f"{split}.parquet")
+    details["rows"] = {split: check_rl_file(out / f"{split}.parquet") for split in SPLITS}
+    return Built(details=details)
+
+
+def _matching_files(directory: Path, patterns: list[str]) -> list[Path]:
+    return sorted(
+        p for p in directory.rglob("*.parquet")
+        if not any(part.startswith(".") for part in p.relative_to(directory).parts)
+        and any(p.relative_to(directory).match(pattern) for pattern in patterns)
+    )
+
+
+def _read_splits(directory: Path, patterns: list[str], source: str) -> dict[str, pa.Table]:
+    """The source's files grouped by split (file name), shards concatenated."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from grpo_pipeline.common.rl_data import DatasetFormatError
+
+    shards: dict[str, list[Path]] = {}
+    for path in _matching_files(directory, patterns):
+        found = _SPLIT_OF_FILE.search(path.relative_to(directory).as_posix())
+        if found:
+            shards.setdefault(_SPLIT_NAMES[found.group(1)], []).append(path)
+    if "test" not in shards and "validation" in shards:
+        shards["test"] = shards.pop("validation")
+    missing = [split for split in SPLITS if split not in shards]
+    if missing:
+        raise DatasetFormatError(
+            f"{source}: no {' or '.join(missing)} split among the files matching {patterns}; name files "
+            "train*.parquet and test*.parquet (or set data.files)"
+        )
+    try:
+        return {split: pa.concat_tables([pq.read_table(p) for p in shards[split]], promote_options="default") for split in SPLITS}
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise DatasetFormatError(f"{source}: unreadable parquet file ({exc})") from exc
+
+
+def _convert(spec: DataSpec, raw: dict[str, pa.Table]) -> dict[str, pa.Table]:
+    from grpo_pipeline.common.rl_data import DatasetFormatError, convert_geo3k, convert_gsm8k, is_rl_table, rl_schema_problems
+
+    converters = {"gsm8k": convert_gsm8k, "geo3k": convert_geo3k}
+    converted = {}
+    for split, table in raw.items():
+        if is_rl_table(table):
+            problems = rl_schema_problems(table)
+            if problems:
+                raise DatasetFormatError(f"{spec.source} {split}: not in verl's RL schema: {'; '.join(problems)}")
+            converted[split] = table
+        else:
+            converted[split] = converters[spec.dataset](table, split)
+    return converted

@@ -1,0 +1,208 @@
+"""The planning stages as plain functions: device, profile, environment, and the training command.
+
+The Prefect flow wraps each of them in a task (tasks/stage_tasks.py); `--dry-run` calls them
+directly, so rendering a cluster's command on a laptop needs no Prefect server and no accelerator.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from grpo_pipeline.backends import backend_for
+from grpo_pipeline.backends.base import TrainingRun
+from grpo_pipeline.common.file_faults import run_folder_problem
+from grpo_pipeline.stages import run_lock
+from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.common.errors import ProfileError, UserError
+from grpo_pipeline.generation.plan import GenerationPlan, plan_generation
+from grpo_pipeline.profiles.loader import resolve_run_profile
+from grpo_pipeline.profiles.validation import profile_problems, refuse
+from grpo_pipeline.planner.memory import MemoryPlan
+from grpo_pipeline.profiles.requirements import NodeRequirement
+from grpo_pipeline.profiles.schema import RunProfile
+from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec
+from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_device
+from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
+from grpo_pipeline.stages.model import ModelCheckpoint, ModelSpec
+from grpo_pipeline.stages.train import training_inputs
+from grpo_pipeline.common.ray_cluster import check_reachable, cluster_address, parse_ray_address
+
+log = logging.getLogger(__name__)
+
+
+class RunPlan(BaseModel):
+    run_dir: str = Field(..., description="Directory of this run's outputs.")
+    device: DeviceInfo
+    profile: RunProfile
+    backend_reason: str = Field(..., description="Why the profile has its backend.")
+    env: RuntimeEnv
+    generation: GenerationPlan = Field(..., description="How rollouts and evaluation generate (generation/plan.py).")
+    command: list[str] = Field(..., description="The training command (argv) the run will execute.")
+    submission: dict | None = Field(None, description="What training submits to the cluster (a verl Ray job).")
+    memory: dict | None = Field(None, description="Device memory per role of the layout (planner/memory.py, planner/fsdp.py).")
+    node_requirements: dict[str, dict[str, NodeRequirement]] = Field(
+        default_factory=dict, description="What every node of the cluster must have, per stage, checked before the "
+        "stage starts there.")
+
+    def summary(self) -> dict[str, Any]:
+        """The dry-run JSON: what the run would do, with secrets redacted."""
+        summary = {
+            "device": self.device.model_dump(),
+            "profile": self.profile.model_dump(mode="json"),
+            "backend": {"name": self.profile.backend, "reason": self.backend_reason},
+            "generation": self.generation.model_dump() | {"path": self.generation.describe()},
+            "command": self.command,
+            "env": self.env.redacted(),
+        }
+        summary |= {"memory": self.memory} if self.memory else {}
+        summary |= {"node_requirements": {
+            stage: {name: need.model_dump(exclude={"stages"}, exclude_defaults=True) for name, need in needs.items()}
+            for stage, needs in self.node_requirements.items()}} if self.node_requirements else {}
+        return summary | ({"job": self.submission} if self.submission else {})
+
+
+def run_dir_for(request: RunRequest, device_kind: str) -> Path:
+    name = request.run_name or f"{Path(request.model).name}-{device_kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(request.run_root).expanduser().resolve() / name
+
+
+def training_command(
+    request: RunRequest,
+    profile: RunProfile,
+    run_dir: Path,
+    data: DatasetFiles | None = None,
+    model: ModelCheckpoint | None = None,
+) -> list[str]:
+    """The command the backend runs for training (verl: `main_ppo` on the cluster); for a backend
+    that trains inside the flow, the pipeline invocation that reproduces this run."""
+    inputs = training_inputs(profile, run_dir, data, model)
+    if engine_command := backend_for(profile.backend).command(profile, inputs):
+        return engine_command
+    command = ["python", "-m", "grpo_pipeline", "--model", request.model, "--device", profile.platform.kind,
+               "--backend", profile.backend, "--run-name", run_dir.name]
+    if request.profile_file:
+        command += ["--profile-file", request.profile_file]
+    for item in request.overrides:
+        command += ["--set", item]
+    return command
+
+
+def checked_profile(model: str, device: str, backend: str = "auto", profile_file: str | Path | None = None,
+                    overrides: list[str] | dict[str, Any] | None = None,
+                    detected: dict[str, Any] | None = None) -> tuple[RunProfile, str]:
+    """The profile from its layers (profiles/loader.py), and why it has its backend, checked against every
+    rule at once: its backend's own (layout, batches over its ranks, what it cannot run: the planner's
+    rules, picked by the backend) and those that hold for any backend; all problems on one line."""
+    profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False,
+                                          detected=detected)
+    refuse([*backend_for(profile.backend).profile_problems(profile), *profile_problems(profile)])
+    return profile, reason
+
+
+def resolve_profile(model: str, device: str, backend: str = "auto", profile_file: str | Path | None = None,
+                    overrides: list[str] | dict[str, Any] | None = None) -> RunProfile:
+    """`checked_profile`'s profile."""
+    return checked_profile(model, device, backend, profile_file, overrides)[0]
+
+
+def profile_for(request: RunRequest, device: DeviceInfo) -> tuple[RunProfile, str]:
+    """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide).
+    On one host whose devices were counted, the backend may plan for them (the local backend: one worker
+    per GPU found, unless a recipe, a profile file or --set names cluster.devices_per_node)."""
+    args = (request.model, device.kind, request.backend, request.profile_file, request.overrides)
+    if device.count > 0 and not cluster_address(request.ray_address)[0]:
+        # Unvalidated first: the device profile's default layout may not fit this host's rules.
+        unchecked, _ = resolve_run_profile(*args, validate=False)
+        if layer := backend_for(unchecked.backend).detected_layer(unchecked, device.count):
+            return checked_profile(*args, detected=layer)
+    return checked_profile(*args)
+
+
+def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> MemoryPlan | None:
+    """Refuse, before anything is fetched or started, what a later stage would fail on: what the
+    backend cannot run here (a stage it cannot run from the flow, more training workers than the
+    host has devices), a data or model source that is not there, and (for a real run) a Ray
+    cluster that does not answer; a layout that cannot fit in memory (the plan it was checked against
+    is returned; under planner.enforce=false it is logged as a warning instead)."""
+    stages = request.stages
+    backend_for(profile.backend).check_run(profile, device.count, stages, dry_run, request.ray_address)
+    memory = device.memory_plan(profile)
+    if memory is not None and not memory.fits:
+        if memory.enforced:
+            raise ProfileError(memory.refusal())
+        log.warning("%s", memory.warning())  # planner.enforce=false: the dry run and the report show it too
+    if {"fetch_dataset", "train", "evaluate"} & set(stages):
+        DataSpec.from_profile(profile.data)
+    if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
+        ModelSpec.from_profile(profile.model)
+    address, origin = cluster_address(request.ray_address)
+    if not dry_run and address:
+        if parsed := parse_ray_address(address, origin):
+            check_reachable(parsed, origin)
+    return memory
+
+
+def check_run_dir(run_dir: Path, dry_run: bool) -> None:
+    """The run's folder can exist here: each name within the file system's limit and, for a run, the
+    folder made, written to, and held for this run alone (stages/run_lock.py); a dry run writes nothing:
+    it only checks the names."""
+    ancestor = next(p for p in (run_dir, *run_dir.parents) if _exists(p))
+    try:
+        name_max = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = 255
+    too_long = [part for part in run_dir.relative_to(ancestor).parts if len(os.fsencode(part)) > name_max]
+    if too_long:
+        raise UserError(f"--run-dir/--run-name: the name {too_long[0][:40]}... is {len(os.fsencode(too_long[0]))} bytes, "
+                        f"more than the file system's limit of {name_max}; choose a shorter --run-name")
+    if _exists(run_dir) and (problem := run_folder_problem(run_dir)):
+        raise UserError(f"--run-dir/--run-name: {problem}")
+    if dry_run:
+        return
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise UserError(f"--run-dir: cannot write the run's folder {run_dir} ({exc.strerror or exc}); choose a writable "
+                        "--run-dir") from None
+    run_lock.claim(run_dir)
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long, a part that is a file: treated as not there
+        return False
+
+
+def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
+    device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
+    profile, backend_reason = profile_for(request, device)
+    memory = check_plan(request, profile, device, dry_run)
+    env = resolve_environment(profile, ray_address=request.ray_address)
+    if not dry_run:
+        env.check_references()
+    run_dir = run_dir_for(request, device.kind)
+    check_run_dir(run_dir, dry_run)
+    generation = plan_generation(profile)  # the one decision; the stages and backends read it
+    run = TrainingRun(inputs=training_inputs(profile, run_dir), run_dir=str(run_dir), run_name=run_dir.name,
+                      devices_here=device.count, ray_address=request.ray_address, runtime_env=env.ray_runtime_env(),
+                      generation=generation)
+    backend = backend_for(profile.backend)
+    return RunPlan(
+        run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
+        generation=generation,
+        command=training_command(request, profile, run_dir), submission=backend.submission(profile, run),
+        memory=memory.summary() if memory else None,
+        # What the backend checks on the cluster's nodes, per stage it runs there.
+        node_requirements={stage: needs for stage in ("train", "evaluate")
+                           if (needs := backend.node_requirements(profile, stage))},
+    )

@@ -1,0 +1,256 @@
+"""The run report: `runs/<run>/report.md` and its plots, readable on its own.
+
+    python -m grpo_pipeline --model tiny --device cpu --run-name try1   # ends with the report's path
+
+It puts together what the stages wrote: the base vs trained table (deltas, bootstrap intervals),
+the reward curve over training steps and the evaluation comparison (PNG, matplotlib), the device,
+the environment (redacted), the resolved profile, how long each stage took, and links to every file.
+A failed run gets a report too, saying which stage failed and why.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from grpo_pipeline.backends.metrics import METRICS, read_metrics
+from grpo_pipeline.common.files import write_text_atomic
+from grpo_pipeline.common.preflight import PREFLIGHT_FILE, Preflight
+from grpo_pipeline.planner.memory import MemoryPlan, memory_table
+
+REPORT = "report.md"
+REWARD_CURVE = "reward_curve.png"
+EVAL_PLOT = "eval_comparison.png"
+TABLE_METRICS = (
+    ("mean_reward", "mean reward"),
+    ("accuracy", "accuracy"),
+    ("format_rate", "format rate"),
+    ("pass_at_k", "pass@k"),
+    ("response_length_mean", "response length"),
+    ("truncation_rate", "truncated"),
+)
+
+
+def plot_reward_curve(metrics_file: Path, out: Path) -> bool:
+    records = read_metrics(metrics_file)
+    if not records:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a cluster node or in CI
+    import matplotlib.pyplot as plt
+
+    steps = [r.step for r in records]
+    mean = [r.reward_mean for r in records]
+    std = [r.reward_std or 0.0 for r in records]
+    figure, axis = plt.subplots(figsize=(7, 3.5), dpi=100)
+    axis.plot(steps, mean, marker="o", markersize=3, label="mean reward")
+    axis.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, label="± std")
+    axis.set_xlabel("training step")
+    axis.set_ylabel("reward")
+    axis.set_title("Reward during training")
+    axis.legend(loc="lower right")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+    return True
+
+
+def plot_eval(models: list[dict], out: Path) -> bool:
+    if not models:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = ("mean_reward", "accuracy", "format_rate")
+    figure, axis = plt.subplots(figsize=(7, 3.5), dpi=100)
+    width = 0.8 / len(models)
+    for index, model in enumerate(models):
+        xs = [i + index * width for i in range(len(names))]
+        values = [model[n] for n in names]
+        low, high = model["reward_ci95"]
+        errors = [[model["mean_reward"] - low, 0, 0], [high - model["mean_reward"], 0, 0]]
+        axis.bar(xs, values, width, yerr=errors, capsize=4, label=model["name"])
+    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], ["mean reward (95% CI)", "accuracy", "format rate"])
+    axis.set_ylim(0, 1.05)
+    axis.set_title("Evaluation on the validation split")
+    axis.legend()
+    axis.grid(axis="y", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+    return True
+
+
+def metrics_table(models: list[dict]) -> str:
+    """Models side by side, with the last minus the first: the report's table and the Prefect
+    artifact `evaluation`."""
+    header = "| metric | " + " | ".join(m["name"] for m in models) + (" | Δ (last - first) |" if len(models) > 1 else " |")
+    lines = [header, "|---" * (len(models) + 1 + (len(models) > 1)) + "|"]
+    for key, label in TABLE_METRICS:
+        cells = []
+        for m in models:
+            cell = f"{m[key]:.3f}" if isinstance(m[key], float) else str(m[key])
+            if key == "mean_reward":
+                cell += f" [{m['reward_ci95'][0]:.3f}, {m['reward_ci95'][1]:.3f}]"
+            cells.append(cell)
+        delta = f" {models[-1][key] - models[0][key]:+.3f} |" if len(models) > 1 else ""
+        lines.append(f"| {label} | " + " | ".join(cells) + " |" + delta)
+    return "\n".join(lines)
+
+
+def _verdict(models: list[dict]) -> str:
+    if len(models) < 2:
+        return ""
+    first, last = models[0], models[-1]
+    if last["reward_ci95"][0] > first["reward_ci95"][1]:
+        return f"**{last['name']}** beats **{first['name']}**: the 95% intervals of the mean reward do not overlap."
+    if last["reward_ci95"][1] < first["reward_ci95"][0]:
+        return f"**{last['name']}** is worse than **{first['name']}**: the 95% intervals of the mean reward do not overlap."
+    return (f"The 95% intervals of the mean reward overlap: the difference between **{first['name']}** and "
+            f"**{last['name']}** may be noise.")
+
+
+def _memory_plan(profile: dict[str, Any], device: dict[str, Any]) -> MemoryPlan | None:
+    """The memory plan the run was checked against at planning, made again from its profile."""
+    from grpo_pipeline.profiles.schema import RunProfile
+    from grpo_pipeline.stages.device import DeviceInfo
+
+    run_profile = RunProfile.model_validate(profile)
+    found = DeviceInfo.model_validate(device) if device else DeviceInfo(kind=run_profile.platform.kind,
+                                                                         decided_by="requested", reason="")
+    return found.memory_plan(run_profile)
+
+
+class _Files:
+    """report.md: plots and files by their path relative to the run folder (the report sits in it)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+
+    def image(self, name: str, alt: str) -> str:
+        return f"![{alt}]({name})"
+
+    def file(self, path: str | Path, label: str | None = None) -> str:
+        relative = Path(path).relative_to(self.run_dir).as_posix() if Path(path).is_absolute() else str(path)
+        return f"[{label or relative}]({relative})"
+
+
+class _Embedded(_Files):
+    """The Prefect artifact: the UI resolves relative links against its own URL (they 404), so the plots
+    are embedded as data URIs and files are named by their absolute path, as text."""
+
+    def image(self, name: str, alt: str) -> str:
+        data = base64.b64encode((self.run_dir / name).read_bytes()).decode()
+        return f"![{alt}](data:image/png;base64,{data})"
+
+    def file(self, path: str | Path, label: str | None = None) -> str:
+        full = Path(path) if Path(path).is_absolute() else self.run_dir / path
+        return f"{label + ': ' if label else ''}`{full}`"
+
+
+def _preflight(run_dir: Path) -> Preflight | None:
+    """The cluster preflight's answers, when the run asked its nodes (a damaged file is left out)."""
+    try:
+        return Preflight.model_validate_json((run_dir / PREFLIGHT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_report(run_dir: Path, **parts: Any) -> Path:
+    """Write report.md (and its plots) from what the run produced; every part may be missing (see `render`)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    models = (parts.get("evaluation") or {}).get("models") or []
+    plot_eval(models, run_dir / EVAL_PLOT)
+    if parts.get("train"):
+        plot_reward_curve(Path(parts["train"]["metrics_file"]), run_dir / REWARD_CURVE)
+    return write_text_atomic(run_dir / REPORT, render(run_dir, _Files(run_dir), **parts))
+
+
+def ui_report(run_dir: Path, **parts: Any) -> str:
+    """The same report for Prefect's UI (after `write_report` drew its plots): plots embedded, paths as text."""
+    return render(run_dir, _Embedded(run_dir), **parts)
+
+
+def render(
+    run_dir: Path,
+    media: _Files,
+    *,
+    profile: dict[str, Any] | None = None,
+    device: dict[str, Any] | None = None,
+    env: dict[str, Any] | None = None,
+    train: dict[str, Any] | None = None,
+    evaluation: dict[str, Any] | None = None,
+    timings: dict[str, float] | None = None,
+    failure: str | None = None,
+    stopped: list[str] | None = None,
+    tracking: dict[str, str] | None = None,
+) -> str:
+    parts = [f"# GRPO run `{run_dir.name}`", "", f"Run folder `{run_dir}` on host `{socket.gethostname()}`.", ""]
+    if failure:
+        # A refusal names a line per node: each stays in the quote.
+        parts += ["\n".join(f"> {line}" for line in f"**The run failed.** {failure}".splitlines()), ""]
+        last = read_metrics(run_dir / METRICS)
+        parts += [f"- last completed training step: {last[-1].step if last else 'none'}",
+                  f"- stopped: {', '.join(stopped) if stopped else 'nothing was running'}", ""]
+    if tracking:
+        shown = [f"[{name}]({where})" if where.startswith(("http://", "https://")) else f"{name}: {where}"
+                 for name, where in tracking.items()]
+        parts += ["Experiment tracking: " + "; ".join(shown) + ".", ""]
+    if profile:
+        model, data, algo = profile["model"], profile["data"], profile["algorithm"]
+        parts += [f"Model **{model['name']}** (`{model['path']}`), dataset **{data['dataset']}**, backend "
+                  f"**{profile['backend']}**, device **{profile['platform']['kind']}**; GRPO with {algo['rollout_n']} "
+                  f"responses per prompt, {data['train_batch_size']} prompts per step, learning rate {algo['lr']}.", ""]
+    models = (evaluation or {}).get("models") or []
+    if models:
+        engine = f" Generated with {evaluation['engine']}." if evaluation.get("engine") else ""
+        parts += ["## Evaluation", "", f"{models[0]['prompts']} validation prompts, {models[0]['k']} response(s) each, "
+                  f"scored with the training reward.{engine}", "", metrics_table(models), "", _verdict(models), ""]
+        parts += [f"Generation time: {evaluation['generation']}.", ""] if evaluation.get("generation") else []
+        if (run_dir / EVAL_PLOT).is_file():
+            parts += [media.image(EVAL_PLOT, "evaluation"), ""]
+        parts += ["Per-sample results: " + ", ".join(media.file(m["samples_file"], m["name"]) for m in models), ""]
+    if train:
+        parts += ["## Training", ""]
+        if train.get("already_complete"):
+            parts += [f"Already complete at step {train['steps_done']}: nothing was trained by this run.", ""]
+        else:
+            resumed = f", resumed from step {train['resumed_from']}" if train.get("resumed_from") is not None else ""
+            parts += [f"{train['steps_done']} of {train['max_steps']} steps{resumed}; policy in "
+                      f"{media.file(train['checkpoint_dir'])}.", ""]
+        if train.get("rollouts"):
+            parts += [f"Rollouts: {train['rollouts']}.", ""]
+        if (run_dir / REWARD_CURVE).is_file():
+            parts += [media.image(REWARD_CURVE, "reward curve"), "", f"Step by step: {media.file(train['metrics_file'])}", ""]
+    if profile and (memory := _memory_plan(profile, device or {})):
+        parts += ["## Memory plan", "", "Estimated device memory per role of the layout (planner/):", ""]
+        parts += memory_table(memory.summary()) + [""]
+    if checked := _preflight(run_dir):
+        parts += ["## Nodes", "", f"What each node's image has, asked before the job was submitted ({checked.summary_line()}):",
+                  "", *checked.table(), ""]
+    if timings:
+        total = sum(timings.values())
+        parts += ["## Time per stage", "", "| stage | seconds | share |", "|---|---|---|"]
+        parts += [f"| {stage} | {seconds:.1f} | {seconds / total:.0%} |" for stage, seconds in timings.items()]
+        parts += [f"| **all** | {total:.1f} | |", ""]
+    if device:
+        parts += ["## Device", "", f"{device['kind']}, {device.get('count', 0)} device(s), decided by "
+                  f"{device.get('decided_by', '?')}: {device.get('reason', '')}", ""]
+    if env:
+        parts += ["## Environment (secrets redacted)", "", "| variable | value | source |", "|---|---|---|"]
+        parts += [f"| `{name}` | `{item['value']}` | {item['source']} |" for name, item in env.items()]
+        parts.append("")
+    if profile:
+        parts += ["## Resolved profile", "", "```yaml", yaml.safe_dump(profile, sort_keys=False).rstrip(), "```", ""]
+    # Dot files are the run's bookkeeping (its lock), not results.
+    files = sorted(p.name for p in run_dir.iterdir() if p.is_file() and p.name != REPORT and not p.name.startswith("."))
+    parts += ["## Files", ""] + [f"- {media.file(name)}" for name in files] + [""]
+    return "\n".join(parts)

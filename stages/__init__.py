@@ -1,2 +1,0 @@
-"""One module per stage of the flow: plain functions that never import Prefect; flows/stage_tasks.py
-wraps each in a Prefect task."""
