@@ -184,15 +184,11 @@ def answer_timeout_s() -> float:
     return float(os.environ.get(RAY_CONNECT_TIMEOUT_VAR) or RAY_CONNECT_TIMEOUT_S)
 
 
-# The packages this project's Ray tasks and workers import (all but the flow's own, `flows`), named
-# rather than imported: this module sits below them.
-PROJECT_PACKAGES = ("common", "generation", "backends", "planner", "profiles", "stages")
-
-
 def project_modules() -> list[str]:
-    """The folders of PROJECT_PACKAGES, for a job's `py_modules`."""
-    root = Path(__file__).resolve().parent.parent
-    return [str(root / package) for package in PROJECT_PACKAGES]
+    """The project's one package folder (`grpo_pipeline/`, above this module's), for a job's
+    `py_modules`. Ray puts it first on every worker's path; being one uncommon name, it shadows none
+    of the packages a node's image has (docs/layout.md)."""
+    return [str(Path(__file__).resolve().parent.parent)]
 
 
 def _init_within(options: dict, timeout_s: float, what: str) -> None:

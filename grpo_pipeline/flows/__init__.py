@@ -1,1 +1,2 @@
-"""The Prefect flow and the command line: `python -m grpo_pipeline --help`."""
+"""The Prefect flows and their entry points: the flow (pipeline.py), the command line (grpo.py,
+`python -m grpo_pipeline --help`), the deployments' form (form.py) and serving it (serve.py)."""

@@ -345,9 +345,14 @@ def _stop_signal(exc: BaseException) -> int | None:
     return None
 
 
-if __name__ == "__main__":
+def program() -> int:
+    """The command line as a program: `python -m grpo_pipeline`, the `grpo` script, this module's `-m`."""
     try:
-        sys.exit(main())
+        return main()
     except BrokenPipeError:  # `--dry-run --json | head`: the reader left; Python's docs' way to leave quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(1)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(program())

@@ -21,7 +21,7 @@ import yaml
 
 from grpo_pipeline.common.errors import UserError
 
-PREFECT_YAML = Path(__file__).resolve().parents[1] / "prefect.yaml"
+PREFECT_YAML = Path(__file__).resolve().parents[2] / "prefect.yaml"  # the checkout's, beside pyproject.toml
 EXIT_USER_ERROR = 2
 
 
