@@ -1,32 +1,33 @@
 """The house rules DESIGN.md states, kept by a test: modules about one thing stay small, only
 backends/ knows a backend by its name, every package imports only from the floors below it, no
-modules import each other around a loop, and docs/layout.md is the map the modules make
-(tests/house_map.py)."""
+modules import each other around a loop, nothing below tasks/ imports Prefect, and docs/layout.md is
+the map the modules make (tests/house_map.py). Paths are relative to grpo_pipeline/."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
 import house_map
 
-ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = house_map.PACKAGE
 PACKAGES = house_map.FLOORS
 MAX_MODULE_LINES = 400
 
 
 def modules(*packages: str) -> list[Path]:
-    return [path for package in packages for path in sorted((ROOT / package).rglob("*.py"))]
+    return [path for package in packages for path in sorted((PACKAGE / package).rglob("*.py"))]
 
 
 def test_no_module_is_past_the_size_that_asks_for_a_split():
-    long = {str(p.relative_to(ROOT)): n for p in modules(*PACKAGES) if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {house_map.shown(p): n for p in modules(*PACKAGES) if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert long == {}
 
 
 def test_nothing_outside_backends_branches_on_a_backends_name():
     branch = re.compile(r"\.backend\s*(==|!=|in)\s|backend\s*==\s*[\"'](verl|local)[\"']")
-    found = [f"{p.relative_to(ROOT)}:{i}" for p in modules("flows", "stages", "common", "generation", "planner", "profiles")
+    found = [f"{house_map.shown(p)}:{i}" for p in modules(*(f for f in PACKAGES if f != "backends"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if branch.search(line)]
     assert found == []
 
@@ -38,7 +39,8 @@ def test_every_package_has_a_floor():
 
 def test_no_import_goes_up_a_floor():
     """Each package imports only from the floors below it (profiles < planner < common < generation <
-    backends < stages < flows; common/errors.py and common/bounded_read.py stand below them all): common/ is shared by everything above, generation/ by the backends' rollouts and
+    backends < stages < tasks < flows; common/errors.py and common/bounded_read.py stand below them
+    all): common/ is shared by everything above, generation/ by the backends' rollouts and
     the evaluation stage; an import back up would make them unreadable apart (and Ray job packaging
     used to import every package only to find its folder). Imports inside functions count too."""
     found = house_map.upward_imports()
@@ -57,22 +59,32 @@ def test_the_layout_doc_is_the_map_the_modules_make():
     assert all(house_map.first_sentence(path) for path in house_map.modules().values()), "a module without a docstring"
 
 
-def test_the_packages_a_ray_job_carries_are_the_projects_own_folders():
+def test_nothing_below_tasks_imports_prefect():
+    """Prefect is the tasks' and the flows' business: the stages, backends and everything below them
+    run without it (the dry run plans a run before Prefect is imported; Ray workers never call it)."""
+    below = PACKAGES[:PACKAGES.index("tasks")]
+    found = [house_map.shown(p) for p in modules(*below) for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, (ast.Import, ast.ImportFrom))
+             and any(name.split(".")[0] == "prefect" for name in
+                     ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]))]
+    assert found == []
+
+
+def test_the_package_a_ray_job_carries_is_the_projects_one_package():
     from grpo_pipeline.common.ray_cluster import project_modules
 
-    folders = [Path(folder) for folder in project_modules()]
-    assert {folder.name for folder in folders} == set(PACKAGES) - {"flows"}
-    assert all((folder / "__init__.py").is_file() for folder in folders)
+    assert [Path(folder) for folder in project_modules()] == [PACKAGE]
+    assert (PACKAGE / "__init__.py").is_file()
 
 
 def test_a_runs_generation_path_is_decided_in_one_place():
     """generation/plan.py decides it (`plan_generation`), once per run: in the command line's plan
     or, for a run from the form, right after the flow resolves the profile; everything else reads the
     `GenerationPlan` it is handed, never the profile's `generation` section (docs/layout.md walks it)."""
-    decided = [f"{p.relative_to(ROOT)}" for p in modules(*PACKAGES) if "plan_generation(" in p.read_text()]
-    assert sorted(decided) == ["flows/pipeline.py", "stages/plan.py", "generation/plan.py"]
+    decided = [house_map.shown(p) for p in modules(*PACKAGES) if "plan_generation(" in p.read_text()]
+    assert sorted(decided) == ["flows/pipeline.py", "generation/plan.py", "stages/plan.py"]
     section = re.compile(r"\.generation\.(engine|decoder|cache|compile|attn_implementation|steps_per_generation)\b")
-    read = [f"{p.relative_to(ROOT)}:{i}" for p in modules(*PACKAGES) if p.parts[-2:] != ("generation", "plan.py")
+    read = [f"{house_map.shown(p)}:{i}" for p in modules(*PACKAGES) if p.parts[-2:] != ("generation", "plan.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if section.search(line)]
     assert read == []
 

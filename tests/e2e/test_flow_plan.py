@@ -169,10 +169,10 @@ def test_a_config_error_is_not_retried(prefect_api, tmp_path):
 def test_a_hung_training_is_stopped_and_the_failure_hook_reports_it_and_ends_the_ray_job(prefect_api, tmp_path, monkeypatch):
     import ray
 
-    import grpo_pipeline.flows.pipeline
+    from grpo_pipeline.flows import pipeline  # not `import grpo_pipeline...`: that name is the flow's here
 
     # One attempt: the retries (resuming from the checkpoint) are the kill test's subject, not this one's.
-    monkeypatch.setattr(grpo_pipeline.flows.pipeline, "train_task", grpo_pipeline.flows.pipeline.train_task.with_options(retries=0))
+    monkeypatch.setattr(pipeline, "train_task", pipeline.train_task.with_options(retries=0))
     request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="hung",
                          overrides=[*stores(tmp_path), "trainer.step_timeout_s=1"])
     state = grpo_pipeline(request, return_state=True)
