@@ -40,8 +40,8 @@ def _cli_args(tmp_path: Path, name: str) -> list[str]:
 def _holder_process(run_dir: Path) -> subprocess.Popen:
     """Another process that claims the folder as a run does (the same `claim`), then lives on."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from flows import run_lock; run_lock.claim(sys.argv[1]); "
-         "print('held', flush=True); time.sleep(600)", str(run_dir)],
+        [sys.executable, "-c", "import sys, time; from grpo_pipeline.stages import run_lock; "
+         "run_lock.claim(sys.argv[1]); print('held', flush=True); time.sleep(600)", str(run_dir)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     return holder
@@ -112,7 +112,7 @@ def test_deleting_or_replacing_the_lock_file_during_a_run_does_not_free_the_fold
 
         line = _one_line_refusal(capsys, _cli_args(tmp_path, "held"))
         assert f"the run folder {run_dir.resolve()} is in use by another live run" in line
-        other = subprocess.run([sys.executable, "-c", "import sys; from flows import run_lock; "
+        other = subprocess.run([sys.executable, "-c", "import sys; from grpo_pipeline.stages import run_lock; "
                                 "run_lock.claim(sys.argv[1])", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
                                timeout=120)  # and from a third process
         assert other.returncode == 1 and "RunFolderBusy" in other.stderr, other.stderr[-2000:]
