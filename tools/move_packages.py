@@ -14,7 +14,8 @@ What it does, in order:
 2. In every tracked text file (.py .md .yaml .yml .sh .toml .cfg .txt, Makefile, .ci/run; never
    this file, never bench's recorded .json results):
    - import lines: `from common.x import y`, `from backends import backend_for`, `import common.store`
-     (a bare `from flows import lease, run_lock` is split by where each module now lives);
+     (a bare `from flows import lease, run_lock` is split by where each module now lives), and a
+     `from` statement after a `;` on a line (`python -c "import sys; from flows import run_lock"`);
    - the command line: `-m flows.grpo` and the argv pair `"-m", "flows.grpo"` become
      `-m grpo_pipeline` (grpo_pipeline/__main__.py), and so does the literal "flows.grpo";
    - any other dotted module path (a string for Ray, Prefect, monkeypatch or importlib, `-m x.y`,
@@ -63,6 +64,9 @@ IDENT = r"[A-Za-z_]\w*"
 # A dotted name that starts with an old package and is not itself part of a longer dotted name or a path.
 DOTTED = re.compile(rf"(?<![\w./-])({PKG})((?:\.{IDENT})+)")
 FROM_LINE = re.compile(rf"^(\s*)from\s+({PKG})((?:\.{IDENT})*)(\s+import\s+)(.*)$")
+# The same statement after a `;` on one line: code in a string (`python -c "import sys; from flows import x; ..."`).
+FROM_INLINE = re.compile(rf"(;\s*)from\s+({PKG})((?:\.{IDENT})*)(\s+import\s+)"
+                         rf"({IDENT}(?:\s*,\s*{IDENT})*)(?=\s*[;\"'\\]|\s*$)", re.M)
 IMPORT_LINE = re.compile(r"^(\s*)import\s+(.+)$")
 CLI_M = re.compile(r"(?<![\w.-])-m\s+flows\.grpo(?![\w.])")
 CLI_ARGV = re.compile(r"""(["'])-m\1(\s*,\s*)(["'])flows\.grpo\3""")
@@ -168,6 +172,13 @@ def rewrite_import(match: re.Match) -> str:
     return f"{indent}import {', '.join(items)}{comment}"
 
 
+def rewrite_inline_from(root: Path, match: re.Match) -> str:
+    """`; from flows import run_lock` inside a one-line string: as rewrite_from, statements joined by `; `."""
+    separator = match.group(1)
+    statements = rewrite_from(root, FROM_LINE.match(match.group(0)[len(separator):])).split("\n")
+    return separator + "; ".join(statements)
+
+
 def rewrite_text(root: Path, text: str) -> str:
     lines = []
     for line in text.split("\n"):
@@ -175,7 +186,7 @@ def rewrite_text(root: Path, text: str) -> str:
             line = rewrite_from(root, m)
         elif (m := IMPORT_LINE.match(line)) and re.search(rf"(^|,)\s*({PKG})(\.|\s|,|$)", m.group(2).split("#")[0]):
             line = rewrite_import(m)
-        lines.append(line)
+        lines.append(FROM_INLINE.sub(lambda m: rewrite_inline_from(root, m), line))
     text = "\n".join(lines)
     text = CLI_ARGV.sub(lambda m: f"{m.group(1)}-m{m.group(1)}{m.group(2)}{m.group(3)}{TOP}{m.group(3)}", text)
     text = CLI_M.sub(f"-m {TOP}", text)
