@@ -20,6 +20,7 @@ import re
 import secrets
 import signal
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,6 +39,9 @@ class Lease(BaseModel):
     id: str
     pid: int
     started: float = Field(..., description="The owner's process start time (psutil), so a reused pid is not taken for it.")
+    started_after_boot: float | None = Field(
+        None, description="The owner's start in seconds after boot (Linux): what tells it from a reused pid, as a step "
+        "of the wall clock leaves it alone. None in a lease of an earlier version, or off Linux.")
     host: str
     database: str | None = Field(None, description="Where its flow runs are: `local:<PREFECT_HOME>` or an API URL.")
     flow_runs: list[str] = Field(default_factory=list)
@@ -58,9 +62,31 @@ class Lease(BaseModel):
         import psutil
 
         try:
+            if self.started_after_boot is not None and (after_boot := started_after_boot(self.pid)) is not None:
+                return abs(after_boot - self.started_after_boot) < 0.005  # whole clock ticks, the same for one process
             return abs(psutil.Process(self.pid).create_time() - self.started) < 1.0
         except psutil.Error:
             return False
+
+
+def started_after_boot(pid: int) -> float | None:
+    """When process `pid` started, in seconds after boot (`starttime` of /proc/<pid>/stat), on Linux;
+    None elsewhere. psutil's create_time is the boot time plus this, and the boot time the kernel
+    gives is the wall clock less the time since boot: a step of the wall clock (NTP, a virtual machine
+    restored from a snapshot: 33 s on a CI machine) moves every process's create_time by the step,
+    which once made a live run's own lease look stale and its clean-up end the run's own Prefect API."""
+    import psutil
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        raise psutil.NoSuchProcess(pid) from None
+    except OSError as exc:
+        raise psutil.AccessDenied(pid) from exc
+    fields = stat[stat.rindex(b")") + 2:].split()  # after "pid (comm) ": field 3 (state) onwards
+    return int(fields[22 - 3]) / os.sysconf("SC_CLK_TCK")
 
 
 def prefect_home() -> Path:
@@ -94,7 +120,8 @@ def held(database: str | None = None, required: bool = False) -> Iterator[Lease]
         yield lease
         return
     lease = Lease(id=f"{int(time.time())}-{os.getpid()}-{secrets.token_hex(3)}", pid=os.getpid(),
-                  started=psutil.Process().create_time(), host=socket.gethostname(), database=database)
+                  started=psutil.Process().create_time(), started_after_boot=started_after_boot(os.getpid()),
+                  host=socket.gethostname(), database=database)
     try:
         lease.save()
     except OSError as exc:
@@ -144,12 +171,16 @@ def end_leftovers(database: str, log) -> None:
 
 
 def stale_leases() -> list[Lease]:
-    """Leases of this host whose owner is gone."""
+    """Leases of this host whose owner is gone; never this process's own (it is alive, whatever a
+    clock says)."""
     host, found = socket.gethostname(), []
+    own = os.environ.get(LEASE_VAR)
     for path in sorted(leases_dir().glob("*.json")) if leases_dir().is_dir() else []:
         try:
             lease = Lease.model_validate_json(path.read_text())
         except (OSError, ValueError):
+            continue
+        if lease.id == own and lease.pid == os.getpid():
             continue
         if lease.host == host and not lease.owner_alive():
             found.append(lease)

@@ -1,0 +1,73 @@
+"""A run's lease (flows/lease.py) names a live owner for as long as it lives, whatever the wall clock
+does: a step of the clock (NTP, a virtual machine restored from a snapshot) moves every process's
+create time as psutil computes it (the boot time plus the start since boot), and a CI machine's
+restore, 33 s, once made a live run's own lease look stale: its clean-up ended the run's own Prefect
+API, and the run failed on `Connection refused`. The owner is known by its start since boot instead,
+which no step moves, and a run never takes its own lease for a stale one.
+
+    PYTHONPATH=$PWD python -m pytest -q tests/test_lease.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from grpo_pipeline.flows import lease
+
+ROOT = Path(__file__).resolve().parent.parent
+# Holds a lease, says its id, then lives on.
+OWNER = """
+import time
+from grpo_pipeline.flows import lease
+with lease.held(None) as held:
+    print(held.id, flush=True)
+    time.sleep(600)
+"""
+CLOCK_STEP_S = 33.5  # the wall clock's step when the CI machine was restored from its snapshot
+
+
+def _owner(home: Path) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(home)}
+    env.pop(lease.LEASE_VAR, None)
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    lease_id = owner.stdout.readline().strip()
+    assert lease_id, "the owner did not take its lease"
+    return owner, lease_id
+
+
+def _step_the_wall_clock(monkeypatch, seconds: float) -> None:
+    """The machine's clock is not the test's to step: psutil is shown the boot time such a step gives
+    (the kernel's boot time is the wall clock less the time since boot, so it moves with the step)."""
+    stepped = psutil.boot_time() + seconds
+    monkeypatch.setattr(psutil._psplatform, "boot_time", lambda: stepped)
+
+
+def test_a_step_of_the_wall_clock_leaves_live_owners_leases_alive_and_a_killed_owners_stale(tmp_path, monkeypatch):
+    home = tmp_path / "prefect"
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    monkeypatch.delenv(lease.LEASE_VAR, raising=False)
+    live, live_id = _owner(home)
+    killed, killed_id = _owner(home)
+    try:
+        killed.kill()
+        killed.wait(timeout=60)
+        with lease.held(None) as mine:
+            before = psutil.Process(live.pid).create_time()
+            _step_the_wall_clock(monkeypatch, CLOCK_STEP_S)
+            assert abs(psutil.Process(live.pid).create_time() - before - CLOCK_STEP_S) < 0.01  # the step psutil sees
+
+            assert [found.id for found in lease.stale_leases()] == [killed_id]
+            by_id = {path.stem: lease.Lease.model_validate_json(path.read_text())
+                     for path in (home / "grpo-pipeline" / "leases").glob("*.json")}
+            assert set(by_id) == {live_id, killed_id, mine.id}
+            assert by_id[live_id].owner_alive() and by_id[mine.id].owner_alive()  # this process's, judged as any other
+            assert not by_id[killed_id].owner_alive()
+    finally:
+        live.kill()
+        live.wait(timeout=60)
+    assert {found.id for found in lease.stale_leases()} == {live_id, killed_id}  # both owners gone now; its own released
