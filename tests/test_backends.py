@@ -133,7 +133,12 @@ def test_where_a_run_evaluates_is_the_backends_answer():
 
 
 def test_only_a_backend_that_plans_memory_says_why_it_has_no_plan():
+    from grpo_pipeline.generation.plan import plan_generation
+
+    def note(backend: str, profile) -> str | None:
+        return backend_for(backend).memory_note(profile, plan_generation(profile))
+
     verl = resolve_profile("qwen3.5-122b-a10b", "gpu", overrides=["model.architecture.moe_intermediate_size=null"])
-    assert backend_for("verl").memory_note(verl).startswith("not estimated, the model's size needs")
-    assert backend_for("verl").memory_note(resolve_profile("qwen3.5-122b-a10b", "gpu")) is None
-    assert backend_for("local").memory_note(resolve_profile("tiny", "cpu")) is None
+    assert note("verl", verl).startswith("not estimated, the model's size needs")
+    assert note("verl", resolve_profile("qwen3.5-122b-a10b", "gpu")) is None
+    assert note("local", resolve_profile("tiny", "cpu")) is None

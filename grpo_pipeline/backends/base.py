@@ -115,10 +115,12 @@ class Backend(ABC):
                   ray_address: str | None) -> None:
         """Refuse at planning what depends on the host, the cluster address or the stages asked for (UserError)."""
 
-    def detected_layer(self, profile: RunProfile, devices_here: int) -> dict | None:
-        """Settings this engine takes from the `devices_here` found on the run's one host, as a profile
-        layer above the device profile's defaults (a recipe, a profile file or --set still wins); None:
-        the device profile's defaults stand."""
+    def detected_layer(self, profile: RunProfile, devices_here: int, generation: GenerationPlan,
+                       detected_names: list[str] | None = None, detected_gib: list[float] | None = None) -> dict | None:
+        """Settings this engine takes from the `devices_here` found on the run's one host (their names and
+        memory when known; `generation`: the run's plan, which this layer cannot change), as a profile layer
+        above the device profile's defaults (a recipe, a profile file or --set still wins); None: the device
+        profile's defaults stand."""
         return None
 
     def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
@@ -127,9 +129,11 @@ class Backend(ABC):
         here when there are any; None when this engine has no estimate or the architecture is incomplete."""
         return None
 
-    def memory_note(self, profile: RunProfile) -> str | None:
-        """Why `memory_plan` has no estimate for a profile this engine would plan (what the model's size
-        lacks), for the dry run; None when there is nothing to say."""
+    def memory_note(self, profile: RunProfile, generation: GenerationPlan, detected_names: list[str] | None = None,
+                    detected_gib: list[float] | None = None) -> str | None:
+        """What the dry run says of memory where `memory_plan` gives no table: why there is no estimate
+        (what the model's size lacks), or what an engine without a plan decided from its own estimate (the
+        local backend: gradient checkpointing); None when there is nothing to say."""
         return None
 
     def evaluation(self, profile: RunProfile, settings: GenerationSettings, devices_here: int, ray_address: str | None,

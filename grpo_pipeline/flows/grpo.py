@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, get_args
 import yaml
 from pydantic import ValidationError
 
-from grpo_pipeline.backends import backend_for
 from grpo_pipeline.flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
 from grpo_pipeline.stages.request import STAGES, RunRequest
 from grpo_pipeline.common.errors import EXIT_USER_ERROR, UserError
@@ -143,7 +142,7 @@ def print_dry_run(plan, as_json: bool) -> None:
         print("# memory plan (planner/)")
         for line in memory_table(plan.memory):
             print(f"#   {line}")
-    elif note := backend_for(plan.profile.backend).memory_note(plan.profile):
+    elif note := plan.device.memory_note(plan.profile, plan.generation):
         print(f"# memory plan: {note}")
     for stage, needs in plan.node_requirements.items():
         print(f"# node requirements of the {stage} stage (checked on every Ray node before it starts there)")

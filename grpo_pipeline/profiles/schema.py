@@ -111,7 +111,9 @@ class ModelSection(Section):
     )
     trust_remote_code: bool = Field(False, description="Allow model code shipped with the checkpoint.")
     enable_gradient_checkpointing: bool = Field(
-        True, description="Recompute activations in the backward pass to save memory."
+        True, description="Recompute activations in the backward pass to save memory. Unless a recipe, a profile "
+        "file or --set says, the local backend turns it off on a host whose GPUs or NPUs have room for the training "
+        "step without it (backends/local/train_memory.py; the dry run says which and why)."
     )
     dist_checkpoint: bool = Field(
         False,

@@ -23,6 +23,7 @@ from grpo_pipeline.common.errors import DeviceError
 from grpo_pipeline.profiles.loader import DEVICE_KINDS, platform_for
 
 if TYPE_CHECKING:
+    from grpo_pipeline.generation.plan import GenerationPlan
     from grpo_pipeline.planner.memory import MemoryPlan
     from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.platform import DeviceKind
@@ -104,9 +105,18 @@ class DeviceInfo(BaseModel):
         """The profile's backend's memory plan, on the devices found here when they are the profile's kind."""
         from grpo_pipeline.backends import backend_for
 
+        return backend_for(profile.backend).memory_plan(profile, *self.found(profile))
+
+    def memory_note(self, profile: RunProfile, generation: GenerationPlan) -> str | None:
+        """The profile's backend's word on memory where it has no plan, on the devices found here likewise."""
+        from grpo_pipeline.backends import backend_for
+
+        return backend_for(profile.backend).memory_note(profile, generation, *self.found(profile))
+
+    def found(self, profile: RunProfile) -> tuple[list[str] | None, list[float] | None]:
+        """(names, GiB) of the devices found here when they are the profile's kind; (None, None) otherwise."""
         here = self.kind == profile.platform.kind and self.count > 0 and bool(self.memory_gib)
-        return backend_for(profile.backend).memory_plan(profile, self.names if here else None,
-                                                        self.memory_gib if here else None)
+        return (self.names, self.memory_gib) if here else (None, None)
 
 
 def requested_device(cli_value: str | None = None, environ: dict[str, str] | None = None) -> str:

@@ -115,12 +115,16 @@ def resolve_profile(model: str, device: str, backend: str = "auto", profile_file
 def profile_for(request: RunRequest, device: DeviceInfo) -> tuple[RunProfile, str]:
     """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide).
     On one host whose devices were counted, the backend may plan for them (the local backend: one worker
-    per GPU found, unless a recipe, a profile file or --set names cluster.devices_per_node)."""
+    per GPU found, unless a recipe, a profile file or --set names cluster.devices_per_node; gradient
+    checkpointing only where the step would not fit those GPUs without it)."""
     args = (request.model, device.kind, request.backend, request.profile_file, request.overrides)
     if device.count > 0 and not cluster_address(request.ray_address)[0]:
         # Unvalidated first: the device profile's default layout may not fit this host's rules.
         unchecked, _ = resolve_run_profile(*args, validate=False)
-        if layer := backend_for(unchecked.backend).detected_layer(unchecked, device.count):
+        # The layer sets neither `generation` nor `platform`: this is the plan plan_run makes of the result.
+        generation = plan_generation(unchecked)
+        if layer := backend_for(unchecked.backend).detected_layer(unchecked, device.count, generation,
+                                                                  *device.found(unchecked)):
             return checked_profile(*args, detected=layer)
     return checked_profile(*args)
 

@@ -33,7 +33,8 @@ The verl <-> TRL mapping of the one `algorithm` section (also in docs/local-back
 | actor.ppo_mini_batch_size x rollout_n       | completions per optimizer step (grad. accum.) |
 | actor.ppo_micro_batch_size_per_gpu          | per_device_train_batch_size (+ grad. accum.) |
 | trainer.total_training_steps, save_freq     | max_steps, save_steps (x steps_per_generation)|
-| model.enable_gradient_checkpointing         | gradient_checkpointing (TRL's default: on)   |
+| model.enable_gradient_checkpointing         | gradient_checkpointing (off where the step   |
+|   (unset: decided from the devices found)   | fits without it: train_memory)               |
 
 Modules: `mapping` (the table above, and what the mapping cannot express), `settings` (the
 driver's checks before a worker starts, and what workers get), `worker` (inside each Ray Train

@@ -32,6 +32,14 @@ def rollout_batch(p: RunProfile) -> int:
     return math.ceil(round_size / p.world_size)
 
 
+def decoding_state(p: RunProfile, dtype: int) -> tuple[float, float]:
+    """(bytes per position, bytes whatever the length) of the decoder's state for one worker's rollout
+    batch: keys and values, token id and log-prob per position; the linear-attention layers' state."""
+    arch, batch = p.model.architecture, rollout_batch(p)
+    return (batch * (kv_bytes_per_token(arch, 1, dtype) + STATE_BYTES_PER_POSITION),
+            batch * linear_state_bytes_per_sequence(arch, 1, dtype))
+
+
 def available_memory(p: RunProfile) -> tuple[float | None, str]:
     """(bytes the workers of one device may use, where the number comes from). A CPU run's workers
     share the host: its memory available now unless the platform names a size."""
@@ -60,8 +68,8 @@ def rollout_memory_problems(p: RunProfile) -> list[str]:
     sharing = 1 if p.platform.accelerated else p.world_size  # CPU workers share one memory
     batch = rollout_batch(p)
     weights = model_size(arch).total * dtype if not size_problems(arch) else 0
-    per_position = batch * (kv_bytes_per_token(arch, 1, dtype) + STATE_BYTES_PER_POSITION)
-    fixed = weights + batch * linear_state_bytes_per_sequence(arch, 1, dtype)
+    per_position, state = decoding_state(p, dtype)
+    fixed = weights + state
     prompt, response = p.data.max_prompt_length, p.data.max_response_length
     needed = sharing * (fixed + per_position * (prompt + response))
     if needed <= available:

@@ -53,6 +53,7 @@ from grpo_pipeline.common.ray_cluster import (
     ClusterLost, answer_timeout_s, cluster_address, connect_ray, disconnect_ray, parse_ray_address, wait_for_nodes,
 )
 from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.planner.memory import MemoryPlan, plan_for
 from grpo_pipeline.profiles.model_size import size_problems
 from grpo_pipeline.profiles.requirements import NodeRequirement, for_stage
@@ -79,7 +80,8 @@ class VerlBackend(Backend):
                     detected_gib: list[float] | None = None) -> MemoryPlan | None:
         return plan_for(profile, detected_names, detected_gib)
 
-    def memory_note(self, profile: RunProfile) -> str | None:
+    def memory_note(self, profile: RunProfile, generation: GenerationPlan, detected_names: list[str] | None = None,
+                    detected_gib: list[float] | None = None) -> str | None:
         if problems := size_problems(profile.model.architecture):
             return f"not estimated, {'; '.join(problems)}"
         return None
