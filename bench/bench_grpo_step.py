@@ -44,6 +44,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from grpo_pipeline.backends.local.phases import PHASES  # noqa: E402
 from grpo_pipeline.backends.local.settings import PHASES_FILE, plan_local_training, prompt_length  # noqa: E402
 from grpo_pipeline.common.rl_data import arith_splits  # noqa: E402
+from grpo_pipeline.generation.plan import plan_generation  # noqa: E402
 from grpo_pipeline.profiles.loader import resolve_profile  # noqa: E402
 
 SHAPES = {  # Qwen3 shapes: hidden, MLP, layers, attention heads, KV heads (head_dim 128)
@@ -147,7 +148,7 @@ def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir:
         f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.steps}", "cluster.devices_per_node=1",
         "generation.steps_per_generation=1", *args.set, *overrides])
     run_dir = work / f"run-{shape}-{variant}"
-    settings = plan_local_training(profile, [str(train_file)], str(model_dir), run_dir, 1)
+    settings = plan_local_training(profile, [str(train_file)], str(model_dir), run_dir, 1, plan_generation(profile))
     settings.grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
     settings = settings.model_copy(update={"phase_timing": True})
     try:

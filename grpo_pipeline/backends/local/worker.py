@@ -14,6 +14,7 @@ import contextlib
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
