@@ -16,7 +16,8 @@ import ray
 
 from grpo_pipeline.backends.local.checkpoints import latest_step
 from grpo_pipeline.backends.local.driver import train_local
-from grpo_pipeline.backends.local.settings import plan_local_training
+from grpo_pipeline.backends.local.phases import PHASES
+from grpo_pipeline.backends.local.settings import PHASES_FILE, plan_local_training
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.stages.request import RunRequest
 from grpo_pipeline.stages.plan import resolve_profile
@@ -75,7 +76,7 @@ def test_the_fast_rollout_path_records_every_step_of_a_generation_round(tmp_path
     data = fetch_dataset(DataSpec.from_profile(profile.data))
     model = prepare_model(ModelSpec.from_profile(profile.model))
     settings = plan_local_training(profile, data.train_files, model.path, tmp_path / "fast", devices_here=1,
-                                  generation=plan_generation(profile))
+                                  generation=plan_generation(profile)).model_copy(update={"phase_timing": True})
     try:
         result = train_local(settings, None, None)
     finally:
@@ -86,6 +87,13 @@ def test_the_fast_rollout_path_records_every_step_of_a_generation_round(tmp_path
     assert [r["generation_s"] > 0 for r in records] == [True, False, True, False]
     assert records[1]["reward_mean"] == records[0]["reward_mean"] and records[3]["reward_mean"] == records[2]["reward_mean"]
     assert all(r["loss"] is not None for r in records)
+    # The step's phases (bench/bench_grpo_step.py reads them): every step, exclusive times adding up to the step.
+    phases = [json.loads(line) for line in (tmp_path / "fast" / PHASES_FILE).read_text().splitlines()]
+    assert len(phases) == 4
+    for record in phases:
+        assert set(PHASES) <= set(record) and record["wall_s"] > 0
+        assert min(record[p] for p in PHASES) >= 0 and record["other"] >= -1e-3  # exclusive: none counted twice
+    assert [r["generation"] > 0 for r in phases] == [True, False, True, False]
 
 
 def _kill_a_worker_after_checkpoint(checkpoints: Path, at_least: int, killed: dict) -> None:
