@@ -92,3 +92,17 @@ def test_a_runs_generation_path_is_decided_in_one_place():
 def test_the_ground_floor_imports_nothing_of_the_project():
     graph = house_map.graph()
     assert {ground: graph[ground] for ground in house_map.GROUND} == {ground: set() for ground in house_map.GROUND}
+
+
+def test_no_module_uses_a_name_nothing_defines():
+    """pyflakes' undefined-name family over the package, bench/, tools/ and tests/: a lost import in a
+    path only a GPU run or a bench takes (the worker's phase timing lost `Path` in a move) fails here."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
+    root = PACKAGE.parent
+    found = subprocess.run([ruff, "check", "--no-cache", "--select", "F821,F822,F823,F811", "--output-format",
+                            "concise", "grpo_pipeline", "bench", "tools", "tests"], cwd=root, capture_output=True, text=True)
+    assert found.returncode == 0, found.stdout + found.stderr
