@@ -7,6 +7,9 @@
 #       && bash bench/h200_step.sh start && bash bench/h200_step.sh wait                            (carry .whl-ray)
 #   bash bench/h200_step.sh wait                                    # again until "== done"
 # .whl/flow: ../shared/tools/gpu_wheels.py's wheels without Ray; .whl-ray: ray-2.60.0's wheel (45 MB).
+# One call instead of two: the bench needs no Prefect, so ray with the flow's wheels less Prefect's own stack
+# (prefect, cryptography, sqlalchemy, asyncpg, apprise, redis, burner_redis, greenlet, whenever, dateparser,
+# pendulum, alembic) is 58 MB, under a call's 64 MiB with the working tree: carry that folder instead.
 # MODELS, STEPS, VARIANTS (bench_grpo_step.py --variant ...) pick what runs; the default compares
 # gradient checkpointing on and off, the lever the local backend's memory plan decides.
 set -euo pipefail
