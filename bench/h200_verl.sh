@@ -13,6 +13,11 @@
 #              && bash bench/h200_verl.sh session && WAIT=420 bash bench/h200_verl.sh wait   (carry part8, plan.json, .whl/flow)
 #          WAIT=540 bash bench/h200_verl.sh wait                 # again until "== session: done"
 # Each run is also a command of its own: check, cluster, verl, override, local, collect, kill9, stop, decode.
+# Issue 33's step breakdown alone needs neither verl nor the flow's Prefect: one carry call of Ray with the
+# flow's wheels less Prefect's own stack (prefect, cryptography, sqlalchemy, asyncpg, apprise, redis,
+# burner_redis, greenlet, whenever, dateparser, pendulum, alembic: 58 MB), then
+#   SEGMENTS=step STEP_MODELS=qwen3-0.6b,qwen3-1.7b SHORT=0 VARIANTS="--variant ckpt=model.enable_gradient_checkpointing=true
+#       --variant no-ckpt=model.enable_gradient_checkpointing=false" bash bench/h200_verl.sh session && bash bench/h200_verl.sh wait
 # The flow runs with the flow's packages (/tmp/site); Ray, and so the job and every worker, with the
 # cluster's (/tmp/site-verl): prefect 3.9 and vLLM 0.24 cannot share one environment (bench/verl_carry.py).
 set -euo pipefail
