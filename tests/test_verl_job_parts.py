@@ -59,6 +59,47 @@ def test_a_failed_jobs_log_says_whether_a_retry_can_help(log, kind, line):
     assert cause.kind == kind and line in cause.line
 
 
+# What a real verl 0.9.1 + vLLM 0.24 start prints before it does anything (the first H200 run): import
+# failures that end nothing.
+HARMLESS_START = (
+    "(TaskRunnerV1 pid=812) WARNING 12-05 11:02:13 [_custom_ops.py:21] Failed to import from vllm._C with "
+    "ModuleNotFoundError(\"No module named 'vllm._C'\")\n"
+    "(TaskRunnerV1 pid=812) Failed to import megatron: No module named 'megatron'\n"
+    "(TaskRunnerV1 pid=812) step:0 - val-core/arith/reward/mean@1:0.17\n")
+
+
+@pytest.mark.parametrize(
+    ("ending", "kind", "line"),
+    [
+        # The H200 run's end: vLLM could not tell the platform. Retried (the job died of something
+        # other than its config) and shown as itself.
+        ("Error executing job with overrides: ['trainer.total_training_steps=40']\n"
+         "Traceback (most recent call last):\n  File \"verl/trainer/main_ppo.py\", line 47, in main\n"
+         "ray.exceptions.RayTaskError(RuntimeError): ray::TaskRunnerV1.run() (pid=812, ip=127.0.0.1)\n"
+         "  File \"vllm/platforms/__init__.py\", line 280, in __getattr__\n"
+         "RuntimeError: Failed to infer device type\n"
+         "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.",
+         "unknown", "RuntimeError: Failed to infer device type"),
+        # A package the image lacks, raised and ending the job: a config (image) error, not retried.
+        ("Traceback (most recent call last):\n  File \"xgrammar/exception.py\", line 3\n"
+         "ModuleNotFoundError: No module named 'tvm_ffi'", "config", "No module named 'tvm_ffi'"),
+        ("Traceback (most recent call last):\nModuleNotFoundError: No module named 'a'\n\nDuring handling of the "
+         "above exception, another exception occurred:\n\nTraceback (most recent call last):\n"
+         "ImportError: cannot import name 'x'", "unknown", "ImportError: cannot import name 'x'"),
+    ],
+)
+def test_the_job_is_judged_by_the_exception_that_ended_it_not_by_any_line(ending, kind, line):
+    cause = diagnose(HARMLESS_START + ending, "Job entrypoint command failed with exit code 1")
+    assert cause.kind == kind and line in cause.line and "vllm._C" not in cause.line
+
+
+def test_an_import_failure_in_the_chain_that_ended_the_job_counts():
+    log = HARMLESS_START + ("Traceback (most recent call last):\nModuleNotFoundError: No module named 'verl'\n\n"
+                            "The above exception was the direct cause of the following exception:\n\n"
+                            "Traceback (most recent call last):\nRuntimeError: the entrypoint could not start")
+    assert diagnose(log) == ("config", "ModuleNotFoundError: No module named 'verl'")
+
+
 def test_a_lost_node_wins_over_the_assertion_it_caused():
     log = "AssertionError: batch size mismatch\nray.exceptions.NodeDiedError: Task failed because node 10.0.0.4 died"
     assert diagnose(log).kind == "transient"

@@ -79,23 +79,55 @@ def arith_problem(rng: random.Random) -> tuple[str, int]:
     return text.format(a=a, b=b), solve(a, b)
 
 
+def _arith_problems(split: str, rows: int, seed: int, exclude: set[str] = frozenset()) -> list[tuple[str, int]] | None:
+    """`rows` distinct problems of a split, or None when the generator cannot find that many (it draws a
+    template, then its numbers: the small templates run out first)."""
+    rng = random.Random(f"arith/{seed}/{split}")
+    seen, problems = set(exclude), []
+    for _ in range(rows * 50):
+        question, answer = arith_problem(rng)
+        if question not in seen:
+            seen.add(question)
+            problems.append((question, answer))
+            if len(problems) == rows:
+                return problems
+    return None
+
+
 def arith_table(split: str, rows: int, seed: int, exclude: set[str] = frozenset()) -> pa.Table:
     """`rows` distinct problems, the same for the same seed and split on every machine."""
-    rng = random.Random(f"arith/{seed}/{split}")
-    seen, records = set(exclude), []
-    attempts = 0
-    while len(records) < rows:
-        attempts += 1
-        if attempts > rows * 50:
-            raise DatasetFormatError(f"arith: cannot make {rows} distinct {split} problems; ask for fewer rows")
-        question, answer = arith_problem(rng)
-        if question in seen:
-            continue
-        seen.add(question)
-        records.append(
-            rl_row(ARITH_SOURCE, f"{question} {ARITH_INSTRUCTION}", str(answer), split, len(records), str(answer), question)
-        )
-    return pa.Table.from_pylist(records, schema=RL_SCHEMA)
+    problems = _arith_problems(split, rows, seed, exclude)
+    if problems is None:
+        raise DatasetFormatError(f"arith: cannot make {rows} distinct {split} problems; ask for fewer rows")
+    return pa.Table.from_pylist(
+        [rl_row(ARITH_SOURCE, f"{question} {ARITH_INSTRUCTION}", str(answer), split, index, str(answer), question)
+         for index, (question, answer) in enumerate(problems)],
+        schema=RL_SCHEMA)
+
+
+def arith_rows_problem(train_rows: int, test_rows: int, seed: int) -> str | None:
+    """Why the generator cannot make these splits (a run would fail at its dataset stage), naming the
+    most training rows it can make beside these held-out ones; None when it can."""
+    test = _arith_problems("test", test_rows, seed)
+    if test is None:
+        return (f"data.arith_test_rows={test_rows}: the arith generator cannot make that many distinct problems; "
+                f"set data.arith_test_rows <= {_most(lambda n: _arith_problems('test', n, seed), test_rows)}")
+    held_out = {question for question, _ in test}
+    if _arith_problems("train", train_rows, seed, held_out) is not None:
+        return None
+    most = _most(lambda n: _arith_problems("train", n, seed, held_out), train_rows)
+    return (f"data.arith_train_rows={train_rows}: the arith generator can make {most} distinct training problems "
+            f"beside data.arith_test_rows={test_rows} held-out ones; set data.arith_train_rows <= {most} (or "
+            "train for more epochs: trainer.total_epochs)")
+
+
+def _most(makes, above: int) -> int:
+    """The largest n below `above` for which `makes(n)` is not None (bisection: it is monotone)."""
+    low, high = 0, above
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if makes(middle) is not None else (low, middle)
+    return low
 
 
 def arith_splits(train_rows: int, test_rows: int, seed: int) -> dict[str, pa.Table]:

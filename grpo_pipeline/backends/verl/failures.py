@@ -8,6 +8,11 @@ for memory) is retried by the train stage, resuming from the latest checkpoint. 
 than the cluster, an entrypoint that cannot start, a cluster image without verl) fails the run at
 once, in one line with the job's own message. Anything else is retried like a transient fault: its
 line is shown all the same.
+
+A config error is read from the failure that ended the job (its last traceback, or the log's last lines
+when it printed none), never from any line of the log: a real verl + vLLM start prints harmless import
+failures (vLLM's `Failed to import from vllm._C with ModuleNotFoundError("No module named 'vllm._C'")`)
+long before whatever ends it (seen on the H200: they hid `RuntimeError: Failed to infer device type`).
 """
 
 from __future__ import annotations
@@ -42,13 +47,19 @@ CONFIG = [
     r"use_mbridge must be True",
     r"^AssertionError",
     # The entrypoint cannot start (trainer.entrypoint names a script, module or command the cluster's
-    # image lacks, or the image lacks verl): every attempt would fail the same way.
-    r"\bNo module named\b", r"can't open file", r"^/bin/sh: \d+: .*: not found", r"command not found",
+    # image lacks, or the image lacks a package): every attempt would fail the same way. Raised, not
+    # logged: the exception's own line.
+    r"^(\w+\.)*(ModuleNotFoundError|ImportError)\b.*No module named\b", r"^\S*python[\d.]*: No module named\b",
+    r"can't open file",
+    r"^/bin/sh: \d+: .*: not found", r"command not found",
 ]
 _TRANSIENT = re.compile("|".join(TRANSIENT))
 _CONFIG = re.compile("|".join(CONFIG), re.MULTILINE)
 # The line worth showing: the last exception line, else the last non-empty line.
 _ERROR_LINE = re.compile(r"^(\S+(Error|Exception|Exit)\b.*|.*\b(error|Error)\b.*)$", re.MULTILINE)
+_RAISED = re.compile(r"^(\w+\.)*\w*(Error|Exception|Exit|Interrupt)\b(\([\w.]+\))?(:.*)?$")
+_TRACEBACK = "Traceback (most recent call last):"
+ENDING_LINES = 40  # a log without a traceback: where its failure is told
 _RAY_PREFIX = re.compile(r"^\([^)]*pid=\d+[^)]*\)\s*")
 # Ray colours the "(TaskRunnerV1 pid=N)" prefix of a worker's lines in the job's log (ray/_private/
 # worker.py print_worker_logs: ANSI codes unless RAY_COLOR_PREFIX=0), also when nothing reads a terminal.
@@ -67,14 +78,40 @@ def diagnose(log: str, message: str = "") -> Diagnosis:
     """The cause of a failed job, from its log (the end of it is enough) and Ray's status message.
     A transient cause wins over a config-looking line (a node lost mid-run may be reported by an
     assertion in a worker); the line returned is the one that decided."""
-    text = "\n".join(_RAY_PREFIX.sub("", ANSI_CODE.sub("", line)) for line in f"{log}\n{message}".splitlines())
-    for pattern, kind in ((_TRANSIENT, "transient"), (_CONFIG, "config")):
-        matches = [line for line in text.splitlines() if pattern.search(line)]
-        if matches:
-            return Diagnosis(kind, _most_specific(matches))
-    errors = _ERROR_LINE.findall(text)
-    line = errors[-1][0] if errors else next((line for line in reversed(text.splitlines()) if line.strip()), "")
-    return Diagnosis("unknown", line.strip())
+    lines = [_RAY_PREFIX.sub("", ANSI_CODE.sub("", line)) for line in log.splitlines()]
+    status = [_RAY_PREFIX.sub("", ANSI_CODE.sub("", line)) for line in message.splitlines()]
+    transient = [line for line in lines + status if _TRANSIENT.search(line)]
+    if transient:
+        return Diagnosis("transient", _most_specific(transient))
+    ending = _ending(lines) + status
+    config = [line for line in ending if _CONFIG.search(line)]
+    if config:
+        return Diagnosis("config", _most_specific(config))
+    raised = [line for line in ending if _RAISED.match(line.strip())]
+    if raised:
+        return Diagnosis("unknown", raised[-1].strip()[:500])
+    errors = _ERROR_LINE.findall("\n".join(ending))
+    line = errors[-1][0] if errors else next((line for line in reversed(ending) if line.strip()), "")
+    return Diagnosis("unknown", line.strip()[:500])
+
+
+def _ending(lines: list[str]) -> list[str]:
+    """The part of the log that tells what ended the job: from its last traceback (with Hydra's header
+    and any exceptions chained before it, which Python prints first) to the end; else its last lines."""
+    starts = [index for index, line in enumerate(lines) if line.strip() == _TRACEBACK]
+    if not starts:
+        return lines[-ENDING_LINES:]
+    first = starts[-1]
+    # `raise ... from cause`: the cause's traceback, printed first, is part of the same failure (an
+    # exception raised while handling another is not: the first was being recovered from).
+    while any("The above exception was the direct cause" in line for line in lines[max(0, first - 3):first]):
+        earlier = [index for index in starts if index < first]
+        if not earlier:
+            break
+        first = earlier[-1]
+    if first > 0 and lines[first - 1].startswith(_HYDRA_HEADER):
+        first -= 1
+    return lines[first:]
 
 
 def _most_specific(lines: list[str]) -> str:
