@@ -30,6 +30,17 @@ Test controls, from the job's environment (the profile's `env`):
                         sees of them in <checkpoint folder>/../stand-in-env.json
   STAND_IN_GATE         a file holding the last step it may start: it waits before any later step
                         until the file says more (a test holds a job mid-run on an event, not a time)
+Faults the guards must catch (backends/guards.py), each as verl would show it:
+  STAND_IN_STALE_ROLLOUT_FROM_STEP  from this step on, `rollout_corr/k3_kl` grows as it does when the
+                        rollout engine keeps generating with older weights (a weight sync that failed)
+  STAND_IN_NAN_AT_STEP  this step's loss and gradient norm are NaN (written null, as orjson writes NaN),
+                        after the step's checkpoint was saved (verl saves a step before logging it)
+  STAND_IN_CONSTANT_REWARD  every response scores this: every group constant, every advantage 0
+  STAND_IN_EPOCH_BOUNDARY_BUG  a resume from a step at an epoch boundary trains nothing and exits 0: the
+                        restored dataloader is exhausted (verl #7401: its SFT trainer; the PPO trainer
+                        before #5725)
+  STAND_IN_NO_DATALOADER_STATE  checkpoints without data.pt (a resume then warns, as verl does, and
+                        starts the data over)
 Every start writes its pid and its TaskRunnerV1 actor's to <checkpoint folder>/../stand-in.pids.
 """
 
@@ -185,6 +196,8 @@ def _load_checkpoint(trainer: dict, checkpoints: Path) -> int:
         raise UnboundLocalError("cannot access local variable 'global_step_folder' where it is not associated with a value")
     step = int(str(folder).split("global_step_")[-1])
     log.info(f"Resuming from {folder}, setting global step to {step}")
+    if not (Path(folder) / "data.pt").exists():  # its step 4: the dataloader's state, else only a warning
+        log.warning(f"Warning: No dataloader state found at {Path(folder) / 'data.pt'}, will start from scratch")
     return step
 
 
@@ -237,6 +250,8 @@ def fit(config: dict, checkpoints: Path, step: int, total: int, per_epoch: int) 
             metrics = _validate(config, step)
             pprint(f"Initial validation metrics: {metrics}")
             tracking.log(metrics, step)
+        if os.environ.get("STAND_IN_EPOCH_BOUNDARY_BUG") and step and step % per_epoch == 0:
+            return  # the restored dataloader state is the finished epoch's: no batch, the loop ends, exit 0
         epoch, step, last_validation = step // per_epoch, step + 1, None
         while epoch < trainer["total_epochs"] and step <= total:
             is_last_step = step >= total
@@ -278,18 +293,31 @@ def _validate(config: dict, step: int) -> dict:
 def _step_metrics(step: int, epoch: int, seconds: float, config: dict) -> dict:
     """verl's key names and types (trainer/ppo/metric_utils.py, reduced to np.float64), a reward that rises."""
     reward = np.float64(1.0 - math.exp(-step / 4))
+    constant = os.environ.get("STAND_IN_CONSTANT_REWARD")
+    nan = str(step) == os.environ.get("STAND_IN_NAN_AT_STEP")
+    stale_from = int(os.environ.get("STAND_IN_STALE_ROLLOUT_FROM_STEP", "0"))
+    # rollout_corr_helper.compute_offpolicy_metrics: vLLM's and the trainer's log-probs of the same tokens.
+    k3_kl = np.float64(0.15 * (step - stale_from + 1)) if stale_from and step >= stale_from else np.float64(0.0004)
     metrics = {
-        "actor/pg_loss": np.float64(-0.01 * step), "actor/entropy": np.float64(2.0 - 0.1 * step),
-        "actor/ppo_kl": np.float64(0.001), "actor/grad_norm": np.float64(0.5),
+        "actor/pg_loss": np.float64("nan" if nan else -0.01 * step), "actor/entropy": np.float64(2.0 - 0.1 * step),
+        "actor/ppo_kl": np.float64(0.001), "actor/grad_norm": np.float64("nan" if nan else 0.5),
         "actor/lr": config["actor_rollout_ref"]["actor"]["optim"]["lr"],
         "training/global_step": step, "training/epoch": epoch,
         "critic/score/mean": reward, "critic/score/max": 1.0, "critic/score/min": 0.0,
         "critic/rewards/mean": reward, "critic/advantages/mean": np.float64(0.0),
+        "critic/advantages/max": np.float64(1.2), "critic/advantages/min": np.float64(-1.1),
+        "rollout_corr/k3_kl": k3_kl, "rollout_corr/kl": k3_kl, "rollout_corr/training_log_ppl": np.float64(1.3),
+        "rollout_corr/rollout_log_ppl": np.float64(1.3), "training/rollout_probs_diff_valid": 1,
+        "training/rollout_probs_diff_mean": np.float64(0.002),
         "response_length/mean": 12.0 + step, "response_length/max": 16.0, "response_length/clip_ratio": 0.0,
         "timing_s/gen": seconds / 2, "timing_s/update_actor": seconds / 3, "timing_s/step": seconds,
         "perf/time_per_step": seconds, "perf/throughput": np.float64(100.0),
         "training/num_turns/mean": np.float64(1.0),
     }
+    if constant is not None:
+        metrics.update({key: np.float64(constant) for key in ("critic/score/mean", "critic/score/max", "critic/score/min",
+                                                               "critic/rewards/mean")})
+        metrics.update({f"critic/advantages/{end}": np.float64(0.0) for end in ("mean", "max", "min")})
     if config["actor_rollout_ref"]["actor"]["use_kl_loss"]:
         metrics["actor/kl_loss"] = np.float64(0.002 * step)
     return metrics
@@ -306,7 +334,8 @@ def _save(checkpoints: Path, step: int, config: dict) -> None:
         _save_megatron(actor, contents, config)
     else:
         _save_fsdp(actor, contents, config)
-    (checkpoints / f"global_step_{step}" / "data.pt").write_bytes(b"stand-in dataloader state")
+    if not os.environ.get("STAND_IN_NO_DATALOADER_STATE"):
+        (checkpoints / f"global_step_{step}" / "data.pt").write_bytes(b"stand-in dataloader state")
     (checkpoints / TRACKER).write_text(str(step))
 
 

@@ -25,6 +25,7 @@ from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, BackendCard
 
 if TYPE_CHECKING:
+    from grpo_pipeline.backends.guards import GuardTrip
     from grpo_pipeline.backends.metrics import StepMetrics
     from grpo_pipeline.planner.memory import MemoryPlan
     from grpo_pipeline.profiles.requirements import NodeRequirement
@@ -165,6 +166,12 @@ class Backend(ABC):
     @abstractmethod
     def stop(self, run_dir: Path) -> bool:
         """End what this engine started for the run (workers, a job); True when something was stopped."""
+
+    @abstractmethod
+    def stop_for_guard(self, run_dir: Path, trip: GuardTrip) -> str:
+        """Stop the run a guard tripped (backends/guards.py), keeping its latest good checkpoint: after a
+        non-finite step, nothing saved from that step on is left where a resume or the export would take it.
+        Returns what was kept, in words."""
 
     @abstractmethod
     def policy_dir(self, result: TrainResult) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpo_pipeline.common.files import write_text_atomic
 
@@ -16,6 +16,10 @@ METRICS = "metrics.jsonl"
 
 
 class StepMetrics(BaseModel):
+    # A NaN or an infinity is written as such (JSON's NaN, Infinity): written as null it would read back
+    # as "not measured", or drop the record, and a poisoned step would vanish from the run's records.
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+
     step: int = Field(..., description="Optimizer step, from 1.")
     reward_mean: float
     reward_std: float | None = None
@@ -28,6 +32,12 @@ class StepMetrics(BaseModel):
     generation_s: float | None = Field(
         None, description="Seconds of the step spent generating rollouts (0 on the steps that reuse a round's).")
     learning_rate: float | None = None
+    grad_norm: float | None = Field(None, description="Gradient norm of the update (before clipping).")
+    mismatch: float | None = Field(
+        None, description="Rollout vs trainer log-probs of the same tokens under the same weights: KL per token "
+        "(k3 estimator) on the round's probe sequences (backends/guards.py).")
+    zero_advantage_share: float | None = Field(
+        None, description="Share of the step's groups whose rewards are all equal (their advantage is zero).")
     resumed_from: int | None = Field(None, description="Step the attempt that wrote this record resumed from.")
     time: float = Field(..., description="Unix time the step ended.")
 
@@ -66,13 +76,14 @@ def keep_metrics_up_to(path: Path, step: int) -> None:
 
 
 class MetricsFollower:
-    """New step records since the last call (the file is rewritten on resume)."""
+    """The records appended since the last call, in the order written: a step written twice comes twice,
+    for the guards to see (backends/guards.py). The records there at the start (up to the step the
+    attempt resumed from) are the earlier attempts'."""
 
-    def __init__(self, path: Path, after_step: int | None):
-        self.path, self.last_step = path, after_step if after_step is not None else 0
+    def __init__(self, path: Path):
+        self.path, self.seen = path, len(read_metrics(path))
 
     def new(self) -> list[StepMetrics]:
-        records = [record for record in read_metrics(self.path) if record.step > self.last_step]
-        if records:
-            self.last_step = records[-1].step
+        records = read_metrics(self.path)[self.seen:]
+        self.seen += len(records)
         return records

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator
 
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, BackendName
 from grpo_pipeline.profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
+from grpo_pipeline.profiles.guards import GuardsSection
 from grpo_pipeline.profiles.platform import DeviceKind, Platform
 from grpo_pipeline.profiles.requirements import NodeRequirement
 from grpo_pipeline.profiles.section import (
@@ -317,6 +318,8 @@ class RunProfile(Section):
     planner: PlannerSection = Field(default_factory=PlannerSection, description="The memory planner.")
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     eval: EvalSection = Field(default_factory=EvalSection, description="The evaluation stage.")
+    guards: GuardsSection = Field(default_factory=GuardsSection, description="Checks of every training step that "
+                                  "stop a run failing silently (docs/guards.md).")
     tracking: TrackingSection = Field(
         default_factory=TrackingSection, description="Experiment trackers (MLflow, W&B, TensorBoard) that get the run.")
     proxy_policy: ProxyPolicy = Field(

@@ -3,7 +3,8 @@
     python -m grpo_pipeline --model tiny --device cpu --run-name try1   # ends with the report's path
 
 It puts together what the stages wrote: the base vs trained table (deltas, bootstrap intervals),
-the reward curve over training steps and the evaluation comparison (PNG, matplotlib), the device,
+the reward curve over training steps and the evaluation comparison (PNG, matplotlib), the guards'
+panel (stages/guard_panel.py), the device,
 the environment (redacted), the resolved profile, how long each stage took, and links to every file.
 A failed run gets a report too, saying which stage failed and why.
 """
@@ -21,6 +22,7 @@ from grpo_pipeline.backends.metrics import METRICS, read_metrics
 from grpo_pipeline.common.files import write_text_atomic
 from grpo_pipeline.common.preflight import PREFLIGHT_FILE, Preflight
 from grpo_pipeline.planner.memory import MemoryPlan, memory_table
+from grpo_pipeline.stages import guard_panel
 
 REPORT = "report.md"
 REWARD_CURVE = "reward_curve.png"
@@ -171,6 +173,7 @@ def write_report(run_dir: Path, **parts: Any) -> Path:
     plot_eval(models, run_dir / EVAL_PLOT)
     if parts.get("train"):
         plot_reward_curve(Path(parts["train"]["metrics_file"]), run_dir / REWARD_CURVE)
+    guard_panel.draw(run_dir, read_metrics(run_dir / METRICS), parts.get("profile"))
     return write_text_atomic(run_dir / REPORT, render(run_dir, _Files(run_dir), **parts))
 
 
@@ -230,6 +233,7 @@ def render(
             parts += [f"Rollouts: {train['rollouts']}.", ""]
         if (run_dir / REWARD_CURVE).is_file():
             parts += [media.image(REWARD_CURVE, "reward curve"), "", f"Step by step: {media.file(train['metrics_file'])}", ""]
+    parts += guard_panel.section(run_dir, media.image, profile)
     if profile and (memory := _memory_plan(profile, device or {})):
         parts += ["## Memory plan", "", "Estimated device memory per role of the layout (planner/):", ""]
         parts += memory_table(memory.summary()) + [""]

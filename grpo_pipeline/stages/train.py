@@ -4,7 +4,9 @@
 
 The stage hands the backend (backends/: `local` trains in this process on Ray Train; `verl` runs
 verl on a Ray cluster) what the data and model stages produced and follows it through
-`TrainingProgress`; `runs/<run>/train.json` records the result.
+`TrainingProgress`; `runs/<run>/train.json` records the result. Every step passes the run's guards
+(backends/guards.py) on its way: a guard that trips stops the engine (`Backend.stop_for_guard`), and
+`runs/<run>/guards.json` says which, where and what was kept.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from pathlib import Path
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingProgress, TrainingRun, TrainResult
+from grpo_pipeline.backends.guards import GUARDS_FILE, GuardTripped, StepGuards
+from grpo_pipeline.backends.metrics import METRICS, StepMetrics, read_metrics
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import RunProfile
@@ -59,6 +63,41 @@ def train(
         run_dir=str(run_dir), run_name=run_dir.name, devices_here=device.count, ray_address=ray_address,
         runtime_env=env.ray_runtime_env(), generation=generation,
     )
-    result = backend_for(profile.backend).train(profile, run, progress)
+    backend = backend_for(profile.backend)
+    try:
+        result = backend.train(profile, run, GuardedProgress(progress, StepGuards(profile.guards), run_dir / METRICS))
+    except GuardTripped as tripped:
+        tripped.trip.kept = backend.stop_for_guard(run_dir, tripped.trip)
+        write_json_atomic(run_dir / GUARDS_FILE, tripped.trip.model_dump(mode="json"))
+        raise
     write_json_atomic(run_dir / "train.json", result.model_dump(mode="json"))
     return result
+
+
+class GuardedProgress:
+    """The stage's `TrainingProgress` with the guards in front: each step is shown, then checked."""
+
+    def __init__(self, progress: TrainingProgress, guards: StepGuards, metrics_file: Path):
+        self.progress, self.guards, self.metrics_file = progress, guards, metrics_file
+
+    def started(self, max_steps: int, resumed_from: int | None) -> None:
+        # What the run's records hold now is what earlier attempts passed on: the steps before this one's.
+        self.guards.records, self.guards.resumed_from = read_metrics(self.metrics_file), resumed_from
+        self.progress.started(max_steps, resumed_from)
+
+    def step(self, metrics: StepMetrics) -> None:
+        self.progress.step(metrics)
+        if trip := self.guards.check(metrics):
+            raise GuardTripped(trip)
+
+    def note(self, message: str) -> None:
+        self.progress.note(message)
+
+    def warn(self, message: str) -> None:
+        self.progress.warn(message)
+
+    def output(self, line: str) -> None:
+        self.progress.output(line)
+
+    def nodes(self, title: str, table: list[str]) -> None:
+        self.progress.nodes(title, table)

@@ -4,7 +4,8 @@ stages, progress artifacts, and what the run's log lines may carry.
     python -m grpo_pipeline --model tiny --device cpu    # a second run: both stages "skipped"
 
 The table `STAGE_SETTINGS` is the one place a stage's retries and limits are set (docs/running.md: the
-stage table). A config error (`UserError`) is never retried, whatever the row says.
+stage table). A config error (`UserError`) is never retried, whatever the row says, nor is a run a
+guard stopped (`GuardTripped`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prefect.exceptions import FailedRun
 from prefect.tasks import exponential_backoff
 
 from grpo_pipeline.backends.base import TrainingInterrupted
+from grpo_pipeline.backends.guards import GuardTripped
 from grpo_pipeline.backends.metrics import StepMetrics, read_metrics
 from grpo_pipeline.common.file_faults import file_fault
 from grpo_pipeline.common.progress import reporting_to
@@ -70,7 +72,7 @@ class RunLogFilter(logging.Filter):
     that says what to fix), and no secret value of this process reaches a line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], (UserError, TrainingInterrupted)):
+        if record.exc_info and isinstance(record.exc_info[1], (UserError, TrainingInterrupted, GuardTripped)):
             record.exc_info, record.exc_text = None, None
         if record.exc_info and isinstance(record.exc_info[1], FailedRun) and record.getMessage() == _ENGINE_EXIT:
             # The flow ended its own run Failed with the one line that says what to fix (flows/form.py); the
@@ -118,10 +120,11 @@ def filter_run_logs() -> None:
 
 
 def retry_unless_user_error(task, task_run, state) -> bool:
-    """Prefect `retry_condition_fn`: a bad profile or device fails at once, faults may retry."""
+    """Prefect `retry_condition_fn`: a bad profile or device fails at once, and so does a run a guard
+    stopped (backends/guards.py: the same data and weights would trip it again); faults may retry."""
     try:
         state.result()
-    except UserError:
+    except (UserError, GuardTripped):
         return False
     except Exception:
         return True
@@ -214,11 +217,13 @@ def errors_scrubbed(fn):
         except Exception as exc:
             # A stage that writes in the run's folder: a full disk there is why, whatever the error says.
             folder = signature.bind_partial(*args, **kwargs).arguments.get("run_dir")
-            if not isinstance(exc, UserError) and (fault := file_fault(exc, folder and Path(folder))):
+            if not isinstance(exc, (UserError, GuardTripped)) and (fault := file_fault(exc, folder and Path(folder))):
                 raise type(fault)(scrub(str(fault))) from None  # no retry helps
             text = str(exc)
             if (clean := scrub(text)) == text:
                 raise
+            if isinstance(exc, GuardTripped):  # still one: never retried
+                raise GuardTripped(exc.trip.model_copy(update={"line": scrub(exc.trip.line)})) from None
             kind = UserError if isinstance(exc, UserError) else RuntimeError
             raise kind(f"{type(exc).__name__}: {clean}") from None
 

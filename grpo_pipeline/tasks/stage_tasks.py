@@ -17,6 +17,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainResult
+from grpo_pipeline.backends.guards import GuardTripped
 from grpo_pipeline.backends.metrics import METRICS, StepMetrics
 from grpo_pipeline.common.files import write_json_atomic, write_text_atomic
 from grpo_pipeline.common.progress import Bar
@@ -25,7 +26,7 @@ from grpo_pipeline.stages.plan import check_plan, check_run_dir, profile_for
 from grpo_pipeline.stages.request import RunRequest
 from grpo_pipeline.tasks.run_record import RunRecord, write_run_report
 from grpo_pipeline.tasks.policy import CACHED_ACROSS_RUNS, StepTable, progress_artifact, stage_task
-from grpo_pipeline.tasks.tracking import StepTracking, finish_tracker_run, report_files
+from grpo_pipeline.tasks.tracking import StepTracking, finish_tracker_run, report_files, tell_trackers
 from grpo_pipeline.generation.engines import engine_label
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import ModelArchitecture, RunProfile
@@ -167,11 +168,17 @@ def train_task(
 ) -> TrainResult:
     logs_itself = backend_for(profile.backend).logs_to_trackers
     progress = StepLog(run_dir, StepTracking(profile, run_dir, logs_itself, get_run_logger().warning))
+    stopped_by = None
     try:
         with progress_artifact("train", f"GRPO {profile.model.name} ({profile.world_size} workers)"):
             return train(profile, device, env, data, model, run_dir, ray_address, progress, generation)
+    except GuardTripped as tripped:
+        stopped_by = tripped.trip
+        raise
     finally:
         progress.close()
+        if stopped_by is not None:  # after the steps' session: the trackers hear of it at its step
+            tell_trackers(profile, run_dir, stopped_by, get_run_logger().warning)
 
 
 @stage_task("export_checkpoint")

@@ -6,8 +6,9 @@ Once the run is planned: the tracker run is opened (or found again, for a retrie
 the resolved profile (secrets redacted, as in profile.yaml) and the environment as parameters, and tags
 naming the Prefect flow run (its id; its URL when a Prefect server is used), the model, the device and
 the backend. During training: each step's metrics, for a backend whose job does not log them itself
-(`Backend.logs_to_trackers`). At the end: the base and trained evaluation with its intervals, and the
-report, its plots and the run's records as files. The report links the tracker runs.
+(`Backend.logs_to_trackers`), the guards' numbers among them; a guard that stops the run, at its step.
+At the end: the base and trained evaluation with its intervals, and the report, its plots and the
+run's records as files. The report links the tracker runs.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from __future__ import annotations
 from pathlib import Path
 from uuid import UUID
 
+from grpo_pipeline.backends.guards import GuardTrip
 from grpo_pipeline.backends.metrics import METRICS, StepMetrics
 from grpo_pipeline.common.tracking import TrackingState, start_tracking, tracking_session
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.stages.device import DeviceInfo
+from grpo_pipeline.stages.guard_panel import GUARDS_PLOT
 from grpo_pipeline.stages.report import EVAL_PLOT, REPORT, REWARD_CURVE
 
 # What the steps of every backend's `StepMetrics` are called in a tracker.
 _STEP_FIELDS = ("reward_mean", "reward_std", "kl", "loss", "entropy", "response_length", "tokens_per_s",
-                "step_time_s", "generation_s", "learning_rate")
+                "step_time_s", "generation_s", "learning_rate", "grad_norm", "mismatch", "zero_advantage_share")
 _EVAL_FIELDS = ("mean_reward", "accuracy", "format_rate", "pass_at_k", "response_length_mean", "truncation_rate")
 
 
@@ -109,6 +112,19 @@ class StepTracking:
             self._context = self.session = None
 
 
+def tell_trackers(profile: RunProfile, run_dir: Path, trip: GuardTrip, warn) -> None:
+    """A guard stopped the run: its tracker runs get `guard/<guard>` and `guard/stopped_at_step` at the step it
+    stopped at (the failure's report, with the guard's line, follows as the run's file when it is closed)."""
+    try:
+        with tracking_session(profile.tracking, run_dir, Path(run_dir).name) as session:
+            if session is not None:
+                step = trip.step or session.state.last_step
+                for tracker in session.trackers:
+                    tracker.log_metrics({f"guard/{trip.guard}": 1.0, "guard/stopped_at_step": float(step)}, step)
+    except Exception as exc:  # each tool raises its own types; the report still says it
+        warn(f"tracking: the guard that stopped the run did not reach the tracker runs ({scrub(str(exc))[:200]})")
+
+
 def finish_tracker_run(profile: RunProfile, run_dir: Path, result: dict, files: list[Path], finished: bool) -> bool:
     """The evaluation (at the training step it evaluated) and the report's files, then the run's end."""
     with tracking_session(profile.tracking, run_dir, Path(run_dir).name) as session:
@@ -133,7 +149,8 @@ def finish_tracker_run(profile: RunProfile, run_dir: Path, result: dict, files: 
 def report_files(run_dir: Path) -> list[Path]:
     """What the tracker run keeps as files: the report and its plots, and the run's own records."""
     run_dir = Path(run_dir)
-    return [run_dir / name for name in (REPORT, REWARD_CURVE, EVAL_PLOT, METRICS, "profile.yaml", "eval/eval.json")]
+    return [run_dir / name for name in (REPORT, REWARD_CURVE, EVAL_PLOT, GUARDS_PLOT, METRICS, "profile.yaml",
+                                        "eval/eval.json")]
 
 
 def tracking_lines(state: TrackingState | None) -> dict[str, str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpo_pipeline.backends.base import Backend, TrainingInputs, TrainingProgress, TrainingRun, TrainResult
-from grpo_pipeline.backends.local.checkpoints import latest_step
+from grpo_pipeline.backends.guards import GuardTrip
+from grpo_pipeline.backends.local.checkpoints import CHECKPOINTS, latest_step
 from grpo_pipeline.backends.local.mapping import mapping_problems
 from grpo_pipeline.backends.local.rollout_memory import rollout_memory_problems
 from grpo_pipeline.backends.local.settings import check_prompt_lengths, check_workers_fit, plan_local_training
@@ -61,8 +62,8 @@ class LocalBackend(Backend):
             progress.warn(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
         rollouts = run.generation.describe()
         progress.note(f"rollouts: {rollouts}")
-        progress.started(settings.max_steps, latest_step(settings.checkpoints))
-        result = train_local(settings, run.runtime_env, run.ray_address, progress.step, run_name=run.run_name)
+        result = train_local(settings, run.runtime_env, run.ray_address, progress.step, run_name=run.run_name,
+                             on_start=progress.started)
         result = result.model_copy(update={"rollouts": rollouts})
         if result.already_complete:
             progress.note(f"the run was already complete at step {result.steps_done}: nothing trained")
@@ -72,6 +73,13 @@ class LocalBackend(Backend):
         from grpo_pipeline.common.ray_cluster import stop_ray_job
 
         return stop_ray_job()  # the workers are this process's Ray job
+
+    def stop_for_guard(self, run_dir: Path, trip: GuardTrip) -> str:
+        # The workers check a step for non-finite values before its checkpoint is written: nothing after
+        # the latest is poisoned.
+        self.stop(run_dir)
+        step = latest_step(Path(run_dir) / CHECKPOINTS)
+        return f"checkpoint global_step_{step}, the latest" if step is not None else "no checkpoint (none was saved)"
 
     def policy_dir(self, result: TrainResult) -> Path:
         return Path(result.checkpoint_dir)  # global_step_N holds the HF policy itself

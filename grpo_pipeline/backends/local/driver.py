@@ -6,6 +6,8 @@ checkpoints, and tells a hang or a lost worker from a finished run.
 Runs in the flow's process. A step that takes longer than trainer.step_timeout_s is taken for a hang
 (a collective that never returns raises nothing): the run's Ray job is ended, which frees the
 workers' devices, and `TrainingInterrupted` lets the task's retry resume from the latest checkpoint.
+A resume needs its checkpoint's trainer state (where the data stopped), and workers that end without an
+error before the last step ended the run short: both are guards (backends/guards.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from grpo_pipeline.backends.base import TrainingInterrupted, TrainResult
-from grpo_pipeline.backends.local.checkpoints import latest_step
+from grpo_pipeline.backends.guards import GuardTripped, check_data_position, check_short_run
+from grpo_pipeline.backends.local.checkpoints import latest_step, missing_data_position
 from grpo_pipeline.backends.local.settings import LocalTrainSettings
-from grpo_pipeline.backends.metrics import MetricsFollower, StepMetrics
+from grpo_pipeline.backends.metrics import MetricsFollower, StepMetrics, keep_metrics_up_to
 from grpo_pipeline.common.file_faults import file_fault
 from grpo_pipeline.common.ray_cluster import connect_ray, stop_ray_job
 from grpo_pipeline.common.errors import UserError
@@ -34,8 +37,10 @@ def train_local(
     ray_address: str | None,
     on_step: Callable[[StepMetrics], None] = lambda record: None,
     run_name: str = "grpo",
+    on_start: Callable[[int, int | None], None] = lambda max_steps, resumed_from: None,
 ) -> TrainResult:
-    """Train to `settings.max_steps`, resuming from the latest checkpoint; `on_step` sees each
+    """Train to `settings.max_steps`, resuming from the latest checkpoint; `on_start` hears the planned
+    steps and the step resumed from once the run's records are cut back to it, `on_step` sees each
     step's metrics as the workers write them."""
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -43,9 +48,13 @@ def train_local(
     from grpo_pipeline.backends.local.worker import worker_loop
 
     resumed = latest_step(settings.checkpoints)
-    result = partial_result(settings, resumed)
-    if resumed is not None and resumed >= settings.max_steps:
-        return result.model_copy(update={"already_complete": True, "resumed_from": None})
+    complete = resumed is not None and resumed >= settings.max_steps
+    if resumed is not None and not complete:
+        check_data_position(settings.guards, resumed, missing_data_position(settings.checkpoints, resumed))
+    keep_metrics_up_to(settings.metrics_file, resumed or 0)  # the steps after it are trained again
+    on_start(settings.max_steps, resumed)
+    if complete:
+        return partial_result(settings, resumed).model_copy(update={"already_complete": True})
     settings.checkpoints.mkdir(parents=True, exist_ok=True)
     connect_ray(ray_address, runtime_env)
     # On cpu Ray sets each worker's OMP_NUM_THREADS (its torch threads) to the CPUs it was given.
@@ -70,7 +79,7 @@ def train_local(
         except BaseException as exc:  # re-raised below, in the caller's thread
             outcome["error"] = exc
 
-    follower = MetricsFollower(settings.metrics_file, resumed)
+    follower = MetricsFollower(settings.metrics_file)
     runner = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
     runner.start()
     last_step_at = time.monotonic()
@@ -93,6 +102,7 @@ def train_local(
         raise _as_project_error(outcome["error"], Path(settings.run_dir)) from outcome["error"]
     done = latest_step(settings.checkpoints)
     if done is None or done < settings.max_steps:
+        check_short_run(settings.guards, done or 0, settings.max_steps, "TRL's trainer")
         raise TrainingInterrupted(f"the workers stopped at step {done or 0} of {settings.max_steps}")
     return partial_result(settings, done).model_copy(update={"resumed_from": resumed})
 
@@ -108,13 +118,13 @@ def partial_result(settings: LocalTrainSettings, step: int | None) -> TrainResul
 
 
 def _as_project_error(error: BaseException, run_dir: Path) -> Exception:
-    """A worker's UserError stays one (never retried), and so does an OSError no retry can fix (a
-    full disk, a file where the run keeps a folder: common/file_faults.py); anything else
-    interrupted training, said by the first worker's own error (Ray's first line names none)."""
+    """A worker's UserError stays one (never retried), a guard that stopped it stays one, and so does an
+    OSError no retry can fix (a full disk, a file where the run keeps a folder: common/file_faults.py);
+    anything else interrupted training, said by the first worker's own error (Ray's first line names none)."""
     failures = list(getattr(error, "worker_failures", {}).values()) or [error]
     for failure in failures:
         cause = getattr(failure, "cause", failure)
-        if isinstance(cause, UserError):
+        if isinstance(cause, (UserError, GuardTripped)):
             return cause
         if fault := file_fault(failure, run_dir):
             return fault

@@ -75,6 +75,8 @@ class NativeRolloutTrainer(GRPOTrainer):
             print(f"rollouts: transformers generate from now on, not native decoding: {error}", flush=True)
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         # The trainer recomputes the old policy's log-probs with its own forward, as it does after
-        # transformers' generate; returning None keeps that path exactly TRL's.
+        # transformers' generate; returning None keeps that path exactly TRL's. The sampled log-probs are
+        # the mismatch probe's (backends/local/probe.py).
+        self.last_rollout_logprobs = out.logprobs
         return out.completions, None
 

@@ -5,7 +5,8 @@
 Imported by the driver only when it starts training, and by the workers: transformers, TRL and
 torch load here, never when the flow is imported. A worker never calls Prefect: rank 0 appends a
 `StepMetrics` record per optimizer step to metrics.jsonl and publishes checkpoints; the driver
-follows both.
+follows both. Every rank checks its step for non-finite values before the step's checkpoint is written
+(the values are the same on all ranks: gathered or all-reduced), so a poisoned step is never saved.
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from grpo_pipeline.backends.guards import GuardTripped, StepGuards
 from grpo_pipeline.backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
+from grpo_pipeline.backends.local.data_order import ResumableDataOrder
+from grpo_pipeline.backends.local.probe import MISMATCH, RolloutProbe
 from grpo_pipeline.backends.local.settings import PHASES_FILE, LocalTrainSettings, prompt_length
-from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, keep_metrics_up_to
+from grpo_pipeline.backends.metrics import StepMetrics, append_metrics
 from grpo_pipeline.generation.compiled import compiled_decoding
 
 
@@ -40,9 +44,7 @@ def worker_loop(config: dict[str, Any]) -> None:
         # Ray gives each worker its share of the cores; more threads than that only contend.
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     set_seed(settings.seed)
-    resume = latest_step(settings.checkpoints)
-    if rank == 0:
-        keep_metrics_up_to(settings.metrics_file, resume or 0)
+    resume = latest_step(settings.checkpoints)  # the driver has cut metrics.jsonl back to it
 
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)
     plan = settings.generation  # decided at planning (generation/plan.py); the engine is in settings.grpo
@@ -62,19 +64,24 @@ def worker_loop(config: dict[str, Any]) -> None:
         bf16=settings.dtype == "bfloat16",
         dataloader_num_workers=0,
         disable_tqdm=True,
+        # transformers replaces a NaN or infinite loss in its log by the mean of the logged ones: the log
+        # (and the non_finite guard) would never see it.
+        logging_nan_inf_filter=False,
         **settings.grpo,
     )
-    trainer_class, native_options = GRPOTrainer, {}
+    trainer_class, options = GRPOTrainer, {"probe_sequences": settings.guards.probe_sequences}
     if plan.native:
         from grpo_pipeline.backends.local.rollouts import NativeRolloutTrainer
 
         trainer_class = NativeRolloutTrainer
-        native_options = dict(plan=plan, max_prompt_tokens=settings.max_prompt_length, timer=timer,
-                              compile_cache_dir=settings.compile_cache_dir)
+        options |= dict(plan=plan, max_prompt_tokens=settings.max_prompt_length, timer=timer,
+                        compile_cache_dir=settings.compile_cache_dir)
     if settings.padding_free:
         from grpo_pipeline.backends.local.packing import PackedLogProbs
 
         trainer_class = type(f"Packed{trainer_class.__name__}", (PackedLogProbs, trainer_class), {})
+    # Every run probes its rollouts' log-probs (the mismatch guard's numbers) and orders its data by epoch.
+    trainer_class = type(f"Guarded{trainer_class.__name__}", (RolloutProbe, ResumableDataOrder, trainer_class), {})
     trainer = trainer_class(
         model=model,
         reward_funcs=_reward_function(settings.reward_function),
@@ -82,7 +89,7 @@ def worker_loop(config: dict[str, Any]) -> None:
         train_dataset=train,
         processing_class=tokenizer,
         callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
-        **native_options,
+        **options,
     )
     if settings.phase_timing and rank == 0:
         from grpo_pipeline.backends.local.phases import StepPhases
@@ -150,11 +157,12 @@ def _reward_function(custom: str | None) -> Callable:
 
 
 # What TRL logs once per generation round (a round serves generation.steps_per_generation steps).
-ROUND_KEYS = ("reward", "reward_std", "completions/mean_length")
+ROUND_KEYS = ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", MISMATCH)
 
 
 class _MetricsWriter(TrainerCallback):
-    """Rank 0 appends one JSON line per optimizer step; the driver follows the file."""
+    """Rank 0 appends one JSON line per optimizer step; the driver follows the file. Every rank stops on
+    a non-finite step here, before the step's checkpoint (transformers logs a step, then saves it)."""
 
     def __init__(self, settings: LocalTrainSettings, rank: int, resumed_from: int | None, timer: GenerationTimer):
         self.settings, self.rank, self.resumed_from, self.timer = settings, rank, resumed_from, timer
@@ -167,7 +175,7 @@ class _MetricsWriter(TrainerCallback):
         self.step_started = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.rank != 0 or not logs or ("loss" not in logs and "reward" not in logs):
+        if not logs or ("loss" not in logs and "reward" not in logs):
             return  # the end-of-training summary
         # TRL logs the rewards of a generation round on its first step only; the round's other steps
         # (generation.steps_per_generation > 1) train on the same responses: their record says so.
@@ -178,7 +186,7 @@ class _MetricsWriter(TrainerCallback):
         logs = {**self.round, **logs}
         step_time = time.perf_counter() - self.step_started
         length = logs.get("completions/mean_length", 0.0)
-        append_metrics(self.settings.metrics_file, StepMetrics(
+        record = StepMetrics(
             step=state.global_step,
             reward_mean=logs["reward"],
             reward_std=logs.get("reward_std"),
@@ -190,9 +198,16 @@ class _MetricsWriter(TrainerCallback):
             step_time_s=step_time,
             generation_s=self.timer.take(),
             learning_rate=logs.get("learning_rate"),
+            grad_norm=logs.get("grad_norm"),
+            mismatch=logs.get(MISMATCH),
+            zero_advantage_share=logs.get("frac_reward_zero_std"),
             resumed_from=self.resumed_from,
             time=time.time(),
-        ))
+        )
+        if self.rank == 0:
+            append_metrics(self.settings.metrics_file, record)
+        if trip := StepGuards(self.settings.guards).non_finite(record):
+            raise GuardTripped(trip)
 
 
 class _CheckpointPublisher(TrainerCallback):

@@ -38,11 +38,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from grpo_pipeline.backends.base import Backend, TrainingInputs, TrainingInterrupted, TrainingProgress, TrainingRun, TrainResult
+from grpo_pipeline.backends.guards import GuardTrip, check_data_position, check_short_run
 from grpo_pipeline.backends.metrics import METRICS, append_metrics, keep_metrics_up_to, read_metrics
 from grpo_pipeline.backends.verl.checkpoint import verl_hf_dir
 from grpo_pipeline.backends.verl.command import entrypoint_problems, verl_command
 from grpo_pipeline.backends.verl.failures import diagnose
-from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
+from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, total_steps, tracker_step
+from grpo_pipeline.backends.verl.resume import keep_good_checkpoint, missing_dataloader_state
 from grpo_pipeline.backends.verl.job import JOB_DIR, LOST, TERMINAL, JobRecord, job_spec, new_token, read_record, write_record
 from grpo_pipeline.backends.verl.job_api import job_client, job_status, stop_job, submit
 from grpo_pipeline.backends.verl.requirements import verl_requirements
@@ -187,6 +189,8 @@ class VerlBackend(Backend):
                      progress: TrainingProgress) -> JobRecord:
         """Check the cluster is ready for the run, then submit the next attempt (recorded first), which
         resumes from the latest checkpoint: the steps after it are trained again."""
+        if done is not None:
+            check_data_position(profile.guards, done, missing_dataloader_state(Path(run.inputs.checkpoint_dir), done))
         connect_ray(run.ray_address, run.runtime_env)
         resource = profile.platform.ray_resource
         wait_for_nodes(resource, profile.cluster.nnodes, profile.cluster.devices_per_node,
@@ -227,13 +231,14 @@ class VerlBackend(Backend):
         job_log = JobLog(client, sid)
         tail: deque[str] = deque(maxlen=LOG_LINES_KEPT)
         timeout_s, running_since, last_step_at = profile.trainer.step_timeout_s, None, time.monotonic()
-        answered_at = time.monotonic()
+        answered_at, verl_total = time.monotonic(), None
 
         def pass_on(lines: list[str]) -> None:
-            nonlocal last_step_at
+            nonlocal last_step_at, verl_total
             for line in lines:
                 tail.append(line)
                 progress.output(line)
+                verl_total = total_steps(line) or verl_total
             for step in metrics.new():
                 append_metrics(run_dir / METRICS, step)
                 progress.step(step)
@@ -270,7 +275,7 @@ class VerlBackend(Backend):
             job_log.close()
         final = tracker_step(checkpoints)
         if status == "SUCCEEDED":
-            return self._succeeded(run_dir, checkpoints, record, final, max_steps, progress)
+            return self._succeeded(profile, run_dir, checkpoints, record, final, max_steps, verl_total, progress)
         _save_status(run_dir, record, status)
         if status == "STOPPED":
             raise JobStopped(f"Ray job {sid} was stopped outside this run (ray job stop, the dashboard); run the flow "
@@ -296,12 +301,14 @@ class VerlBackend(Backend):
             f"latest checkpoint step {checkpoint}; once the cluster is back, run the flow again with --run-name "
             f"{run.run_name} to resume from step {checkpoint}")
 
-    def _succeeded(self, run_dir: Path, checkpoints: Path, record: JobRecord, final: int | None, max_steps: int,
-                   progress: TrainingProgress) -> TrainResult:
+    def _succeeded(self, profile: RunProfile, run_dir: Path, checkpoints: Path, record: JobRecord, final: int | None,
+                   max_steps: int, verl_total: int | None, progress: TrainingProgress) -> TrainResult:
+        _save_status(run_dir, record, "SUCCEEDED")  # finished once its final step is known and complete
         if final is None:
-            _save_status(run_dir, record, "SUCCEEDED")
             raise UserError(f"verl job {record.submission_id} succeeded but left no checkpoint in {checkpoints} "
                             "(its tracker file latest_checkpointed_iteration.txt is missing); set trainer.save_freq > 0")
+        if verl_total:  # verl's own step count (its log's); fewer than max_steps after filtering prompts
+            check_short_run(profile.guards, final, verl_total, f"verl job {record.submission_id}")
         write_record(run_dir, record.model_copy(update={"status": "SUCCEEDED", "final_step": final}))
         resumed = record.resumed_from
         if resumed is not None and final <= resumed:
@@ -328,6 +335,10 @@ class VerlBackend(Backend):
             return False
         _save_status(Path(run_dir), record, status or "STOPPED")  # it may have ended on its own meanwhile
         return stopped
+
+    def stop_for_guard(self, run_dir: Path, trip: GuardTrip) -> str:
+        self.stop(run_dir)  # through Ray's job API
+        return keep_good_checkpoint(Path(run_dir) / "checkpoints", trip)  # the train stage's checkpoint_dir
 
     def policy_dir(self, result: TrainResult) -> Path:
         # The base model names a dist checkpoint's tensors where verl saved no HF config (its job record has it).

@@ -13,12 +13,19 @@
 - The run's own records (metrics.jsonl) are what the flow has passed on. A flow that was killed and
   runs again first adds what verl's files hold past them (`steps_missing_from`): the steps its jobs
   trained while no flow followed them, each once, from the attempt that trained it last.
+- What the guards read (backends/guards.py) is verl's own: `rollout_corr/k3_kl`, the rollout vs
+  trainer KL per token that verl 0.9.1 computes on every step whose rollout kept its log-probs
+  (`rollout.calculate_log_probs`, on by default; trainer/ppo/rollout_corr_helper.py
+  compute_offpolicy_metrics), `actor/grad_norm`, and the advantages' max and min (all zero: every group's
+  rewards were constant). A training step's value that is null was NaN or infinite (orjson writes them so).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 import threading
 import time
 from collections import deque
@@ -31,9 +38,21 @@ TRACKER = "latest_checkpointed_iteration.txt"
 REWARD = "critic/score/mean"
 # Only a training step's record has it (v1 trainer_base._compute_metrics); a validation record (before
 # the first step, or at test_freq merged into a step's) never does. The reward can be null: orjson
-# writes NaN as null, and verl logs NaN scores when every sample of a step was aborted.
+# writes NaN as null, and verl logs NaN scores when every sample of a step was aborted (such a step is
+# passed on with a NaN reward, which the non_finite guard stops).
 TRAINING_STEP = "training/global_step"
 RECONNECT_S = 2.0
+# verl's own count of its steps, logged once by every attempt at its start (v1 trainer_base: after
+# filtering overlong prompts, so it may be fewer than whole batches of the file).
+TOTAL_STEPS = re.compile(r"Total training steps: (\d+)\s*$")
+# The rollout vs trainer KL per token, and the trainer's log-perplexity of the same tokens (a NaN log-prob).
+MISMATCH, TRAINER_LOG_PPL = "rollout_corr/k3_kl", "rollout_corr/training_log_ppl"
+
+
+def total_steps(line: str) -> int | None:
+    """verl's step count, from its `Total training steps: N` line (None for any other line)."""
+    found = TOTAL_STEPS.search(line)
+    return int(found.group(1)) if found else None
 
 
 def tracker_step(checkpoint_dir: Path) -> int | None:
@@ -114,11 +133,14 @@ def _as_shown(line: str) -> str:
 
 class VerlMetrics:
     """verl's file-logger JSONL of one attempt, read as it grows, as the run's step records after
-    `after_step`, each marked with the step the attempt resumed from."""
+    `after_step` (the ones the run has already), each marked with the step the attempt resumed from.
+    Past them, every training record comes in the file's order, a step logged twice included: the
+    guards judge the order (backends/guards.py)."""
 
     def __init__(self, path: Path, after_step: int | None, responses_per_step: int, resumed_from: int | None):
         self.path, self.offset = Path(path), 0
         self.last_step = after_step or 0
+        self.passing = False  # once a step past after_step came, every later one is passed on
         self.resumed_from = resumed_from
         self.responses_per_step = responses_per_step
 
@@ -134,8 +156,8 @@ class VerlMetrics:
         records = []
         for line in data[:end].splitlines():
             record = self._step_metrics(line)
-            if record is not None and record.step > self.last_step:
-                self.last_step = record.step
+            if record is not None and (self.passing or record.step > self.last_step):
+                self.passing, self.last_step = True, record.step
                 records.append(record)
         return records
 
@@ -187,10 +209,41 @@ def _number(data: dict, *keys: str) -> float | None:
     return None
 
 
+def _measured(data: dict, key: str) -> float | None:
+    """A value the guards read: its number, NaN where the record holds null (orjson writes a NaN or an
+    infinity so: verl logged it as a number), None where the record has no such key."""
+    return math.nan if key in data and data[key] is None else _number(data, key)
+
+
+def _mismatch(data: dict) -> float | None:
+    """verl's rollout vs trainer KL per token; NaN where the trainer's log-probs were (their perplexity null)."""
+    mismatch, trainer_log_ppl = _measured(data, MISMATCH), _measured(data, TRAINER_LOG_PPL)
+    if mismatch is not None and trainer_log_ppl is not None and math.isnan(trainer_log_ppl):
+        return math.nan
+    return mismatch
+
+
+# |advantage| below this is zero: a constant group's (r - mean) / (std + eps), with float rounding.
+ZERO_ADVANTAGE = 1e-6
+
+
+def _zero_advantage_share(data: dict) -> float | None:
+    """1.0 when every advantage of the step is zero (every group's rewards constant), from the scores' and
+    the advantages' min and max that verl logs; None otherwise: verl logs no count of constant groups."""
+    scores = [_number(data, f"critic/score/{end}") for end in ("min", "max")]
+    advantages = [_number(data, f"critic/advantages/{end}") for end in ("min", "max")]
+    if None not in scores and scores[0] == scores[1]:
+        return 1.0
+    if None not in advantages and max(abs(value) for value in advantages) < ZERO_ADVANTAGE:
+        return 1.0
+    return None
+
+
 def from_verl(step: int, data: dict, responses_per_step: int, resumed_from: int | None) -> StepMetrics | None:
     """One verl step's metrics as a `StepMetrics`; None for a record without a training reward (the
-    validation verl logs before the first step of an attempt)."""
-    reward = _number(data, REWARD)
+    validation verl logs before the first step of an attempt). A step whose reward is null (every
+    sample aborted, or a NaN score) is a step with a NaN reward, for the guards to judge."""
+    reward = _measured(data, REWARD)
     if reward is None:
         return None
     step_time = _number(data, "timing_s/step", "perf/time_per_step") or 0.0
@@ -200,14 +253,17 @@ def from_verl(step: int, data: dict, responses_per_step: int, resumed_from: int 
         reward_mean=reward,
         # KL to the reference: the KL loss, or the in-reward penalty (verl logs neither without KL).
         kl=_number(data, "actor/kl_loss", "actor/reward_kl_penalty"),
-        loss=_number(data, "actor/pg_loss"),
-        entropy=_number(data, "actor/entropy"),
+        loss=_measured(data, "actor/pg_loss"),
+        entropy=_measured(data, "actor/entropy"),
         response_length=length,
         # Generated tokens per second, as the local backend counts them (verl's perf/throughput
         # counts prompt tokens too, per device).
         tokens_per_s=length * responses_per_step / step_time if step_time else None,
         step_time_s=step_time,
         learning_rate=_number(data, "actor/lr"),
+        grad_norm=_measured(data, "actor/grad_norm"),
+        mismatch=_mismatch(data),
+        zero_advantage_share=_zero_advantage_share(data),
         resumed_from=resumed_from,
         time=time.time(),
     )

@@ -1,0 +1,76 @@
+"""Faults injected into the local backend's Ray Train workers, through the real training path, for the
+guards' tests (tests/e2e/test_local_guards.py): Ray's `worker_process_setup_hook` runs `install` first in
+every worker process of the run, and each fault is switched on by a variable of the run's environment.
+
+    runtime_env = faults(FAULT_NAN_LOSS_FROM_STEP=3)   # then train_local(settings, runtime_env, None)
+
+- FAULT_NAN_LOSS_FROM_STEP=N: the GRPO loss of step N and later is multiplied by NaN (the backward pass,
+  the gradient norm and the optimizer step see it as a diverged update would make them);
+- FAULT_STALE_ROLLOUT_WEIGHTS=1: the native decoder copies the trainer's q/k/v and gate/up weights once,
+  at its first rollout, and never again (a weight sync that leaves the rollout engine on old weights);
+- OBSERVE_BATCHES=<file>: each training round's prompts, with the step they are for, appended as JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def install() -> None:
+    if step := os.environ.get("FAULT_NAN_LOSS_FROM_STEP"):
+        _nan_loss_from(int(step))
+    if os.environ.get("FAULT_STALE_ROLLOUT_WEIGHTS"):
+        _stale_rollout_weights()
+    if path := os.environ.get("OBSERVE_BATCHES"):
+        _observe_batches(path)
+
+
+def faults(**variables) -> dict:
+    """The Ray runtime_env that installs these faults in every worker process (this module travels by
+    value: the workers do not have the tests folder on their path)."""
+    import ray.cloudpickle
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return {"worker_process_setup_hook": install, "env_vars": {name: str(value) for name, value in variables.items()}}
+
+
+def _nan_loss_from(step: int) -> None:
+    from trl import GRPOTrainer
+
+    compute_loss = GRPOTrainer.compute_loss
+
+    def poisoned(self, model, inputs, *args, **kwargs):
+        loss = compute_loss(self, model, inputs, *args, **kwargs)
+        return loss * float("nan") if self.state.global_step + 1 >= step else loss
+
+    GRPOTrainer.compute_loss = poisoned
+
+
+def _stale_rollout_weights() -> None:
+    from grpo_pipeline.generation.decoding import NativeDecoder
+
+    refresh = NativeDecoder._refresh_weights
+
+    def once(self):
+        if not getattr(self, "_synced_once", False):
+            refresh(self)
+            self._synced_once = True
+
+    NativeDecoder._refresh_weights = once
+
+
+def _observe_batches(path: str) -> None:
+    from trl import GRPOTrainer
+
+    generate_and_score = GRPOTrainer._generate_and_score_completions
+
+    def observed(self, inputs):
+        if self.model.training:
+            prompts = [row["prompt"][-1]["content"] for row in inputs]
+            with open(path, "a") as out:
+                out.write(json.dumps({"step": self.state.global_step + 1, "prompts": prompts}) + "\n")
+        return generate_and_score(self, inputs)
+
+    GRPOTrainer._generate_and_score_completions = observed
