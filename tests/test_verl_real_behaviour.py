@@ -98,12 +98,13 @@ def test_orjsons_records_are_the_runs_steps_and_a_step_with_a_null_reward_still_
     first = _verl_file(tmp_path / "metrics-grpo-r-c0ffee-1.jsonl", (1, _trained(1, float("nan"))), (2, _trained(2, 0.5)))
     assert first.read_bytes().startswith(b'{"step":1,"data":{"training/global_step":1,"training/epoch":0,'
                                          b'"critic/score/mean":null,')
-    assert [(r.step, r.reward_mean) for r in VerlMetrics(first, None, 8, None).new()] == [(2, 0.5)]
+    # A null reward is a NaN one (every sample aborted): a step, for the non_finite guard to stop.
+    assert [(r.step, str(r.reward_mean)) for r in VerlMetrics(first, None, 8, None).new()] == [(1, "nan"), (2, "0.5")]
     # Attempt 2 resumed from step 2 with no validation first (val_before_train=false, the profile's
     # default): its first record is a trained step, whose reward happens to be null.
     second = _verl_file(tmp_path / "metrics-grpo-r-c0ffee-2.jsonl", (3, _trained(3, float("nan"))), (4, _trained(4, 0.7)))
     missing = steps_missing_from([], [first, second], 2, 8)
-    assert [(r.step, r.resumed_from) for r in missing] == [(2, None), (4, 2)]
+    assert [(r.step, r.resumed_from) for r in missing] == [(1, None), (2, None), (3, 2), (4, 2)]
 
 
 def _rows(tmp_path: Path, n: int) -> list[str]:

@@ -8,6 +8,7 @@ every worker process of the run, and each fault is switched on by a variable of 
   the gradient norm and the optimizer step see it as a diverged update would make them);
 - FAULT_STALE_ROLLOUT_WEIGHTS=1: the native decoder copies the trainer's q/k/v and gate/up weights once,
   at its first rollout, and never again (a weight sync that leaves the rollout engine on old weights);
+- FAULT_CRASH_AT_STEP=N: the worker raises ("injected crash") when step N starts;
 - OBSERVE_BATCHES=<file>: each training round's prompts, with the step they are for, appended as JSON lines.
 """
 
@@ -21,6 +22,8 @@ import sys
 def install() -> None:
     if step := os.environ.get("FAULT_NAN_LOSS_FROM_STEP"):
         _nan_loss_from(int(step))
+    if step := os.environ.get("FAULT_CRASH_AT_STEP"):
+        _crash_at(int(step))
     if os.environ.get("FAULT_STALE_ROLLOUT_WEIGHTS"):
         _stale_rollout_weights()
     if path := os.environ.get("OBSERVE_BATCHES"):
@@ -46,6 +49,19 @@ def _nan_loss_from(step: int) -> None:
         return loss * float("nan") if self.state.global_step + 1 >= step else loss
 
     GRPOTrainer.compute_loss = poisoned
+
+
+def _crash_at(step: int) -> None:
+    from trl import GRPOTrainer
+
+    training_step = GRPOTrainer.training_step
+
+    def crashing(self, *args, **kwargs):
+        if self.state.global_step + 1 == step:
+            raise RuntimeError(f"injected crash at step {step}")
+        return training_step(self, *args, **kwargs)
+
+    GRPOTrainer.training_step = crashing
 
 
 def _stale_rollout_weights() -> None:

@@ -1,0 +1,174 @@
+"""The guards on the local backend, each proven on its fault injected through the real training path
+(TRL's GRPOTrainer on a Ray Train worker, the command line as a user runs it), and shown to be what
+catches it: the same run with that guard off exits 0 with the fault unnoticed.
+
+    PYTHONPATH=$PWD python -m pytest -q tests/e2e/test_local_guards.py
+
+Faults reach the workers through Ray's worker_process_setup_hook (tests/worker_faults.py): the test's
+process starts the run's local Ray with them, and the command line, run in this process, joins it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import ray
+from safetensors.torch import load_file
+
+from grpo_pipeline.backends.guards import GuardTripped
+from grpo_pipeline.backends.local.checkpoints import latest_step
+from grpo_pipeline.backends.local.driver import train_local
+from grpo_pipeline.backends.local.settings import plan_local_training
+from grpo_pipeline.backends.metrics import read_metrics
+from grpo_pipeline.generation.plan import plan_generation
+from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
+from grpo_pipeline.stages.model import ModelSpec, prepare_model
+from tracker_readers import tensorboard_scalars
+from worker_faults import faults
+
+pytestmark = pytest.mark.e2e
+TESTS = Path(__file__).resolve().parents[1]
+LEARNABLE = f"{TESTS / 'learnable_reward.py'}:digit_share"
+
+
+def _run(cli, tmp_path: Path, name: str, settings: list[str], **fault_env):
+    """The command line for the tiny model on one CPU worker, its Ray started here with the faults."""
+    ray.init(address="local", runtime_env=faults(**fault_env), log_to_driver=False, include_dashboard=False)
+    settings = [f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}", "cluster.devices_per_node=1",
+                *settings]
+    try:
+        return cli("--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path), "--run-name", name,
+                   "--stages", "fetch_dataset,prepare_checkpoint,train,report",
+                   *(arg for item in settings for arg in ("--set", item)))
+    finally:
+        ray.shutdown()
+
+
+def _trip(run_dir: Path) -> dict:
+    return json.loads((run_dir / "guards.json").read_text())
+
+
+def test_a_weight_sync_that_leaves_the_rollouts_on_old_weights_is_stopped(cli, tmp_path):
+    """The native decoder's copy of q/k/v and gate/up is made once and never refreshed: from the second
+    round the rollouts come from a policy the trainer left behind."""
+    settings = ["generation.decoder=native", f"algorithm.reward_function={LEARNABLE}", "algorithm.lr=0.005",
+                "trainer.total_training_steps=6", "trainer.save_freq=2", "tracking.trackers=[tensorboard]"]
+    stopped = _run(cli, tmp_path, "stale", settings, FAULT_STALE_ROLLOUT_WEIGHTS=1)
+    assert stopped.returncode == 1, stopped.stderr
+    line = stopped.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the run failed: GuardTripped: step 4: rollout vs trainer log-prob mismatch "), line
+    assert "rollouts are not using the trained weights" in line and "kept: checkpoint global_step_4" in line
+    run_dir = tmp_path / "stale"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r.step for r in records] == [1, 2, 3, 4]
+    assert records[0].mismatch < 1e-8 and all(r.mismatch > 1e-4 for r in records[1:])  # the threshold on a CPU
+    assert _trip(run_dir)["guard"] == "rollout_mismatch"
+    report = (run_dir / "report.md").read_text()
+    assert "**The run failed.** Stage `train`: GuardTripped: step 4: rollout vs trainer" in report
+    assert "**Stopped by the `rollout_mismatch` guard**" in report and "](guards.png)" in report
+    scalars = tensorboard_scalars(run_dir / "tensorboard")  # the tracker heard it, at the step it stopped at
+    assert scalars["guard/rollout_mismatch"] == [(4, 1.0)] and len(scalars["train/mismatch"]) == 4
+
+    unnoticed = _run(cli, tmp_path, "stale-off", [*settings, "guards.rollout_mismatch=off"], FAULT_STALE_ROLLOUT_WEIGHTS=1)
+    assert unnoticed.returncode == 0, unnoticed.stderr
+    records = read_metrics(tmp_path / "stale-off" / "metrics.jsonl")
+    assert [r.step for r in records] == [1, 2, 3, 4, 5, 6] and all(r.mismatch > 1e-4 for r in records[1:])
+
+
+def test_a_reward_that_returns_a_constant_is_stopped(cli, tmp_path):
+    constant = [f"algorithm.reward_function={TESTS / 'constant_reward.py'}:always_one", "trainer.total_training_steps=6",
+                "guards.reward_collapse_steps=3"]
+    stopped = _run(cli, tmp_path, "constant", constant)
+    assert stopped.returncode == 1, stopped.stderr
+    assert ("GuardTripped: step 3: every group's rewards were constant in each of the last 3 steps (mean reward 1.0): "
+            "zero advantage everywhere, nothing is learned") in stopped.stderr
+    assert [r.zero_advantage_share for r in read_metrics(tmp_path / "constant" / "metrics.jsonl")] == [1.0, 1.0, 1.0]
+
+    unnoticed = _run(cli, tmp_path, "constant-off", [*constant, "guards.reward_collapse_steps=off"])
+    assert unnoticed.returncode == 0, unnoticed.stderr
+    assert len(read_metrics(tmp_path / "constant-off" / "metrics.jsonl")) == 6
+
+
+def _weights_finite(step_dir: Path) -> bool:
+    return all(bool(tensor.isfinite().all()) for tensor in load_file(step_dir / "model.safetensors").values())
+
+
+def test_a_nan_in_the_loss_stops_at_once_and_keeps_the_last_good_checkpoint(cli, tmp_path):
+    settings = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
+    stopped = _run(cli, tmp_path, "nan", settings, FAULT_NAN_LOSS_FROM_STEP=3)
+    assert stopped.returncode == 1, stopped.stderr
+    assert "GuardTripped: step 3: non-finite loss nan, grad norm nan" in stopped.stderr
+    checkpoints = tmp_path / "nan" / "checkpoints"
+    # save_freq=1, yet step 3 was never saved: the workers stop before its checkpoint
+    assert sorted(p.name for p in checkpoints.glob("global_step_*")) == ["global_step_1", "global_step_2"]
+    assert latest_step(checkpoints) == 2 and _weights_finite(checkpoints / "global_step_2")
+    assert _trip(tmp_path / "nan")["kept"] == "checkpoint global_step_2, the latest"
+
+    unnoticed = _run(cli, tmp_path, "nan-off", [*settings, "guards.non_finite=off"], FAULT_NAN_LOSS_FROM_STEP=3)
+    assert unnoticed.returncode == 0, unnoticed.stderr  # and its policy is NaN
+    final = tmp_path / "nan-off" / "checkpoints" / "global_step_4"
+    assert latest_step(final.parent) == 4 and not _weights_finite(final)
+    assert math.isnan(read_metrics(tmp_path / "nan-off" / "metrics.jsonl")[-1].loss)
+
+
+def _settings(tmp_path: Path, run: str, *overrides: str):
+    """24 training rows, 8 prompts a step: 3 steps an epoch, 3 epochs, a checkpoint every 2 steps."""
+    profile = resolve_profile("tiny", "cpu", overrides=[
+        "cluster.devices_per_node=1", f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
+        "data.arith_train_rows=24", "trainer.total_training_steps=null", "trainer.total_epochs=3", "trainer.save_freq=2",
+        *overrides])
+    data = fetch_dataset(DataSpec.from_profile(profile.data))
+    model = prepare_model(ModelSpec.from_profile(profile.model))
+    return plan_local_training(profile, data.train_files, model.path, tmp_path / run, devices_here=1,
+                               generation=plan_generation(profile))
+
+
+def _train(settings, batches: Path, **fault_env):
+    ray.init(address="local", runtime_env=faults(OBSERVE_BATCHES=batches, **fault_env), log_to_driver=False,
+             include_dashboard=False)
+    try:
+        return train_local(settings, None, None)
+    finally:
+        ray.shutdown()
+
+
+def _batches(path: Path) -> dict[int, list[str]]:
+    """The prompts each step trained on, the last time it was trained."""
+    return {entry["step"]: entry["prompts"] for entry in map(json.loads, path.read_text().splitlines())}
+
+
+def test_a_resume_continues_the_data_where_it_stopped_mid_epoch_and_at_an_epoch_boundary(tmp_path):
+    whole = _settings(tmp_path, "whole")
+    assert _train(whole, tmp_path / "whole.jsonl").steps_done == 9
+    expected = _batches(tmp_path / "whole.jsonl")
+    assert len(expected) == 9 and expected[1] != expected[4]  # three epochs, each in its own order
+
+    resumed = _settings(tmp_path, "resumed")
+    batches = tmp_path / "resumed.jsonl"
+    for crash_at, checkpoint in ((5, 4), (7, 6)):  # step 4 is mid-epoch 2; step 6 ends epoch 2
+        with pytest.raises(Exception, match="injected crash"):
+            _train(resumed, batches, FAULT_CRASH_AT_STEP=crash_at)
+        assert latest_step(resumed.checkpoints) == checkpoint
+    assert _train(resumed, batches).resumed_from == 6
+    seen = _batches(batches)
+    assert seen[5] == expected[5] and seen[7] == expected[7]  # the first batch after each resume
+    assert seen == expected
+
+    # A checkpoint that lost its data position: the resume is refused; with the guard off it starts the
+    # data (and the step count) over from the first batch.
+    lost = _settings(tmp_path, "lost")
+    with pytest.raises(Exception, match="injected crash"):
+        _train(lost, tmp_path / "lost.jsonl", FAULT_CRASH_AT_STEP=5)
+    (lost.checkpoints / "global_step_4" / "trainer_state.json").unlink()
+    with pytest.raises(GuardTripped, match=r"cannot resume from checkpoint global_step_4: it has no trainer_state.json, "
+                                           "so the resumed run would start the data over"):
+        _train(lost, tmp_path / "lost.jsonl")
+    off = lost.model_copy(update={"guards": lost.guards.model_copy(update={"data_position": "off"})})
+    observed = tmp_path / "lost-off.jsonl"
+    assert _train(off, observed).steps_done == 9  # exit 0
+    first_after_resume = json.loads(observed.read_text().splitlines()[0])
+    assert first_after_resume["step"] == 1 and first_after_resume["prompts"] == expected[1] != expected[5]
