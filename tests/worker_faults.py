@@ -9,6 +9,8 @@ every worker process of the run, and each fault is switched on by a variable of 
 - FAULT_STALE_ROLLOUT_WEIGHTS=1: the native decoder copies the trainer's q/k/v and gate/up weights once,
   at its first rollout, and never again (a weight sync that leaves the rollout engine on old weights);
 - FAULT_CRASH_AT_STEP=N: the worker raises ("injected crash") when step N starts;
+- FAULT_TRL_SAMPLER=1: TRL's own sampler orders the data (each epoch drawn from one generator, which a
+  resumed run starts afresh), not backends/local/data_order.py's;
 - OBSERVE_BATCHES=<file>: each training round's prompts, with the step they are for, appended as JSON lines.
 """
 
@@ -24,6 +26,11 @@ def install() -> None:
         _nan_loss_from(int(step))
     if step := os.environ.get("FAULT_CRASH_AT_STEP"):
         _crash_at(int(step))
+    if os.environ.get("FAULT_TRL_SAMPLER"):
+        from grpo_pipeline.backends.local.data_order import ResumableDataOrder
+
+        ResumableDataOrder._get_train_sampler = lambda self, dataset=None: super(
+            ResumableDataOrder, self)._get_train_sampler(dataset)
     if os.environ.get("FAULT_STALE_ROLLOUT_WEIGHTS"):
         _stale_rollout_weights()
     if path := os.environ.get("OBSERVE_BATCHES"):

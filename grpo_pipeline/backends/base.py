@@ -5,7 +5,7 @@
 A backend checks a resolved profile (every engine-specific refusal happens while the run is planned,
 so a dry run and the UI form reject it before anything is fetched), renders the command it runs,
 trains to a `TrainResult` (resuming from the run's latest checkpoint), stops what a run started (the
-failure hooks), and says where the trained policy is. The flow, the planner, validation and export
+failure hooks, and a guard that tripped: backends/guards.py), and says where the trained policy is. The flow, the planner, validation and export
 call these through `backends.backend_for` and never branch on a backend's name.
 
 Training reports through `TrainingProgress`; its step records are `StepMetrics` (backends/metrics.py),

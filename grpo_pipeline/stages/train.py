@@ -67,7 +67,10 @@ def train(
     try:
         result = backend.train(profile, run, GuardedProgress(progress, StepGuards(profile.guards), run_dir / METRICS))
     except GuardTripped as tripped:
-        tripped.trip.kept = backend.stop_for_guard(run_dir, tripped.trip)
+        try:
+            tripped.trip.kept = backend.stop_for_guard(run_dir, tripped.trip)
+        except OSError as exc:  # the guard's line still ends the run; what could not be kept is said with it
+            tripped.trip.kept = f"unknown: the checkpoints could not be put in order ({exc.strerror or exc})"
         write_json_atomic(run_dir / GUARDS_FILE, tripped.trip.model_dump(mode="json"))
         raise
     write_json_atomic(run_dir / "train.json", result.model_dump(mode="json"))

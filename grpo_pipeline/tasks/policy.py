@@ -14,6 +14,7 @@ import functools
 import inspect
 import json
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -182,12 +183,17 @@ class StepTable:
 
 
 def _row(record: StepMetrics) -> dict:
-    def rounded(value: float | None, digits: int) -> float | None:
+    def rounded(value: float | None, digits: int) -> float | str | None:
+        if value is not None and not math.isfinite(value):
+            return str(value)  # JSON has no NaN: the API would refuse the table
         return None if value is None else round(value, digits)
 
     return {"step": record.step, "reward": rounded(record.reward_mean, 3), "reward std": rounded(record.reward_std, 3),
             "KL": rounded(record.kl, 4), "loss": rounded(record.loss, 4), "response length": round(record.response_length, 1),
-            "tokens/s": rounded(record.tokens_per_s, 0), "step s": round(record.step_time_s, 2)}
+            "tokens/s": rounded(record.tokens_per_s, 0), "step s": round(record.step_time_s, 2),
+            # the guards' numbers (backends/guards.py)
+            "grad norm": rounded(record.grad_norm, 3), "mismatch": None if record.mismatch is None else (
+                f"{record.mismatch:.2e}"), "zero-adv groups": rounded(record.zero_advantage_share, 2)}
 
 
 def stage_task(name: str, **options):

@@ -90,7 +90,7 @@ def test_a_resume_from_a_checkpoint_without_its_dataloader_state_is_refused(clus
 def test_a_nan_stops_the_job_through_rays_job_api_and_sets_aside_the_step_verl_saved(cluster, jobs, tmp_path):
     """verl saves step 4 before it logs the step's NaN: that checkpoint is set aside, the tracker points
     back at step 2, and the job (still running) is stopped."""
-    code, output = _cli(cluster, tmp_path, "nan", "env.STAND_IN_NAN_AT_STEP=4", "env.STAND_IN_STEP_S=1")
+    code, output = _cli(cluster, tmp_path, "nan", "env.STAND_IN_NAN_AT_STEP=4", "env.STAND_IN_STEP_S=2")
     assert code == 1, output[-3000:]
     line = _error_line(output)
     assert "GuardTripped: step 4: non-finite loss nan, grad norm nan" in line

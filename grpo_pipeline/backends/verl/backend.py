@@ -25,7 +25,8 @@ attempt of the train stage:
    retried, the job's own line) or another cause (`TrainingInterrupted`: the stage's retry resumes
    from the latest checkpoint with trainer.resume_mode=auto); or on the cluster itself: a job API
    that stops answering (the head died) ends the run (`ClusterLost`, not retried) with a line that
-   names the cluster, the last step and how to resume. Checkpoints are never deleted.
+   names the cluster, the last step and how to resume. Checkpoints are never deleted. A success before
+   verl's own last step, or a resume from a step without its dataloader state, is a guard's (backends/guards.py).
 """
 
 from __future__ import annotations
