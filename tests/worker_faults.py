@@ -3,6 +3,7 @@ guards' tests (tests/e2e/test_local_guards.py): Ray's `worker_process_setup_hook
 every worker process of the run, and each fault is switched on by a variable of the run's environment.
 
     runtime_env = faults(FAULT_NAN_LOSS_FROM_STEP=3)   # then train_local(settings, runtime_env, None)
+    python tests/worker_faults.py FAULT_NAN_LOSS_FROM_STEP=3 -- --model tiny --device cpu   # the command line
 
 - FAULT_NAN_LOSS_FROM_STEP=N: the GRPO loss of step N and later is multiplied by NaN (the backward pass,
   the gradient norm and the optimizer step see it as a diverged update would make them);
@@ -97,3 +98,20 @@ def _observe_batches(path: str) -> None:
         return generate_and_score(self, inputs)
 
     GRPOTrainer._generate_and_score_completions = observed
+
+
+def main(argv: list[str]) -> int:
+    """`NAME=VALUE ... -- ARGS`: the command line (`python -m grpo_pipeline ARGS`) on a local Ray started
+    here with these faults (the run joins the Ray this process already has)."""
+    import ray
+
+    split = argv.index("--")
+    variables = dict(item.split("=", 1) for item in argv[:split])
+    ray.init(address="local", runtime_env=faults(**variables), log_to_driver=False, include_dashboard=False)
+    from grpo_pipeline.flows.grpo import main as command_line
+
+    return command_line(argv[split + 1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -33,8 +33,9 @@ class GuardsSection(Section):
     rollout_mismatch_steps: int = Field(3, gt=0, le=MAX_SEQUENCES, description="Steps in a row above "
                                         "`rollout_mismatch` that stop the run.")
     probe_sequences: int = Field(
-        4, gt=0, le=MAX_SEQUENCES, description="Local backend: rollout sequences of each generation round (per "
-        "worker) whose log-probs the trainer computes again for the mismatch (one extra forward pass of these).")
+        4, ge=0, le=MAX_SEQUENCES, description="Local backend: rollout sequences of each generation round (per "
+        "worker) whose log-probs the trainer computes again for the mismatch (one extra forward pass of these); "
+        "0: no probe, the mismatch is not measured.")
     reward_collapse_steps: Steps | Off = Field(
         10, description="Stop when every group's rewards were constant (zero advantage "
         "everywhere: nothing is learned) for this many steps in a row, or the mean reward was exactly 0 in each of "

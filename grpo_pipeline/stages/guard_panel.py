@@ -30,6 +30,7 @@ def plot_guards(records: list[StepMetrics], mismatch_threshold: float | None, ou
 
     matplotlib.use("Agg")  # files only: no display on a cluster node or in CI
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, axes = plt.subplots(1, len(PANELS), figsize=(10, 2.6), dpi=100)
     for axis, (name, title) in zip(axes, PANELS):
@@ -49,6 +50,7 @@ def plot_guards(records: list[StepMetrics], mismatch_threshold: float | None, ou
             axis.set_ylim(-0.05, 1.05)
         axis.set_title(title, fontsize=9)
         axis.set_xlabel("training step", fontsize=8)
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.tick_params(labelsize=7)
         axis.grid(alpha=0.3)
     figure.tight_layout()

@@ -4,14 +4,17 @@ catches it: the same run with that guard off exits 0 with the fault unnoticed.
 
     PYTHONPATH=$PWD python -m pytest -q tests/e2e/test_local_guards.py
 
-Faults reach the workers through Ray's worker_process_setup_hook (tests/worker_faults.py): the test's
-process starts the run's local Ray with them, and the command line, run in this process, joins it.
+Faults reach the workers through Ray's worker_process_setup_hook (tests/worker_faults.py): the command
+line runs in a process that starts the run's local Ray with them first, and joins it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,31 +38,37 @@ TESTS = Path(__file__).resolve().parents[1]
 LEARNABLE = f"{TESTS / 'learnable_reward.py'}:digit_share"
 
 
-def _run(cli, tmp_path: Path, name: str, settings: list[str], **fault_env):
-    """The command line for the tiny model on one CPU worker, its Ray started here with the faults."""
-    ray.init(address="local", runtime_env=faults(**fault_env), log_to_driver=False, include_dashboard=False)
+def _run(tmp_path: Path, name: str, settings: list[str], **fault_env) -> subprocess.CompletedProcess:
+    """The command line for the tiny model on one CPU worker, as a user runs it, its local Ray started with
+    the faults (tests/worker_faults.py), in a process of its own with its own Prefect API."""
     settings = [f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}", "cluster.devices_per_node=1",
                 *settings]
-    try:
-        return cli("--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path), "--run-name", name,
-                   "--stages", "fetch_dataset,prepare_checkpoint,train,report",
-                   *(arg for item in settings for arg in ("--set", item)))
-    finally:
-        ray.shutdown()
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    return subprocess.run(
+        [sys.executable, str(TESTS / "worker_faults.py"), *(f"{k}={v}" for k, v in fault_env.items()), "--",
+         "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path), "--run-name", name,
+         "--stages", "fetch_dataset,prepare_checkpoint,train,report", *(arg for item in settings for arg in ("--set", item))],
+        capture_output=True, text=True, env=env, timeout=1800)
+
+
+def _said(done: subprocess.CompletedProcess) -> str:
+    """The command line's last line: what the user is told."""
+    return done.stderr.strip().splitlines()[-1]
 
 
 def _trip(run_dir: Path) -> dict:
     return json.loads((run_dir / "guards.json").read_text())
 
 
-def test_a_weight_sync_that_leaves_the_rollouts_on_old_weights_is_stopped(cli, tmp_path):
+def test_a_weight_sync_that_leaves_the_rollouts_on_old_weights_is_stopped(tmp_path):
     """The native decoder's copy of q/k/v and gate/up is made once and never refreshed: from the second
     round the rollouts come from a policy the trainer left behind."""
     settings = ["generation.decoder=native", f"algorithm.reward_function={LEARNABLE}", "algorithm.lr=0.005",
                 "trainer.total_training_steps=6", "trainer.save_freq=2", "tracking.trackers=[tensorboard]"]
-    stopped = _run(cli, tmp_path, "stale", settings, FAULT_STALE_ROLLOUT_WEIGHTS=1)
-    assert stopped.returncode == 1, stopped.stderr
-    line = stopped.stderr.strip().splitlines()[-1]
+    stopped = _run(tmp_path, "stale", settings, FAULT_STALE_ROLLOUT_WEIGHTS=1)
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    line = _said(stopped)
     assert line.startswith("error: the run failed: GuardTripped: step 4: rollout vs trainer log-prob mismatch "), line
     assert "rollouts are not using the trained weights" in line and "kept: checkpoint global_step_4" in line
     run_dir = tmp_path / "stale"
@@ -73,23 +82,23 @@ def test_a_weight_sync_that_leaves_the_rollouts_on_old_weights_is_stopped(cli, t
     scalars = tensorboard_scalars(run_dir / "tensorboard")  # the tracker heard it, at the step it stopped at
     assert scalars["guard/rollout_mismatch"] == [(4, 1.0)] and len(scalars["train/mismatch"]) == 4
 
-    unnoticed = _run(cli, tmp_path, "stale-off", [*settings, "guards.rollout_mismatch=off"], FAULT_STALE_ROLLOUT_WEIGHTS=1)
-    assert unnoticed.returncode == 0, unnoticed.stderr
+    unnoticed = _run(tmp_path, "stale-off", [*settings, "guards.rollout_mismatch=off"], FAULT_STALE_ROLLOUT_WEIGHTS=1)
+    assert unnoticed.returncode == 0, unnoticed.stderr[-3000:]
     records = read_metrics(tmp_path / "stale-off" / "metrics.jsonl")
     assert [r.step for r in records] == [1, 2, 3, 4, 5, 6] and all(r.mismatch > 1e-4 for r in records[1:])
 
 
-def test_a_reward_that_returns_a_constant_is_stopped(cli, tmp_path):
+def test_a_reward_that_returns_a_constant_is_stopped(tmp_path):
     constant = [f"algorithm.reward_function={TESTS / 'constant_reward.py'}:always_one", "trainer.total_training_steps=6",
                 "guards.reward_collapse_steps=3"]
-    stopped = _run(cli, tmp_path, "constant", constant)
-    assert stopped.returncode == 1, stopped.stderr
+    stopped = _run(tmp_path, "constant", constant)
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
     assert ("GuardTripped: step 3: every group's rewards were constant in each of the last 3 steps (mean reward 1.0): "
-            "zero advantage everywhere, nothing is learned") in stopped.stderr
+            "zero advantage everywhere, nothing is learned") in _said(stopped)
     assert [r.zero_advantage_share for r in read_metrics(tmp_path / "constant" / "metrics.jsonl")] == [1.0, 1.0, 1.0]
 
-    unnoticed = _run(cli, tmp_path, "constant-off", [*constant, "guards.reward_collapse_steps=off"])
-    assert unnoticed.returncode == 0, unnoticed.stderr
+    unnoticed = _run(tmp_path, "constant-off", [*constant, "guards.reward_collapse_steps=off"])
+    assert unnoticed.returncode == 0, unnoticed.stderr[-3000:]
     assert len(read_metrics(tmp_path / "constant-off" / "metrics.jsonl")) == 6
 
 
@@ -97,19 +106,22 @@ def _weights_finite(step_dir: Path) -> bool:
     return all(bool(tensor.isfinite().all()) for tensor in load_file(step_dir / "model.safetensors").values())
 
 
-def test_a_nan_in_the_loss_stops_at_once_and_keeps_the_last_good_checkpoint(cli, tmp_path):
+def test_a_nan_in_the_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path):
+    """The last step's loss is NaN: with the guard off the run exits 0 with a NaN policy. (A NaN earlier
+    fails the next step's sampling, `probability tensor contains either inf, nan`, and each retry resumes
+    from the poisoned checkpoint the step saved.)"""
     settings = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
-    stopped = _run(cli, tmp_path, "nan", settings, FAULT_NAN_LOSS_FROM_STEP=3)
-    assert stopped.returncode == 1, stopped.stderr
-    assert "GuardTripped: step 3: non-finite loss nan, grad norm nan" in stopped.stderr
+    stopped = _run(tmp_path, "nan", settings, FAULT_NAN_LOSS_FROM_STEP=4)
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    assert "GuardTripped: step 4: non-finite loss nan, grad norm nan" in _said(stopped)
     checkpoints = tmp_path / "nan" / "checkpoints"
-    # save_freq=1, yet step 3 was never saved: the workers stop before its checkpoint
-    assert sorted(p.name for p in checkpoints.glob("global_step_*")) == ["global_step_1", "global_step_2"]
-    assert latest_step(checkpoints) == 2 and _weights_finite(checkpoints / "global_step_2")
-    assert _trip(tmp_path / "nan")["kept"] == "checkpoint global_step_2, the latest"
+    # save_freq=1 and the last step (always saved), yet step 4 was not: the workers stop before its checkpoint
+    assert sorted(p.name for p in checkpoints.glob("global_step_*")) == [f"global_step_{n}" for n in (1, 2, 3)]
+    assert latest_step(checkpoints) == 3 and _weights_finite(checkpoints / "global_step_3")
+    assert _trip(tmp_path / "nan")["kept"] == "checkpoint global_step_3, the latest"
 
-    unnoticed = _run(cli, tmp_path, "nan-off", [*settings, "guards.non_finite=off"], FAULT_NAN_LOSS_FROM_STEP=3)
-    assert unnoticed.returncode == 0, unnoticed.stderr  # and its policy is NaN
+    unnoticed = _run(tmp_path, "nan-off", [*settings, "guards.non_finite=off"], FAULT_NAN_LOSS_FROM_STEP=4)
+    assert unnoticed.returncode == 0, unnoticed.stderr[-3000:]  # and its policy is NaN
     final = tmp_path / "nan-off" / "checkpoints" / "global_step_4"
     assert latest_step(final.parent) == 4 and not _weights_finite(final)
     assert math.isnan(read_metrics(tmp_path / "nan-off" / "metrics.jsonl")[-1].loss)

@@ -11,33 +11,18 @@ import json
 from pathlib import Path
 
 import pytest
-import ray
-from ray.job_submission import JobSubmissionClient
 
 from grpo_pipeline.backends.metrics import read_metrics
 from grpo_pipeline.backends.verl.follow import tracker_step
 from grpo_pipeline.backends.verl.job import read_record
-from verl_cluster import EVENT_WAIT_S, flow_process, npu_cluster, submissions
+from test_verl_job import cluster, jobs  # noqa: F401 (the module's Ray cluster of NPU nodes, and its job API)
+from verl_cluster import EVENT_WAIT_S, flow_process, submissions
 
 pytestmark = pytest.mark.e2e
 NCCL_TIMEOUT = "RuntimeError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9) ran for 600012 ms"
 # 24 of the 1024 rows kept by verl's filter: 3 steps an epoch, 2 epochs; a checkpoint at the epoch's end.
 SHORT_EPOCHS = ["env.STAND_IN_DROP_ROWS=1000", "trainer.total_training_steps=null", "trainer.total_epochs=2",
                 "trainer.save_freq=3"]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    ray.shutdown()
-    made = npu_cluster()
-    yield made
-    ray.shutdown()
-    made.shutdown()
-
-
-@pytest.fixture(scope="module")
-def jobs(cluster) -> JobSubmissionClient:
-    return JobSubmissionClient(cluster.address)
 
 
 def _cli(cluster, tmp_path: Path, name: str, *overrides: str) -> tuple[int, str]:
@@ -102,3 +87,7 @@ def test_a_nan_stops_the_job_through_rays_job_api_and_sets_aside_the_step_verl_s
     assert not (checkpoints / "global_step_4").exists()
     assert [r.step for r in read_metrics(tmp_path / "nan" / "metrics.jsonl")][-1] == 4
     assert "**Stopped by the `non_finite` guard**" in (tmp_path / "nan" / "report.md").read_text()
+
+    code, output = _cli(cluster, tmp_path, "nan-off", "env.STAND_IN_NAN_AT_STEP=4", "guards.non_finite=off")
+    assert code == 0, output[-3000:]  # the poisoned step 4 and the steps after it are the run's policy
+    assert tracker_step(tmp_path / "nan-off" / "checkpoints") == 6

@@ -69,7 +69,7 @@ def worker_loop(config: dict[str, Any]) -> None:
         logging_nan_inf_filter=False,
         **settings.grpo,
     )
-    trainer_class, options = GRPOTrainer, {"probe_sequences": settings.guards.probe_sequences}
+    trainer_class, options = GRPOTrainer, {}
     if plan.native:
         from grpo_pipeline.backends.local.rollouts import NativeRolloutTrainer
 
@@ -80,8 +80,11 @@ def worker_loop(config: dict[str, Any]) -> None:
         from grpo_pipeline.backends.local.packing import PackedLogProbs
 
         trainer_class = type(f"Packed{trainer_class.__name__}", (PackedLogProbs, trainer_class), {})
-    # Every run probes its rollouts' log-probs (the mismatch guard's numbers) and orders its data by epoch.
-    trainer_class = type(f"Guarded{trainer_class.__name__}", (RolloutProbe, ResumableDataOrder, trainer_class), {})
+    # Every run orders its data by epoch, and probes its rollouts' log-probs (the mismatch guard's numbers).
+    trainer_class = type(f"Resumable{trainer_class.__name__}", (ResumableDataOrder, trainer_class), {})
+    if settings.guards.probe_sequences:
+        trainer_class = type(f"Probed{trainer_class.__name__}", (RolloutProbe, trainer_class), {})
+        options["probe_sequences"] = settings.guards.probe_sequences
     trainer = trainer_class(
         model=model,
         reward_funcs=_reward_function(settings.reward_function),
