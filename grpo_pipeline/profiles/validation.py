@@ -150,20 +150,9 @@ def _top_level_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def dataset_problems(p: RunProfile) -> list[str]:
-    """Splits the arith generator cannot make (found minutes in, at the dataset stage, otherwise)."""
-    d = p.data
-    if d.dataset != "arith" or d.source:
-        return []
-    from grpo_pipeline.common.rl_data import arith_rows_problem  # pyarrow: only for arith runs
-
-    problem = arith_rows_problem(d.arith_train_rows, d.arith_test_rows, d.seed)
-    return [problem] if problem else []
-
-
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
-    return [*dataset_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
+    return [*length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
             *position_problems(p), *head_problems(p), *sampling_problems(p)]
 
 
