@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from grpo_pipeline.common.errors import HEADLINE_CHARS
 
 SECRET = "hf_sEcReT_vAlUe_123"
 
@@ -128,9 +129,11 @@ def test_bad_input_is_one_line_exit_2(cli, tmp_path, args, env, fragment):
     done = cli("--model", "tiny", *args, "--dry-run", env=env)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    assert fragment in lines[0] and "hf_typed_in" not in done.stderr
+    headline, *details = done.stderr.strip().splitlines()
+    # One line: the problem and its fix; the details, if any, indented below it.
+    assert headline.startswith("error: ") and len(headline) <= len("error: ") + HEADLINE_CHARS, done.stderr
+    assert all(line.startswith("  ") for line in details), done.stderr
+    assert fragment in done.stderr and "hf_typed_in" not in done.stderr
 
 
 def test_real_run_on_a_missing_gpu_fails_clearly_before_the_flow(cli, tmp_path):

@@ -39,6 +39,15 @@ class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's default prints the whole usage block first
         self.exit(EXIT_USER_ERROR, f"error: {message} (see --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            # `--set key value`: the value is left over. Its key is named, never the value (it may be a secret).
+            if split := [item for item in getattr(parsed, "overrides", []) if "=" not in item]:
+                self.error(f"--set {split[0]} has no value; write it as one word: --set {split[0]}=VALUE")
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
@@ -274,11 +283,17 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_run(request, dry_run=False)
         return run_flow(request.model_copy(update={"run_name": Path(plan.run_dir).name}), plan)
     except UserError as exc:
-        print(f"error: {scrub(str(exc))}", file=sys.stderr)
+        print_error(str(exc))
         return EXIT_USER_ERROR
     except LocalAPIError as exc:
-        print(f"error: {scrub(str(exc))}", file=sys.stderr)
+        print_error(str(exc))
         return 1
+
+
+def print_error(message: str) -> None:
+    """A refusal for a person: `error:` and its first line (the problem and its fix), the details below it."""
+    headline, *details = scrub(message).splitlines() or [""]
+    print("\n".join([f"error: {headline}", *(f"  {line}" for line in details)]), file=sys.stderr)
 
 
 def run_flow(request: RunRequest, plan: RunPlan) -> int:

@@ -189,7 +189,15 @@ def _exists(path: Path) -> bool:
 
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
-    profile, backend_reason = profile_for(request, device)
+    try:
+        profile, backend_reason = profile_for(request, device)
+    except ProfileError:
+        # A profile refused for its batch split may be one asking for more workers than this host has:
+        # that is the problem to name (the batch rules follow from it).
+        unchecked, _ = resolve_run_profile(request.model, device.kind, request.backend, request.profile_file,
+                                           request.overrides, validate=False)
+        backend_for(unchecked.backend).check_run(unchecked, device.count, request.stages, dry_run, request.ray_address)
+        raise
     memory = check_plan(request, profile, device, dry_run)
     env = resolve_environment(profile, ray_address=request.ray_address)
     if not dry_run:
