@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +23,15 @@ def test_the_module_entry_point_exits_2_with_one_line_and_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "error: unknown setting 'engine.tpp' in --set; did you mean 'engine.tp'?\n"
+
+
+def test_a_python_without_the_dependencies_gets_one_line_naming_the_venv():
+    """`python -S`: no site-packages, as a system Python without the project's dependencies."""
+    done = subprocess.run([sys.executable, "-S", "-m", "grpo_pipeline", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"error: this Python ({sys.executable}) lacks grpo_pipeline's dependencies (no module ")
+    assert done.stderr.rstrip().endswith("run .venv/bin/python -m grpo_pipeline (make setup builds it)")
 
 
 def test_dry_run_json_plans_for_a_named_device_without_requiring_it(cli, tmp_path):

@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -152,8 +152,8 @@ class WandbTracker(Tracker):
         import wandb
 
         w = self.settings.wandb
-        if w.mode == "online" and not os.environ.get("WANDB_API_KEY") and not _netrc_has_wandb():
-            raise RuntimeError("no WANDB_API_KEY in the flow's environment (and no `wandb login`)")
+        if missing := missing_credentials(self.settings):
+            raise RuntimeError(missing)
         self.run = wandb.init(
             project=w.project, entity=w.entity, id=(ids or {}).get("run_id"), name=run_name, resume="allow",
             mode=w.mode, dir=str(self.run_dir), reinit="create_new",
@@ -357,6 +357,17 @@ def _answer_soon() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def missing_credentials(settings: TrackingSection, environ: Mapping[str, str] | None = None) -> str | None:
+    """A tracker the run cannot log to without credentials this environment lacks (W&B online without a
+    key), known before anything starts: the problem and its fix, or None."""
+    environ = os.environ if environ is None else environ
+    w = settings.wandb
+    if "wandb" in settings.trackers and w.mode == "online" and not environ.get("WANDB_API_KEY") and not _netrc_has_wandb():
+        return ("tracking: W&B (online) needs WANDB_API_KEY, which is not set here (nor `wandb login`); export it, "
+                "or --set tracking.wandb.mode=offline")
+    return None
 
 
 def _netrc_has_wandb() -> bool:

@@ -23,7 +23,7 @@ import yaml
 from pydantic import ValidationError
 
 from grpo_pipeline.flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
-from grpo_pipeline.stages.request import STAGES, RunRequest
+from grpo_pipeline.stages.request import RERUN_COMMAND, STAGES, RunRequest
 from grpo_pipeline.common.errors import EXIT_USER_ERROR, UserError
 from grpo_pipeline.profiles.backend_table import BackendChoice, backend_help, layout_planner
 from grpo_pipeline.profiles.loader import builtin_models
@@ -51,11 +51,11 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
-        prog="python -m grpo_pipeline",
+        prog=f"{this_python()} -m grpo_pipeline",
         description="Run GRPO post-training as a Prefect flow, or print what a run would do (--dry-run).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m grpo_pipeline --model qwen3.5-122b-a10b --device npu --dry-run\n"
-        "  python -m grpo_pipeline --model tiny --device cpu --set trainer.total_training_steps=4",
+        epilog=f"examples:\n  {this_python()} -m grpo_pipeline --model qwen3.5-122b-a10b --device npu --dry-run\n"
+        f"  {this_python()} -m grpo_pipeline --model tiny --device cpu --set trainer.total_training_steps=4",
     )
     parser.add_argument(
         "--model", default="smollm2-135m",
@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def this_python() -> str:
+    """The interpreter running this, as a person would type it here (`.venv/bin/python` in the checkout)."""
+    try:
+        return str(Path(sys.executable).relative_to(Path.cwd()))
+    except ValueError:
+        return sys.executable
+
+
 def request_from_args(args: argparse.Namespace) -> RunRequest:
     fields = {
         "model": args.model,
@@ -139,7 +147,9 @@ def print_dry_run(plan, as_json: bool) -> None:
     summary = plan.summary()
     print(f"# device: {plan.device.kind} ({plan.device.decided_by}: {plan.device.reason})")
     print(f"# backend: {plan.profile.backend} ({plan.backend_reason})")
-    print(f"# generation (rollouts and evaluation; generation/plan.py): {plan.generation.describe()}")
+    from grpo_pipeline.backends import backend_for
+
+    print(f"# generation: {backend_for(plan.profile.backend).generation_summary(plan.profile, plan.generation)}")
     print("# resolved profile")
     print(yaml.safe_dump(summary["profile"], sort_keys=False).rstrip())
     print("# environment of every process (secrets redacted; source: profile default or user export)")
@@ -157,8 +167,9 @@ def print_dry_run(plan, as_json: bool) -> None:
         print(f"# node requirements of the {stage} stage (checked on every Ray node before it starts there)")
         for name, need in needs.items():
             print(f"#   {need.describe(name)}")
-    print("# training command")
-    print(format_command(plan.command))
+    label, command = command_lines(plan.command)
+    print(f"# {label}")
+    print(command)
     if job := plan.submission:
         print(f"# submitted by the train stage as Ray job {job['submission_id']} (<token>: fixed per run folder; "
               "the last part: the attempt)")
@@ -219,9 +230,9 @@ def print_run_summary(result: dict) -> None:
     if model := result.get("model"):
         state = "cached" if model["cached"] else "prepared and verified"
         print(f"base model {model['source']} ({state}): {model['num_parameters']:,} parameters in {model['path']}")
-    if command := result.get("command"):
-        print("training command:")
-        print(format_command(command))
+    if (command := result.get("command")) and "train" in result:
+        label, shown = command_lines(command)
+        print(f"{label}:\n{shown}")
     if train := result.get("train"):
         if train["already_complete"]:
             print(f"training: already complete at step {train['steps_done']}; nothing trained")
@@ -236,6 +247,14 @@ def print_run_summary(result: dict) -> None:
             print(f"eval {metrics.summary_line()}")
     if report := result.get("report"):
         print(f"report: {report}")
+
+
+def command_lines(command: list[str]) -> tuple[str, str]:
+    """(what the command is, the command to paste): the engine's own training command (verl's), or, for a
+    backend that trains inside the flow, this run again from the command line, with this interpreter."""
+    if command[:3] == RERUN_COMMAND:
+        return "the same run again (the local backend trains inside the flow)", format_command([this_python(), *command[1:]])
+    return "training command (the backend submits it as a Ray job)", format_command(command)
 
 
 def format_command(command: list[str]) -> str:
