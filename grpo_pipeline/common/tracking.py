@@ -28,6 +28,8 @@ from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.profiles.tracking import TrackingSection
 
 STATE_FILE = "tracking.json"
+# Where each tool's own local UI serves a store or folder by default (`mlflow ui`, `tensorboard`).
+LOCAL_UI = {"mlflow": "http://127.0.0.1:5000", "tensorboard": "http://localhost:6006"}
 # MLflow caps a parameter's value (6,000 characters since 2.x) and a batch (100 parameters).
 _PARAM_CHARS, _BATCH = 6000, 100
 
@@ -115,7 +117,8 @@ class MlflowTracker(Tracker):
     def link(self):
         if self.uri.startswith(("http://", "https://")):
             return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        return f"run {self.run_id} of `mlflow ui --backend-store-uri {self.uri}`"
+        return (f"{LOCAL_UI['mlflow']}/#/experiments/{self.experiment_id}/runs/{self.run_id} (once "
+                f"`.venv/bin/mlflow ui --backend-store-uri {self.uri}` serves it)")
 
     def log_params(self, params, tags):
         from mlflow.entities import Param, RunTag
@@ -201,7 +204,7 @@ class TensorboardTracker(Tracker):
         return {"log_dir": str(self.log_dir)}
 
     def link(self):
-        return f"`tensorboard --logdir {self.log_dir}`"
+        return f"{LOCAL_UI['tensorboard']} (once `.venv/bin/tensorboard --logdir {self.log_dir}` serves it)"
 
     def log_params(self, params, tags):
         # TensorBoard has no parameters: the profile and the tags are text, shown in its TEXT tab.

@@ -322,10 +322,13 @@ def run_flow(request: RunRequest, plan: RunPlan) -> int:
     write the report) and exits with the signal's conventional code."""
     from grpo_pipeline.flows import lease
 
+    from grpo_pipeline.common.progress import terminal_owned
+
     configured = os.environ.get("PREFECT_API_URL")
     previous = signal.signal(signal.SIGTERM, _stop_on_signal)
     try:
-        with (lease.held(configured or f"local:{lease.prefect_home()}", required=not configured) as held,
+        with (terminal_owned(),
+              lease.held(configured or f"local:{lease.prefect_home()}", required=not configured) as held,
               local_api_unless_configured(held.api_log) as api):
             from grpo_pipeline.flows.pipeline import grpo_pipeline
 

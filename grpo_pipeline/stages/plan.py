@@ -90,6 +90,8 @@ def training_command(
         return engine_command
     command = [*RERUN_COMMAND, "--model", request.model, "--device", profile.platform.kind,
                "--backend", profile.backend, "--run-name", run_dir.name]
+    if request.run_root != RunRequest.model_fields["run_root"].default:
+        command += ["--run-dir", request.run_root]
     if request.profile_file:
         command += ["--profile-file", request.profile_file]
     for item in request.overrides:
