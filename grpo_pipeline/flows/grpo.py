@@ -144,11 +144,11 @@ def print_dry_run(plan, as_json: bool) -> None:
     if as_json:
         print(json.dumps(plan.summary(), indent=2))
         return
+    from grpo_pipeline.backends import backend_for
+
     summary = plan.summary()
     print(f"# device: {plan.device.kind} ({plan.device.decided_by}: {plan.device.reason})")
     print(f"# backend: {plan.profile.backend} ({plan.backend_reason})")
-    from grpo_pipeline.backends import backend_for
-
     print(f"# generation: {backend_for(plan.profile.backend).generation_summary(plan.profile, plan.generation)}")
     print("# resolved profile")
     print(yaml.safe_dump(summary["profile"], sort_keys=False).rstrip())
@@ -320,9 +320,8 @@ def run_flow(request: RunRequest, plan: RunPlan) -> int:
     process's lease (flows/lease.py), with Prefect's local API unless one is configured. A stop
     (SIGTERM, Ctrl-C) ends it in order (Prefect marks it crashed, its hooks stop the Ray job and
     write the report) and exits with the signal's conventional code."""
-    from grpo_pipeline.flows import lease
-
     from grpo_pipeline.common.progress import terminal_owned
+    from grpo_pipeline.flows import lease
 
     configured = os.environ.get("PREFECT_API_URL")
     previous = signal.signal(signal.SIGTERM, _stop_on_signal)

@@ -158,12 +158,10 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
     return memory
 
 
-def check_hub_sources(stages: list[str], profile: RunProfile, env: RuntimeEnv) -> None:
+def check_hub_sources(stages: list[str], profile: RunProfile, environ: dict[str, str]) -> None:
     """What the run must fetch from the hub (not in the store yet) can be fetched with the run's environment:
     refused now, in one line, where the hub cannot be reached or HF_HUB_OFFLINE is set, instead of after the
     flow started and the stage's retries were spent."""
-    environ = dict(os.environ)
-    env.apply(environ)
     missing = []
     if {"fetch_dataset", "train", "evaluate"} & set(stages):
         data = DataSpec.from_profile(profile.data)
@@ -184,11 +182,9 @@ def check_hub_sources(stages: list[str], profile: RunProfile, env: RuntimeEnv) -
         raise unreachable(what, problem, endpoint, local_copy, str(entry))
 
 
-def check_tracker_credentials(profile: RunProfile, env: RuntimeEnv) -> None:
+def check_tracker_credentials(profile: RunProfile, environ: dict[str, str]) -> None:
     """A tracker that needs credentials the run's environment lacks fails the start now (with
     `tracking.on_unreachable=warn` the run goes on without it, and says so when it opens the trackers)."""
-    environ = dict(os.environ)
-    env.apply(environ)
     if profile.tracking.on_unreachable == "fail" and (missing := missing_credentials(profile.tracking, environ)):
         raise UserError(missing)
 
@@ -242,8 +238,10 @@ def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     env = resolve_environment(profile, ray_address=request.ray_address)
     if not dry_run:
         env.check_references()
-        check_hub_sources(request.stages, profile, env)
-        check_tracker_credentials(profile, env)
+        environ = dict(os.environ)
+        env.apply(environ)  # the environment the run's stages will have
+        check_hub_sources(request.stages, profile, environ)
+        check_tracker_credentials(profile, environ)
     run_dir = run_dir_for(request, device.kind)
     check_run_dir(run_dir, dry_run)
     generation = plan_generation(profile)  # the one decision; the stages and backends read it
