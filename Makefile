@@ -14,8 +14,6 @@ STAMP  := $(VENV)/.installed
 GPU_STAMP := $(VENV)/.gpu
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
-# Prefect's client telemetry too (and its notice on a fresh HOME's first run); an exported value wins.
-export DO_NOT_TRACK ?= 1
 export RAY_AUTH_MODE ?= disabled
 export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 # Prefect's temporary local API (a run without PREFECT_API_URL) must start within this; its 20 s
