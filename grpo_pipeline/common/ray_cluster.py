@@ -11,6 +11,7 @@ head aborts its process a minute later. What runs on every node is common/node_t
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -173,10 +174,30 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
     with sigterm_handler_kept():
         if parsed is None:
             # Started here, in this thread: Ray's local processes die with the thread that started them.
+            quiet_default_token_auth()
             ray.init(**options)
             return
         check_reachable(parsed, origin)
         _init_within(options, answer_timeout_s(), f"{origin}: the Ray cluster at {parsed}")
+
+
+# Ray's logger and words for the default it applies to a new local Ray (token auth, with a token it makes).
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_AUTH_DEFAULT_NOTICE = "Token authentication is enabled for this Ray cluster."
+
+
+class _DefaultTokenAuthNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RAY_AUTH_DEFAULT_NOTICE)
+
+
+def quiet_default_token_auth() -> None:
+    """A local Ray started here keeps Ray's default, token auth, without Ray's warning on every run that
+    it is on (`RAY_AUTH_MODE=disabled` opts out, as the Makefile does for the tests; that, and any other
+    word of Ray's, still shows)."""
+    logger = logging.getLogger(RAY_AUTH_LOGGER)
+    if not any(isinstance(f, _DefaultTokenAuthNotice) for f in logger.filters):
+        logger.addFilter(_DefaultTokenAuthNotice())
 
 
 def answer_timeout_s() -> float:

@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +28,8 @@ from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.profiles.tracking import TrackingSection
 
 STATE_FILE = "tracking.json"
+# Where each tool's own local UI serves a store or folder by default (`mlflow ui`, `tensorboard`).
+LOCAL_UI = {"mlflow": "http://127.0.0.1:5000", "tensorboard": "http://localhost:6006"}
 # MLflow caps a parameter's value (6,000 characters since 2.x) and a batch (100 parameters).
 _PARAM_CHARS, _BATCH = 6000, 100
 
@@ -115,7 +117,8 @@ class MlflowTracker(Tracker):
     def link(self):
         if self.uri.startswith(("http://", "https://")):
             return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        return f"run {self.run_id} of `mlflow ui --backend-store-uri {self.uri}`"
+        return (f"{LOCAL_UI['mlflow']}/#/experiments/{self.experiment_id}/runs/{self.run_id} (once "
+                f"`.venv/bin/mlflow ui --backend-store-uri {self.uri}` serves it)")
 
     def log_params(self, params, tags):
         from mlflow.entities import Param, RunTag
@@ -152,8 +155,8 @@ class WandbTracker(Tracker):
         import wandb
 
         w = self.settings.wandb
-        if w.mode == "online" and not os.environ.get("WANDB_API_KEY") and not _netrc_has_wandb():
-            raise RuntimeError("no WANDB_API_KEY in the flow's environment (and no `wandb login`)")
+        if missing := missing_credentials(self.settings):
+            raise RuntimeError(missing)
         self.run = wandb.init(
             project=w.project, entity=w.entity, id=(ids or {}).get("run_id"), name=run_name, resume="allow",
             mode=w.mode, dir=str(self.run_dir), reinit="create_new",
@@ -201,7 +204,7 @@ class TensorboardTracker(Tracker):
         return {"log_dir": str(self.log_dir)}
 
     def link(self):
-        return f"`tensorboard --logdir {self.log_dir}`"
+        return f"{LOCAL_UI['tensorboard']} (once `.venv/bin/tensorboard --logdir {self.log_dir}` serves it)"
 
     def log_params(self, params, tags):
         # TensorBoard has no parameters: the profile and the tags are text, shown in its TEXT tab.
@@ -357,6 +360,17 @@ def _answer_soon() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def missing_credentials(settings: TrackingSection, environ: Mapping[str, str] | None = None) -> str | None:
+    """A tracker the run cannot log to without credentials this environment lacks (W&B online without a
+    key), known before anything starts: the problem and its fix, or None."""
+    environ = os.environ if environ is None else environ
+    w = settings.wandb
+    if "wandb" in settings.trackers and w.mode == "online" and not environ.get("WANDB_API_KEY") and not _netrc_has_wandb():
+        return ("tracking: W&B (online) needs WANDB_API_KEY, which is not set here (nor `wandb login`); export it, "
+                "or --set tracking.wandb.mode=offline")
+    return None
 
 
 def _netrc_has_wandb() -> bool:

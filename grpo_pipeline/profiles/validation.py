@@ -13,7 +13,7 @@ import ast
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.common.errors import ProfileError, headline_and_details
 
 if TYPE_CHECKING:
     from grpo_pipeline.profiles.schema import RunProfile
@@ -157,9 +157,10 @@ def profile_problems(p: RunProfile) -> list[str]:
 
 
 def refuse(problems: list[str]) -> None:
-    """All problems of a profile, on one line (ProfileError); nothing when there are none."""
+    """All problems of a profile (ProfileError): the first with its fix as the headline, the others on
+    lines of their own below it; nothing when there are none."""
     if problems:
-        raise ProfileError("invalid profile: " + "; ".join(problems))
+        raise ProfileError(headline_and_details(problems, "invalid profile: "))
 
 
 def validate_profile(p: RunProfile) -> None:

@@ -26,6 +26,9 @@ INPUT_STAGES = {
 }
 
 
+# A run's command when its backend trains inside the flow: the same run again from the command line.
+RERUN_COMMAND = ["python", "-m", "grpo_pipeline"]
+
 class RunRequest(BaseModel):
     # A request is stored by Prefect and shown in its UI; a validation error must not echo its values.
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)

@@ -131,9 +131,11 @@ class StepLog:
         if resumed_from:
             self.logger.info("resuming from checkpoint global_step_%d of %d", resumed_from, max_steps)
         self.bar = Bar(total=max_steps, initial=resumed_from or 0, desc="GRPO steps", unit="step")
+        self.bar.set_postfix_str("starting: the workers load the model", refresh=True)
         self.table.show()
 
     def step(self, metrics: StepMetrics) -> None:
+        self.bar.set_postfix_str(f"reward {metrics.reward_mean:.3f}", refresh=False)
         self.bar.update(metrics.step - self.bar.n)
         self.logger.info(metrics.log_line(self.max_steps))
         self.table.show()
