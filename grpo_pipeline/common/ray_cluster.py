@@ -17,7 +17,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -35,6 +35,9 @@ DEFAULT_PORTS = {"ray": 10001, "http": 8265, "https": 443}
 _PORT_NAMES = {None: ("GCS port", 6379), "ray": ("Ray client port", DEFAULT_PORTS["ray"])}
 # ray.shutdown when the head no longer answers takes ~15 s (Ray's own retries); it is not waited on longer.
 DISCONNECT_TIMEOUT_S = 60.0
+# Told the session's name (`session_<date>_<time>_<pid>`) when this process starts a local Ray: the
+# run's lease records it (flows/lease.py, a floor up), so a later clean-up can say what it ended.
+LOCAL_RAY_STARTED: list[Callable[[str], None]] = []
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 _IPV6 = re.compile(r"[0-9A-Fa-f:.]+")
 
@@ -174,6 +177,8 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
         if parsed is None:
             # Started here, in this thread: Ray's local processes die with the thread that started them.
             ray.init(**options)
+            for hook in LOCAL_RAY_STARTED:
+                hook(ray._private.worker.global_worker.node.session_name)
             return
         check_reachable(parsed, origin)
         _init_within(options, answer_timeout_s(), f"{origin}: the Ray cluster at {parsed}")
