@@ -86,10 +86,10 @@ def parse_ray_address(address: str, origin: str = "--ray-address") -> RayAddress
     elif scheme not in DEFAULT_PORTS:
         raise RayAddressError(f"{origin}: unknown scheme {scheme!r}; {how}")
     rest = rest.split("/", 1)[0]
-    if "@" in rest:
+    if "@" in rest or "%" in rest:  # `u:pw%40head` is `u:pw@head` to a client that unescapes it
         raise RayAddressError(
-            f"{origin}: a Ray address carries no credentials (they would be stored and shown with it); remove the "
-            "user:password@ part and export RAY_AUTH_TOKEN where the flow runs if the cluster uses token auth"
+            f"{origin}: a Ray address carries no credentials nor %-escapes (they would be stored and shown with it); "
+            "remove the user:password@ part and export RAY_AUTH_TOKEN where the flow runs if the cluster uses token auth"
         )
     bracketed = re.fullmatch(r"\[([^\]]*)\](?::(.*))?", rest)
     if bracketed:
