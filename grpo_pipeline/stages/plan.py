@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from grpo_pipeline.common.tracker_stores import store_problem
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingRun
 from grpo_pipeline.common.file_faults import run_folder_problem
@@ -134,7 +135,8 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
     backend cannot run here (a stage it cannot run from the flow, more training workers than the
     host has devices), a data or model source that is not there, and (for a real run) a Ray
     cluster that does not answer; a layout that cannot fit in memory (the plan it was checked against
-    is returned; under planner.enforce=false it is logged as a warning instead)."""
+    is returned; under planner.enforce=false it is logged as a warning instead); an MLflow store that
+    cannot be made."""
     stages = request.stages
     backend_for(profile.backend).check_run(profile, device.count, stages, dry_run, request.ray_address)
     memory = device.memory_plan(profile)
@@ -146,6 +148,8 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
         DataSpec.from_profile(profile.data)
     if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
         ModelSpec.from_profile(profile.model)
+    if problem := store_problem(profile.tracking, write=not dry_run):
+        raise ProfileError(problem)
     address, origin = cluster_address(request.ray_address)
     if not dry_run and address:
         if parsed := parse_ray_address(address, origin):
