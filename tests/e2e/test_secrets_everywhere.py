@@ -6,9 +6,11 @@ A real run of `tiny` on the CPU (its own Prefect API and SQLite database, a loca
 and dry runs, with a token exported and referenced under another name (`env.MIRROR_AUTH=${HF_TOKEN}`),
 a database URL with a password exported and referenced (`env.MY_DB_URL=${MY_DB_URL}`), and secrets
 under names no word list knew (issue 44: `env.GH=${GITHUB_PAT}`, `env.CYR=${MY_AUTH}`, and
-`env.ODD=${ODD_VALUE}`, whose names say nothing): the runs folder (the run's files, MLflow's store
-and artifacts, W&B's offline run and its debug.log, TensorBoard's events), Prefect's home (database,
-result storage), Ray's session and the command's output are searched for every value.
+`env.ODD=${ODD_VALUE}`, whose names say nothing), and MLflow's credentials in its tracking URI as MLflow
+documents them (`MLFLOW_TRACKING_URI=http://user:pass@host`, a real `mlflow server` on 127.0.0.1): the
+runs folder (the run's files, W&B's offline run and its debug.log, TensorBoard's events), the MLflow
+server's store and artifacts, Prefect's home (database, result storage), Ray's session and the
+command's output are searched for every value.
 """
 
 from __future__ import annotations
@@ -19,20 +21,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from mlflow.tracking import MlflowClient
+
+from grpo_pipeline.common.tracking import job_env, read_state
+from grpo_pipeline.profiles.tracking import TrackingSection
+from mlflow_server import mlflow_server
+
 ROOT = Path(__file__).resolve().parents[2]
 # Made-up values that no scanner takes for live credentials.
 TOKEN = "test-secret-value-7f3a9c"
 DB_PASSWORD = "made-up-pass-4b81e2"
 DB_URL = f"postgres://user:{DB_PASSWORD}@db/x"
 UNKNOWN = {"GITHUB_PAT": "made-up-pat-91c0d2", "MY_AUTH": "made-up-auth-3e77a1", "ODD_VALUE": "made-up-odd-55b20f"}
-SECRETS = (TOKEN, DB_PASSWORD, *UNKNOWN.values())
+MLFLOW_PASSWORD = "made-up-mlflow-pw-8c1f"
+SECRETS = (TOKEN, DB_PASSWORD, *UNKNOWN.values(), MLFLOW_PASSWORD)
 BY_REFERENCE = ["--set", "env.MIRROR_AUTH=${HF_TOKEN}", "--set", "env.MY_DB_URL=${MY_DB_URL}", "--set", "env.GH=${GITHUB_PAT}",
                 "--set", "env.CYR=${MY_AUTH}", "--set", "env.ODD=${ODD_VALUE}"]
 TRACKERS = ["--set", "tracking.trackers=[mlflow,wandb,tensorboard]", "--set", "tracking.wandb.mode=offline"]
 
 
-def start_cli(*args: str, tmp_path: Path) -> subprocess.Popen:
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"),
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory):
+    """A real MLflow server: its folder (store and artifacts) and its URL with credentials in it."""
+    root = tmp_path_factory.mktemp("mlflow")
+    with mlflow_server(root) as url:
+        yield root, url.replace("http://", f"http://grpo:{MLFLOW_PASSWORD}@")
+
+
+def start_cli(*args: str, tmp_path: Path, **extra: str) -> subprocess.Popen:
+    env = {**extra, **os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"),
            "HF_TOKEN": TOKEN, "MY_DB_URL": DB_URL, **UNKNOWN, "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
            "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache")}
     env.pop("PREFECT_API_URL", None)
@@ -43,8 +61,8 @@ def start_cli(*args: str, tmp_path: Path) -> subprocess.Popen:
     )
 
 
-def run_cli(*args: str, tmp_path: Path) -> tuple[int, str, str]:
-    process = start_cli(*args, tmp_path=tmp_path)
+def run_cli(*args: str, tmp_path: Path, **extra: str) -> tuple[int, str, str]:
+    process = start_cli(*args, tmp_path=tmp_path, **extra)
     out, err = process.communicate(timeout=600)
     return process.returncode, out, err
 
@@ -58,9 +76,10 @@ def files_holding_a_secret(*folders: Path) -> list[str]:
     return found
 
 
-def test_a_run_with_secrets_by_reference_leaves_them_in_no_file_database_ray_log_or_output(tmp_path):
+def test_a_run_with_secrets_by_reference_leaves_them_in_no_file_database_ray_log_or_output(tmp_path, mlflow_store):
+    server, uri = mlflow_store
     process = start_cli("--run-name", "secrets", "--stages", "train", "--set", "trainer.total_training_steps=2",
-                        *BY_REFERENCE, *TRACKERS, tmp_path=tmp_path)
+                        *BY_REFERENCE, *TRACKERS, tmp_path=tmp_path, MLFLOW_TRACKING_URI=uri)
     out, err = process.communicate(timeout=600)
     assert process.returncode == 0, err[-3000:]
     run_dir, home = tmp_path / "runs" / "secrets", tmp_path / "prefect"
@@ -69,8 +88,8 @@ def test_a_run_with_secrets_by_reference_leaves_them_in_no_file_database_ray_log
     sessions = list((Path(os.environ.get("RAY_TMPDIR", "/tmp")) / "ray").glob(f"session_*_{process.pid}"))
     assert sessions, "the run started no local Ray session"
     assert not [line for line in (out + err).splitlines() if any(value in line for value in SECRETS)]
-    assert files_holding_a_secret(tmp_path / "runs", home, *sessions) == []
-    assert not list(ROOT.glob("mlruns")), "MLflow wrote artifacts into the working directory"
+    assert files_holding_a_secret(tmp_path / "runs", home, server, *sessions) == []
+    assert "View run" not in out + err  # MLflow's own line, with the URI it was given
 
     # What was searched is what the run stored: the entries, shown redacted; Prefect's database with
     # the flow's parameters; Ray's log of the runtime_env the workers got.
@@ -78,7 +97,14 @@ def test_a_run_with_secrets_by_reference_leaves_them_in_no_file_database_ray_log
     for name in ("MIRROR_AUTH", "GH", "CYR", "ODD"):
         assert env_json[name] == {"value": "***", "source": "user"}
     assert list(run_dir.glob("wandb/offline-run-*/logs/debug.log")) and list(run_dir.glob("tensorboard/events.*"))
-    assert (tmp_path / "runs" / "mlflow.db").is_file() and list((tmp_path / "runs").glob("mlflow-artifacts/*/*"))
+    state = read_state(run_dir)  # what was searched: the tracker run, its link, its copy of the report
+    public = uri.replace(f"grpo:{MLFLOW_PASSWORD}@", "")
+    assert state.runs["mlflow"]["tracking_uri"] == public and state.links["mlflow"].startswith(f"{public}/#/experiments/")
+    assert f"]({public}/#/experiments/" in (run_dir / "report.md").read_text()
+    client = MlflowClient(uri)  # the server took the credentials (MLflow sends them as basic auth)
+    assert "report.md" in {a.path for a in client.list_artifacts(state.runs["mlflow"]["run_id"])}
+    # A verl job continuing the run gets the URI without them: a node's MLflow reads its own variables.
+    assert job_env(TrackingSection(trackers=["mlflow"]), run_dir)["MLFLOW_TRACKING_URI"] == public
     assert "| `MY_DB_URL` | `***` | user |" in (run_dir / "report.md").read_text()
     assert b"env.MIRROR_AUTH=${HF_TOKEN}" in (home / "prefect.db").read_bytes() + b"".join(
         p.read_bytes() for p in home.glob("prefect.db-*"))
