@@ -151,17 +151,6 @@ def _top_level_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def dataset_problems(p: RunProfile) -> list[str]:
-    """Splits the arith generator cannot make (found minutes in, at the dataset stage, otherwise)."""
-    d = p.data
-    if d.dataset != "arith" or d.source:
-        return []
-    from grpo_pipeline.common.rl_data import arith_rows_problem  # pyarrow: only for arith runs
-
-    problem = arith_rows_problem(d.arith_train_rows, d.arith_test_rows, d.seed)
-    return [problem] if problem else []
-
-
 def public_env_problems(p: RunProfile) -> list[str]:
     """`public_env` names env entries read by reference, and never one named like a secret."""
     problems = []
@@ -176,7 +165,7 @@ def public_env_problems(p: RunProfile) -> list[str]:
 
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
-    return [*dataset_problems(p), *public_env_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
+    return [*public_env_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
             *position_problems(p), *head_problems(p), *sampling_problems(p)]
 
 

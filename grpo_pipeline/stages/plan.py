@@ -15,10 +15,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.tracker_stores import store_problem
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingRun
 from grpo_pipeline.common.file_faults import run_folder_problem
+from grpo_pipeline.common.tracker_stores import store_problem
 from grpo_pipeline.stages import run_lock
 from grpo_pipeline.stages.request import RunRequest
 from grpo_pipeline.common.errors import ProfileError, UserError
@@ -28,7 +28,7 @@ from grpo_pipeline.profiles.validation import profile_problems, refuse
 from grpo_pipeline.planner.memory import MemoryPlan
 from grpo_pipeline.profiles.requirements import NodeRequirement
 from grpo_pipeline.profiles.schema import RunProfile
-from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec
+from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, dataset_problems
 from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_device
 from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
 from grpo_pipeline.stages.model import ModelCheckpoint, ModelSpec
@@ -103,7 +103,8 @@ def checked_profile(model: str, device: str, backend: str = "auto", profile_file
     rules, picked by the backend) and those that hold for any backend; all problems on one line."""
     profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False,
                                           detected=detected)
-    refuse([*backend_for(profile.backend).profile_problems(profile), *profile_problems(profile)])
+    refuse([*dataset_problems(profile.data), *backend_for(profile.backend).profile_problems(profile),
+            *profile_problems(profile)])
     return profile, reason
 
 
