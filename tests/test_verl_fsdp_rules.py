@@ -15,8 +15,6 @@ import importlib.util
 import re
 from pathlib import Path
 
-import pytest
-
 from grpo_pipeline.common.errors import ProfileError
 from grpo_pipeline.stages.plan import resolve_profile
 

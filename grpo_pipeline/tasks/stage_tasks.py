@@ -30,7 +30,6 @@ from grpo_pipeline.tasks.tracking import StepTracking, close_tracker_runs
 from grpo_pipeline.generation.engines import engine_label
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import ModelArchitecture, RunProfile
-from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_device
 from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment

@@ -50,15 +50,21 @@ def _history(url: str, run_id: str) -> list[int]:
     return [m.step for m in MlflowClient(url).get_metric_history(run_id, "train/reward_mean")]
 
 
-def test_mlflow_going_away_costs_one_bounded_attempt_per_wait_and_its_steps_are_sent_when_it_answers(tmp_path,
-                                                                                                      monkeypatch):
+def _tracked_run(tmp_path: Path):
+    """A port for the MLflow server (started, stopped and restarted on it), its folder, its URL, a profile
+    that logs to it and to TensorBoard, and the run's folder."""
     port, store = free_port(), tmp_path / "server"
     store.mkdir()
     url = f"http://127.0.0.1:{port}"
     profile = resolve_profile("tiny", "cpu", overrides=["tracking.trackers=[mlflow,tensorboard]",
                                                         f"tracking.mlflow.tracking_uri={url}"])
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    (run_dir := tmp_path / "run").mkdir()
+    return port, store, url, profile, run_dir
+
+
+def test_mlflow_going_away_costs_one_bounded_attempt_per_wait_and_its_steps_are_sent_when_it_answers(tmp_path,
+                                                                                                      monkeypatch):
+    port, store, url, profile, run_dir = _tracked_run(tmp_path)
     warned: list[str] = []
     with mlflow_server(store, port):
         state = open_tracker_run(profile, DEVICE, {}, run_dir, uuid4(), warn=pytest.fail)
@@ -94,13 +100,7 @@ def test_a_rerun_after_kill_9_fills_every_tracker_up_to_the_last_step_once(tmp_p
     """The flow was killed at step 6 with the trackers at step 4; the Ray workers it left trained on to
     step 12 (metrics.jsonl and the checkpoint), so the rerun resumed at 12 of 12 and trained nothing:
     MLflow and TensorBoard kept steps 1-4 for good."""
-    port, store = free_port(), tmp_path / "server"
-    store.mkdir()
-    url = f"http://127.0.0.1:{port}"
-    profile = resolve_profile("tiny", "cpu", overrides=["tracking.trackers=[mlflow,tensorboard]",
-                                                        f"tracking.mlflow.tracking_uri={url}"])
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
+    port, store, url, profile, run_dir = _tracked_run(tmp_path)
     with mlflow_server(store, port):
         state = open_tracker_run(profile, DEVICE, {}, run_dir, uuid4(), warn=pytest.fail)
         killed = StepTracking(profile, run_dir, logs_itself=False, warn=pytest.fail)
