@@ -57,12 +57,8 @@ class TrackingSession:
         `now`: a tracker that did not answer is asked at once, not after its wait."""
         for tracker in self.trackers:
             done = self.state.logged(tracker.name)
-            if done >= step:
-                continue  # an earlier attempt logged it (a resumed attempt trains it again)
-            backlog = [(step, values)] if values is not None and done == step - 1 else self.steps(done, step)
-            if values is not None and not any(s == step for s, _ in backlog):
-                backlog.append((step, values))
-            self._attempt(tracker, lambda t=tracker, b=backlog: self._send(t, b), now)
+            if done < step:  # else an earlier attempt logged it (a resumed attempt trains it again)
+                self._attempt(tracker, lambda t=tracker, d=done: self._send(t, self._backlog(d, step, values)), now)
         self._save()
 
     def catch_up(self) -> None:
@@ -103,6 +99,13 @@ class TrackingSession:
             self.state.ended = status
             self._save()
         self.trackers = []
+
+    def _backlog(self, done: int, step: int, values: dict[str, float] | None) -> list[tuple[int, dict[str, float]]]:
+        """The steps after `done` up to `step`: this one alone when it is the next, else from metrics.jsonl."""
+        backlog = [(step, values)] if values is not None and done == step - 1 else self.steps(done, step)
+        if values is not None and not any(s == step for s, _ in backlog):
+            backlog.append((step, values))
+        return backlog
 
     def _send(self, tracker: Tracker, backlog: list[tuple[int, dict[str, float]]]) -> None:
         for step, values in backlog:
