@@ -13,7 +13,8 @@ import ast
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.common.errors import ProfileError, headline_and_details
+from grpo_pipeline.profiles.secrets import is_secret
 
 if TYPE_CHECKING:
     from grpo_pipeline.profiles.schema import RunProfile
@@ -150,27 +151,29 @@ def _top_level_names(tree: ast.Module) -> set[str]:
     return names
 
 
-def dataset_problems(p: RunProfile) -> list[str]:
-    """Splits the arith generator cannot make (found minutes in, at the dataset stage, otherwise)."""
-    d = p.data
-    if d.dataset != "arith" or d.source:
-        return []
-    from grpo_pipeline.common.rl_data import arith_rows_problem  # pyarrow: only for arith runs
-
-    problem = arith_rows_problem(d.arith_train_rows, d.arith_test_rows, d.seed)
-    return [problem] if problem else []
+def public_env_problems(p: RunProfile) -> list[str]:
+    """`public_env` names env entries read by reference, and never one named like a secret."""
+    problems = []
+    for name in p.public_env:
+        if name not in p.env:
+            problems.append(f"public_env: {name} is no env entry of the profile; add env.{name}=${{NAME}} or remove it")
+        elif is_secret(name):
+            problems.append(f"public_env: env.{name} is named like a secret, which is never shown; rename the entry, "
+                            "or remove it from public_env")
+    return problems
 
 
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
-    return [*dataset_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
+    return [*public_env_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
             *position_problems(p), *head_problems(p), *sampling_problems(p)]
 
 
 def refuse(problems: list[str]) -> None:
-    """All problems of a profile, on one line (ProfileError); nothing when there are none."""
+    """All problems of a profile (ProfileError): the first with its fix as the headline, the others on
+    lines of their own below it; nothing when there are none."""
     if problems:
-        raise ProfileError("invalid profile: " + "; ".join(problems))
+        raise ProfileError(headline_and_details(problems, "invalid profile: "))
 
 
 def validate_profile(p: RunProfile) -> None:

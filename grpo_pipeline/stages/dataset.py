@@ -107,6 +107,16 @@ class DatasetFiles(BaseModel):
     cached: bool = Field(..., description="True when nothing was fetched or built.")
 
 
+def dataset_problems(d: DataSection) -> list[str]:
+    """Splits the arith generator cannot make, refused at planning (found minutes in, at this stage, otherwise)."""
+    if d.dataset != "arith" or d.source:
+        return []
+    from grpo_pipeline.common.rl_data import arith_rows_problem  # pyarrow: only for arith runs
+
+    problem = arith_rows_problem(d.arith_train_rows, d.arith_test_rows, d.seed)
+    return [problem] if problem else []
+
+
 def dataset_dir(spec: DataSpec) -> Path:
     """Where the dataset's entry lives, known without fetching it (for a dry run's command)."""
     return Store(spec.root).path_for(spec.store_name, spec.identity())

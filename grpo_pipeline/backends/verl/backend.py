@@ -92,6 +92,11 @@ class VerlBackend(Backend):
     def node_requirements(self, profile: RunProfile, stage: str) -> dict[str, NodeRequirement]:
         return for_stage({**verl_requirements(profile), **profile.requires}, stage)
 
+    def generation_summary(self, profile, generation):
+        r = profile.rollout
+        return (f"rollouts: {r.engine} inside verl's job (rollout.tp={r.tp}); evaluation: on the cluster's nodes, "
+                f"{r.engine} where a node's image has it, else transformers")
+
     def evaluation(self, profile, settings, devices_here, ray_address, runtime_env):
         """On the run's cluster (the policy is too big for the flow's host): one engine per `rollout.tp`
         devices, each a Ray task on the nodes, once every node is shown able to run its engine."""
