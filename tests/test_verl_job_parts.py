@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpo_pipeline.backends.verl import follow, job_api
-from grpo_pipeline.backends.verl.backend import planned_steps
+from grpo_pipeline.backends.verl.steps import planned_steps
 from grpo_pipeline.backends.verl.failures import diagnose
 from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
 from grpo_pipeline.backends.verl.job import JobRecord, job_spec, submission_id

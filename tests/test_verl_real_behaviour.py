@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_pipeline.backends.verl.backend import planned_steps, step_count_problem
+from grpo_pipeline.backends.verl.steps import planned_steps, step_count_problem
 from grpo_pipeline.backends.verl.checkpoint import verl_hf_dir
 from grpo_pipeline.backends.verl.failures import diagnose
 from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from

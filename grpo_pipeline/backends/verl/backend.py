@@ -3,11 +3,10 @@ Ray job, which the train stage submits, follows, stops and resumes.
 
     python -m grpo_pipeline --model qwen3.5-122b-a10b --device npu --ray-address head:6379
 
-Its layout rules (Megatron's TP x PP x CP against the world and the model, EP/ETP against the
-experts, or FSDP2's group and Ulysses size; vLLM's TP against a node and the heads, batch sizes against
-the engine's data-parallel ranks)
-and its entrypoint (shell words naming a command) are checked whenever a profile is resolved. An
-attempt of the train stage:
+Its layout rules (Megatron's TP x PP x CP against the world and the model, EP/ETP against the experts,
+or FSDP2's group and Ulysses size; vLLM's TP against a node and the heads, batch sizes against the
+engine's data-parallel ranks) and its entrypoint (shell words naming a command) are checked whenever a
+profile is resolved. An attempt of the train stage:
 1. adds to the run's records the steps its jobs trained while no flow followed them (the flow was
    killed: verl's own file of each attempt has them), then returns at once when the run is already
    complete (verl's tracker file at the last step, or a job of this run that ended it): a finished
@@ -24,9 +23,9 @@ attempt of the train stage:
 4. ends on the job's status: SUCCEEDED at the tracker's step; FAILED with a config error (not
    retried, the job's own line) or another cause (`TrainingInterrupted`: the stage's retry resumes
    from the latest checkpoint with trainer.resume_mode=auto); or on the cluster itself: a job API
-   that stops answering (the head died) ends the run (`ClusterLost`, not retried) with a line that
-   names the cluster, the last step and how to resume. Checkpoints are never deleted. A success before
-   verl's own last step, or a resume from a step without its dataloader state, is a guard's (backends/guards.py).
+   that stops answering (the head died) ends the run (`ClusterLost`, not retried) with a line that names
+   the cluster, the last step and how to resume. Checkpoints are never deleted. A success before verl's
+   own last step, or a resume from a step without its dataloader state, is a guard's (backends/guards.py).
 """
 
 from __future__ import annotations
@@ -36,8 +35,6 @@ import time
 from collections import deque
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from grpo_pipeline.backends.base import Backend, TrainingInputs, TrainingInterrupted, TrainingProgress, TrainingRun, TrainResult
 from grpo_pipeline.backends.guards import GuardTrip, check_data_position, check_short_run
 from grpo_pipeline.backends.metrics import METRICS, append_metrics, keep_metrics_up_to, read_metrics
@@ -46,6 +43,7 @@ from grpo_pipeline.backends.verl.command import entrypoint_problems, verl_comman
 from grpo_pipeline.backends.verl.failures import diagnose
 from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, total_steps, tracker_step
 from grpo_pipeline.backends.verl.resume import keep_good_checkpoint, missing_dataloader_state
+from grpo_pipeline.backends.verl.steps import planned_steps, step_count_problem
 from grpo_pipeline.backends.verl.job import JOB_DIR, LOST, TERMINAL, JobRecord, job_spec, new_token, read_record, write_record
 from grpo_pipeline.backends.verl.job_api import job_client, job_status, stop_job, submit
 from grpo_pipeline.backends.verl.requirements import verl_requirements
@@ -350,32 +348,6 @@ class VerlBackend(Backend):
         record = read_record(Path(result.metrics_file).parent) if result.metrics_file else None
         base = Path(record.model_path) if record is not None and record.model_path else None
         return verl_hf_dir(Path(result.checkpoint_dir), base)
-
-
-def planned_steps(profile: RunProfile, train_files: list[str]) -> int:
-    """verl's step count: trainer.total_training_steps, else whole batches per epoch x epochs (its
-    dataloader drops the last partial batch). verl may count fewer after filtering overlong prompts."""
-    if profile.trainer.total_training_steps:
-        return profile.trainer.total_training_steps
-    rows = sum(pq.ParquetFile(path).metadata.num_rows for path in train_files)
-    return max(1, rows // profile.data.train_batch_size) * profile.trainer.total_epochs
-
-
-def step_count_problem(profile: RunProfile, train_files: list[str]) -> str | None:
-    """What verl 0.9.1's loop would do wrong with this step count (v1 trainer_base.fit): it divides by
-    the whole batches of an epoch (none: ZeroDivisionError), and it stops after trainer.total_epochs
-    even when trainer.total_training_steps asks for more, without saving that last step."""
-    t, batch = profile.trainer, profile.data.train_batch_size
-    per_epoch = sum(pq.ParquetFile(path).metadata.num_rows for path in train_files) // batch
-    if per_epoch == 0:
-        return (f"data.train_batch_size={batch}: the training data holds less than one batch, and verl trains on whole "
-                "batches only; lower data.train_batch_size or use more training rows")
-    if t.total_training_steps and t.total_training_steps > per_epoch * t.total_epochs:
-        epochs = -(-t.total_training_steps // per_epoch)
-        return (f"trainer.total_training_steps={t.total_training_steps} is more than trainer.total_epochs="
-                f"{t.total_epochs} of {per_epoch} whole batches of {batch} give; verl would stop after its last epoch "
-                f"without saving its last step: set trainer.total_epochs={epochs}")
-    return None
 
 
 def _responses_per_step(profile: RunProfile) -> int:
