@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.ray_address import check_reachable, cluster_address, parse_ray_address
+from grpo_pipeline.common.ray_address import RayAddressError, check_reachable, cluster_address, parse_ray_address
 
 # Ray's own connection to a cluster's head (after common/ray_address.py's TCP probe); a slow head may need more.
 RAY_CONNECT_TIMEOUT_VAR, RAY_CONNECT_TIMEOUT_S = "GRPO_PIPELINE_RAY_CONNECT_TIMEOUT_S", 60.0
