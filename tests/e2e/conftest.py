@@ -1,4 +1,5 @@
-"""Shared by the whole-flow tests: one Prefect test harness (real API, SQLite) for the session."""
+"""Shared by the whole-flow tests: one Prefect test harness (real API, SQLite) for the session; for a module
+of verl tests, its own Ray cluster of NPU nodes (tests/verl_cluster.py) and that cluster's job API."""
 
 from __future__ import annotations
 
@@ -25,3 +26,23 @@ def restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import ray
+
+    from verl_cluster import npu_cluster
+
+    ray.shutdown()  # whatever an earlier test joined: this module's runs join this cluster
+    made = npu_cluster()
+    yield made
+    ray.shutdown()
+    made.shutdown()
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster):
+    from ray.job_submission import JobSubmissionClient
+
+    return JobSubmissionClient(cluster.address)

@@ -15,7 +15,6 @@ import pytest
 from grpo_pipeline.backends.metrics import read_metrics
 from grpo_pipeline.backends.verl.follow import tracker_step
 from grpo_pipeline.backends.verl.job import read_record
-from test_verl_job import cluster, jobs  # noqa: F401 (the module's Ray cluster of NPU nodes, and its job API)
 from verl_cluster import EVENT_WAIT_S, flow_process, submissions
 
 pytestmark = pytest.mark.e2e

@@ -21,11 +21,9 @@ import time
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
-from ray.job_submission import JobSubmissionClient
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
@@ -43,24 +41,10 @@ from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.profiles.schema import DataSection
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
 from grpo_pipeline.stages.environment import resolve_environment
-from verl_cluster import CLUSTER, ENTRYPOINT, EVENT_WAIT_S, flow_process, npu_cluster, submissions, wait_for
+from verl_cluster import CLUSTER, ENTRYPOINT, EVENT_WAIT_S, flow_process, submissions, wait_for
 
 NCCL_TIMEOUT = ("RuntimeError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, "
                 "OpType=ALLREDUCE, NumelIn=1, NumelOut=1, Timeout(ms)=600000) ran for 600012 milliseconds before timing out.")
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    ray.shutdown()  # whatever an earlier test joined: this module's runs join this cluster
-    made = npu_cluster()
-    yield made
-    ray.shutdown()
-    made.shutdown()
-
-
-@pytest.fixture(scope="module")
-def jobs(cluster) -> JobSubmissionClient:
-    return JobSubmissionClient(cluster.address)
 
 
 @pytest.fixture(scope="module")
