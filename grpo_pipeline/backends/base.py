@@ -173,4 +173,9 @@ class Backend(ABC):
 
     @abstractmethod
     def policy_dir(self, result: TrainResult) -> Path:
-        """The Hugging Face directory of the trained policy (converted from the engine's checkpoint if need be)."""
+        """The Hugging Face directory of the trained policy (converted from the engine's checkpoint if need be; a
+        LoRA run's: the base model with the adapter merged, common/lora_export.py)."""
+
+    def adapter_dir(self, result: TrainResult) -> Path | None:
+        """A LoRA run's adapter alone, in PEFT's format (written by `policy_dir`); None for full fine-tuning."""
+        return None

@@ -24,6 +24,7 @@ from grpo_pipeline.common.errors import ProfileError, UserError
 from grpo_pipeline.generation.plan import GenerationPlan, plan_generation
 from grpo_pipeline.profiles.loader import resolve_run_profile
 from grpo_pipeline.profiles.validation import profile_problems, refuse
+from grpo_pipeline.planner.lora import lora_problems
 from grpo_pipeline.planner.memory import MemoryPlan
 from grpo_pipeline.profiles.requirements import NodeRequirement
 from grpo_pipeline.profiles.schema import RunProfile
@@ -104,11 +105,12 @@ def checked_profile(model: str, device: str, backend: str = "auto", profile_file
                     detected: dict[str, Any] | None = None) -> tuple[RunProfile, str]:
     """The profile from its layers (profiles/loader.py), and why it has its backend, checked against every
     rule at once: its backend's own (layout, batches over its ranks, what it cannot run: the planner's
-    rules, picked by the backend) and those that hold for any backend; all problems on one line."""
+    rules, picked by the backend), those that hold for any backend and the LoRA adapter's target modules
+    against the model's own (planner/lora.py); all problems on one line."""
     profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False,
                                           detected=detected)
     refuse([*backend_for(profile.backend).profile_problems(profile), *profile_problems(profile),
-            *dataset_problems(profile)])
+            *dataset_problems(profile), *lora_problems(profile)])
     return profile, reason
 
 

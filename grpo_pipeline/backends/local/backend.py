@@ -76,4 +76,15 @@ class LocalBackend(Backend):
         return stop_ray_job()  # the workers are this process's Ray job
 
     def policy_dir(self, result: TrainResult) -> Path:
-        return Path(result.checkpoint_dir)  # global_step_N holds the HF policy itself
+        from grpo_pipeline.common.lora_export import export_lora_policy, has_adapter
+
+        checkpoint = Path(result.checkpoint_dir)
+        if has_adapter(checkpoint):  # a LoRA run's step holds the adapter: merged into the base model
+            return export_lora_policy(checkpoint)[1]
+        return checkpoint  # global_step_N holds the HF policy itself
+
+    def adapter_dir(self, result: TrainResult) -> Path | None:
+        from grpo_pipeline.common.lora_export import export_adapter, has_adapter
+
+        checkpoint = Path(result.checkpoint_dir)
+        return export_adapter(checkpoint) if has_adapter(checkpoint) else None

@@ -20,6 +20,7 @@ from grpo_pipeline.backends.metrics import METRICS
 from grpo_pipeline.common.errors import ProfileError, UserError
 from grpo_pipeline.generation.decoding import compile_cache_dir
 from grpo_pipeline.generation.plan import GenerationPlan
+from grpo_pipeline.profiles.lora import LoraSection
 from grpo_pipeline.profiles.platform import Platform
 from grpo_pipeline.profiles.schema import RunProfile
 
@@ -54,6 +55,8 @@ class LocalTrainSettings(BaseModel):
                                "(backends/local/phases.py; bench/bench_grpo_step.py turns it on).")
     compile_cache_dir: str | None = Field(None, description="Where torch keeps compiled decode steps between runs "
                                           "(under model.root).")
+    lora: LoraSection = Field(default_factory=LoraSection, description="The adapter TRL trains instead of every weight "
+                              "(rank 0: none; backends/local/lora.py).")
 
     @property
     def checkpoints(self) -> Path:
@@ -111,6 +114,7 @@ def plan_local_training(
         generation=generation,
         compile_cache_dir=str(compile_cache_dir(profile.model.root)),
         padding_free=padding_free(profile.engine.use_remove_padding, generation.attn_implementation),
+        lora=profile.lora,
     )
 
 

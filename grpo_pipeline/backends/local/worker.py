@@ -64,17 +64,21 @@ def worker_loop(config: dict[str, Any]) -> None:
         disable_tqdm=True,
         **settings.grpo,
     )
-    trainer_class, native_options = GRPOTrainer, {}
+    trainer_class, trainer_options = GRPOTrainer, {}
     if plan.native:
         from grpo_pipeline.backends.local.rollouts import NativeRolloutTrainer
 
         trainer_class = NativeRolloutTrainer
-        native_options = dict(plan=plan, max_prompt_tokens=settings.max_prompt_length, timer=timer,
+        trainer_options = dict(plan=plan, max_prompt_tokens=settings.max_prompt_length, timer=timer,
                               compile_cache_dir=settings.compile_cache_dir)
     if settings.padding_free:
         from grpo_pipeline.backends.local.packing import PackedLogProbs
 
         trainer_class = type(f"Packed{trainer_class.__name__}", (PackedLogProbs, trainer_class), {})
+    if settings.lora.enabled:  # TRL wraps the model with PEFT; the reference is the base, adapter disabled
+        from grpo_pipeline.backends.local.lora import peft_config
+
+        trainer_options["peft_config"] = peft_config(settings.lora)
     trainer = trainer_class(
         model=model,
         reward_funcs=_reward_function(settings.reward_function),
@@ -82,7 +86,7 @@ def worker_loop(config: dict[str, Any]) -> None:
         train_dataset=train,
         processing_class=tokenizer,
         callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
-        **native_options,
+        **trainer_options,
     )
     if settings.phase_timing and rank == 0:
         from grpo_pipeline.backends.local.phases import StepPhases
