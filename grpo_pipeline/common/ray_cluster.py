@@ -18,7 +18,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
@@ -36,6 +36,27 @@ DEFAULT_PORTS = {"ray": 10001, "http": 8265, "https": 443}
 _PORT_NAMES = {None: ("GCS port", 6379), "ray": ("Ray client port", DEFAULT_PORTS["ray"])}
 # ray.shutdown when the head no longer answers takes ~15 s (Ray's own retries); it is not waited on longer.
 DISCONNECT_TIMEOUT_S = 60.0
+# The one service port Ray gives a node a fixed default when it is started without one: its dashboard
+# agent's HTTP port (52365), where a cluster's job API submits jobs. A second Ray on the host found it
+# taken, its agent failed to bind ("Agent port #52365 failed to bind after 6 attempts"), and every job
+# submission to it answered "No available agent to submit job". 0: the agent binds a free port and
+# registers it, as every other service of a node already does (GCS, raylet, object manager, metrics,
+# runtime-env agent); a dashboard, where a node runs one, the same (its default is 8265). Every Ray the
+# project or its tests start is given these.
+FREE_PORTS = {"dashboard_agent_listen_port": 0, "dashboard_port": 0}
+# How Ray names the port a service could not bind (its GCS: "The specified port is 6379 ... `Address already
+# in use`"; an agent: "Agent port #52365 failed to bind").
+_PORT_IN_ERROR = re.compile(r"(?:specified port is|port #?)(\d{2,5})\b", re.IGNORECASE)
+_TAKEN = re.compile(r"already in use|failed to bind", re.IGNORECASE)
+
+
+class RayStartError(UserError):
+    """The run's local Ray could not start (a port it was given is taken)."""
+
+
+# Told the session's name (`session_<date>_<time>_<pid>`) when this process starts a local Ray: the
+# run's lease records it (flows/lease.py, a floor up), so a later clean-up can say what it ended.
+LOCAL_RAY_STARTED: list[Callable[[str], None]] = []
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?")
 _IPV6 = re.compile(r"[0-9A-Fa-f:.]+")
 
@@ -84,10 +105,10 @@ def parse_ray_address(address: str, origin: str = "--ray-address") -> RayAddress
     elif scheme not in DEFAULT_PORTS:
         raise RayAddressError(f"{origin}: unknown scheme {scheme!r}; {how}")
     rest = rest.split("/", 1)[0]
-    if "@" in rest:
+    if "@" in rest or "%" in rest:  # `u:pw%40head` is `u:pw@head` to a client that unescapes it
         raise RayAddressError(
-            f"{origin}: a Ray address carries no credentials (they would be stored and shown with it); remove the "
-            "user:password@ part and export RAY_AUTH_TOKEN where the flow runs if the cluster uses token auth"
+            f"{origin}: a Ray address carries no credentials nor %-escapes (they would be stored and shown with it); "
+            "remove the user:password@ part and export RAY_AUTH_TOKEN where the flow runs if the cluster uses token auth"
         )
     bracketed = re.fullmatch(r"\[([^\]]*)\](?::(.*))?", rest)
     if bracketed:
@@ -175,7 +196,13 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
         if parsed is None:
             # Started here, in this thread: Ray's local processes die with the thread that started them.
             quiet_default_token_auth()
-            ray.init(**options)
+            with _free_node_ports():
+                try:
+                    ray.init(**options)
+                except RuntimeError as exc:
+                    raise port_clash(exc) or exc
+            for hook in LOCAL_RAY_STARTED:
+                hook(ray._private.worker.global_worker.node.session_name)
             return
         check_reachable(parsed, origin)
         _init_within(options, answer_timeout_s(), f"{origin}: the Ray cluster at {parsed}")
@@ -198,6 +225,65 @@ def quiet_default_token_auth() -> None:
     logger = logging.getLogger(RAY_AUTH_LOGGER)
     if not any(isinstance(f, _DefaultTokenAuthNotice) for f in logger.filters):
         logger.addFilter(_DefaultTokenAuthNotice())
+
+
+@contextmanager
+def _free_node_ports() -> Iterator[None]:
+    """ray.init has no option for the agent's port (FREE_PORTS), and the node parameters it builds
+    default it to 52365: for the duration, they are built with FREE_PORTS, unless given."""
+    from ray._private import parameter
+
+    fixed = parameter.RayParams
+
+    class FreePortParams(fixed):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**FREE_PORTS, **kwargs})
+
+    parameter.RayParams = FreePortParams
+    try:
+        yield
+    finally:
+        parameter.RayParams = fixed
+
+
+def port_clash(exc: BaseException) -> RayStartError | None:
+    """A Ray that could not start because a port is taken, in one line naming the port and, where this
+    user may see it, the process that holds it; None for any other failure."""
+    text = str(exc)
+    for log in re.findall(r"(/\S+/logs/\S+\.(?:out|err|log))", text)[:3]:  # "Please check <session>/logs/gcs_server.out"
+        try:
+            text += "\n" + Path(log).read_bytes()[-65536:].decode(errors="replace")
+        except OSError:
+            continue
+    found = _PORT_IN_ERROR.search(text)
+    if found is not None and _TAKEN.search(text):
+        port = int(found.group(1))
+    elif "Failed to start GCS" in text and (given := os.environ.get("RAY_GCS_SERVER_PORT", "")).isdigit() \
+            and _taken(int(given)):
+        port = int(given)
+    else:
+        return None
+    holder = ""
+    try:
+        import psutil
+
+        pids = {c.pid for c in psutil.net_connections(kind="tcp") if c.laddr and c.laddr.port == port
+                and c.status == psutil.CONN_LISTEN and c.pid}
+        holder = "".join(f" by pid {pid} ({psutil.Process(pid).name()})" for pid in sorted(pids)[:1])
+    except Exception:  # psutil.AccessDenied, or gone meanwhile: the port alone is named
+        pass
+    given = [name for name in ("RAY_GCS_SERVER_PORT",) if os.environ.get(name) == str(port)]
+    fix = f"unset {given[0]} so Ray picks a free port" if given else "free it, or stop the other Ray on this host"
+    return RayStartError(f"the local Ray could not start: port {port} is already in use{holder}; {fix}")
+
+
+def _taken(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return True
+    return False
 
 
 def answer_timeout_s() -> float:

@@ -134,7 +134,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         error = exc.errors()[0]
         field = ".".join(str(p) for p in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
-        if field.startswith(("overrides", "ray_address", "model", "profile_file", "run_root")):
+        if field.startswith(("overrides", "ray_address", "model", "profile_file", "run_root", "run_name")):
             # Values that may carry a secret are never echoed; these messages name their option.
             raise UserError(message) from None
         raise UserError(f"--{field.replace('_', '-')}={getattr(args, field, None) or fields.get(field)!r}: {message}") from None

@@ -211,8 +211,12 @@ def fsdp_group(p: RunProfile) -> int:
 
 
 def fsdp_problems(p: RunProfile) -> list[str]:
-    """FSDP2's layout as verl 0.9.1 builds it (workers/engine/fsdp/transformer_impl.py, utils.py,
-    models/transformers/monkey_patch.py), and the Megatron settings it would ignore."""
+    """FSDP2's layout as verl 0.9.1 builds it, and the Megatron settings it would ignore. The Ulysses
+    rules, each verl's own (tests/test_verl_fsdp_rules.py finds each check in verl's source): the (dp, sp)
+    device mesh (workers/engine/fsdp/transformer_impl.py `_init_device_mesh`), attention and KV heads
+    over the Ulysses ranks (models/transformers/monkey_patch.py `apply_monkey_patch`'s asserts), packed
+    sequences (transformer_impl.py, workers/config/actor.py), and the batch over every device
+    (utils/config.py `validate_config`)."""
     e, arch, world = p.engine, p.model.architecture, p.world_size
     problems = [f"engine.strategy=fsdp: engine.{name}={getattr(e, name)!r} is a Megatron setting FSDP does not read; "
                 f"set engine.{name}={_plain(default)} (FSDP shards over engine.fsdp_size ranks) or engine.strategy=megatron"
@@ -226,6 +230,13 @@ def fsdp_problems(p: RunProfile) -> list[str]:
     if arch.num_attention_heads % sp:
         problems.append(f"engine.ulysses_sp={sp}: Ulysses splits the {arch.num_attention_heads} attention heads over "
                         f"its ranks; use one of {_divisors(arch.num_attention_heads)}")
+    kv = arch.num_kv_heads
+    if kv % sp and sp % kv:
+        fits = [size for size in range(1, world + 1) if not world % size and not arch.num_attention_heads % size
+                and (not kv % size or not size % kv)]
+        problems.append(f"engine.ulysses_sp={sp}: Ulysses splits the {kv} KV heads over its ranks, or repeats them when "
+                        f"its size is a multiple of them (verl asserts num_key_value_heads % sp == 0 or sp % "
+                        f"num_key_value_heads == 0 when it builds the model); use one of {', '.join(map(str, fits))}")
     if sp > 1 and e.attn_implementation != "flash_attention_2":
         problems.append(f"engine.ulysses_sp={sp}: verl's Ulysses patches transformers' FlashAttention 2 path only "
                         f"(with {e.attn_implementation} each rank would attend to its own slice); set "
@@ -235,7 +246,8 @@ def fsdp_problems(p: RunProfile) -> list[str]:
                         "engine.use_remove_padding=true (verl refuses it otherwise)")
     sequences = p.data.train_batch_size * p.algorithm.rollout_n
     if sp > 1 and not p.actor.use_dynamic_bsz and sequences % world:  # verl's validate_config, beside batch_problems
-        problems.append(f"data.train_batch_size={p.data.train_batch_size}: x rollout_n {p.algorithm.rollout_n} = "
+        problems.append(f"data.train_batch_size={p.data.train_batch_size}: {p.data.train_batch_size} prompts x rollout_n "
+                        f"{p.algorithm.rollout_n} = "
                         f"{sequences} sequences must divide over the world's {world} devices (verl's FSDP check); "
                         f"make data.train_batch_size x rollout_n a multiple of {world}")
     if p.model.dist_checkpoint:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_pipeline.common.errors import ProfileError, headline_and_details
+from grpo_pipeline.profiles.secrets import is_secret
 
 if TYPE_CHECKING:
     from grpo_pipeline.profiles.schema import RunProfile
@@ -150,9 +151,21 @@ def _top_level_names(tree: ast.Module) -> set[str]:
     return names
 
 
+def public_env_problems(p: RunProfile) -> list[str]:
+    """`public_env` names env entries read by reference, and never one named like a secret."""
+    problems = []
+    for name in p.public_env:
+        if name not in p.env:
+            problems.append(f"public_env: {name} is no env entry of the profile; add env.{name}=${{NAME}} or remove it")
+        elif is_secret(name):
+            problems.append(f"public_env: env.{name} is named like a secret, which is never shown; rename the entry, "
+                            "or remove it from public_env")
+    return problems
+
+
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
-    return [*length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
+    return [*public_env_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
             *position_problems(p), *head_problems(p), *sampling_problems(p)]
 
 

@@ -26,8 +26,6 @@ from grpo_pipeline.common.store import Built, Store
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from grpo_pipeline.profiles.schema import RunProfile
-
 # pyarrow and huggingface_hub are imported where files are made, so planning a run (a dry run
 # renders paths of this stage) stays fast.
 ARITH = "arith"
@@ -109,9 +107,8 @@ class DatasetFiles(BaseModel):
     cached: bool = Field(..., description="True when nothing was fetched or built.")
 
 
-def dataset_problems(profile: RunProfile) -> list[str]:
-    """Splits the arith generator cannot make, at planning (otherwise found minutes in, at this stage)."""
-    d = profile.data
+def dataset_problems(d: DataSection) -> list[str]:
+    """Splits the arith generator cannot make, refused at planning (found minutes in, at this stage, otherwise)."""
     if d.dataset != "arith" or d.source:
         return []
     from grpo_pipeline.common.rl_data import arith_rows_problem  # pyarrow: only for arith runs
@@ -176,8 +173,6 @@ def _matching_files(directory: Path, patterns: list[str]) -> list[Path]:
 def _read_splits(directory: Path, patterns: list[str], source: str) -> dict[str, pa.Table]:
     """The source's files grouped by split (file name), shards concatenated."""
     import pyarrow as pa
-
-    from grpo_pipeline.profiles.schema import RunProfile
     import pyarrow.parquet as pq
 
     from grpo_pipeline.common.rl_data import DatasetFormatError

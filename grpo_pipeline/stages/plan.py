@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingRun
 from grpo_pipeline.common.file_faults import run_folder_problem
+from grpo_pipeline.common.tracker_stores import store_problem
 from grpo_pipeline.stages import run_lock
 from grpo_pipeline.stages.request import RERUN_COMMAND, RunRequest
 from grpo_pipeline.common.errors import ProfileError, UserError
@@ -109,8 +110,8 @@ def checked_profile(model: str, device: str, backend: str = "auto", profile_file
     against the model's own (planner/lora.py); all problems on one line."""
     profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False,
                                           detected=detected)
-    refuse([*backend_for(profile.backend).profile_problems(profile), *profile_problems(profile),
-            *dataset_problems(profile), *lora_problems(profile)])
+    refuse([*dataset_problems(profile.data), *backend_for(profile.backend).profile_problems(profile),
+            *profile_problems(profile), *lora_problems(profile)])
     return profile, reason
 
 
@@ -142,7 +143,8 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
     backend cannot run here (a stage it cannot run from the flow, more training workers than the
     host has devices), a data or model source that is not there, and (for a real run) a Ray
     cluster that does not answer; a layout that cannot fit in memory (the plan it was checked against
-    is returned; under planner.enforce=false it is logged as a warning instead)."""
+    is returned; under planner.enforce=false it is logged as a warning instead); an MLflow store that
+    cannot be made."""
     stages = request.stages
     backend_for(profile.backend).check_run(profile, device.count, stages, dry_run, request.ray_address)
     memory = device.memory_plan(profile)
@@ -154,6 +156,8 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
         DataSpec.from_profile(profile.data)
     if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
         ModelSpec.from_profile(profile.model)
+    if problem := store_problem(profile.tracking, write=not dry_run):
+        raise ProfileError(problem)
     address, origin = cluster_address(request.ray_address)
     if not dry_run and address:
         if parsed := parse_ray_address(address, origin):

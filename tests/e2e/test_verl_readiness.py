@@ -25,6 +25,8 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+
+from grpo_pipeline.common.ray_cluster import FREE_PORTS
 from ray.job_submission import JobSubmissionClient
 
 from grpo_pipeline.backends import backend_for
@@ -49,8 +51,8 @@ def head_only(monkeypatch):
     ray.shutdown()
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     client_port = _free_port()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"NPU": 1},
-                                                            "include_dashboard": True, "dashboard_port": 0,
+    cluster = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 1, "resources": {"NPU": 1},
+                                                            "include_dashboard": True,
                                                             "ray_client_server_port": client_port})
     cluster.client_server_address = f"ray://127.0.0.1:{client_port}"
     ray.init(address=cluster.address)
