@@ -51,7 +51,7 @@ demo-gpu: $(GPU_STAMP)
 	$(PY) -m grpo_pipeline --model smollm2-135m --device gpu
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The unit tier only (no Prefect API, no Ray, no model conversion, no browser): under 2 minutes on 2 cores.
 test-unit: $(STAMP)

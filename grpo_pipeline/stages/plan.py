@@ -35,7 +35,7 @@ from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
 from grpo_pipeline.stages.model import ModelCheckpoint, ModelSpec, model_dir
 from grpo_pipeline.stages.train import training_inputs
 from grpo_pipeline.common.hub_reach import hub_endpoint, hub_offline, reach_problem, unreachable
-from grpo_pipeline.common.ray_cluster import check_reachable, cluster_address, parse_ray_address
+from grpo_pipeline.common.ray_address import check_reachable, cluster_address, parse_ray_address
 from grpo_pipeline.common.store import read_manifest
 from grpo_pipeline.common.tracking import missing_credentials
 

@@ -11,7 +11,7 @@ from grpo_pipeline.common.errors import ProfileError, UserError
 from grpo_pipeline.profiles.backend_table import BackendChoice, backend_help
 from grpo_pipeline.profiles.loader import overrides_to_layer
 from grpo_pipeline.profiles.secrets import has_url_credentials, secret_holder, secret_literal_problems
-from grpo_pipeline.common.ray_cluster import parse_ray_address
+from grpo_pipeline.common.ray_address import parse_ray_address
 from grpo_pipeline.stages.form_rules import FORM_RULES, ONE_LINE, RUN_NAME, first_broken, override_lines
 
 # The stages of the flow in order. `--stages` picks a subset.

@@ -20,7 +20,7 @@ from grpo_pipeline.backends.base import TrainResult
 from grpo_pipeline.backends.metrics import METRICS, StepMetrics
 from grpo_pipeline.common.files import write_json_atomic, write_text_atomic
 from grpo_pipeline.common.progress import Bar
-from grpo_pipeline.common.ray_cluster import cluster_address
+from grpo_pipeline.common.ray_address import cluster_address
 from grpo_pipeline.stages.plan import check_plan, check_run_dir, profile_for
 from grpo_pipeline.stages.request import RunRequest
 from grpo_pipeline.tasks.run_record import RunRecord, write_run_report

@@ -32,9 +32,8 @@ from ray.job_submission import JobSubmissionClient
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingRun
 from grpo_pipeline.common.node_tasks import NotSharedError, check_paths_on_nodes
-from grpo_pipeline.common.ray_cluster import (
-    ClusterNotReady, check_reachable, job_api_url, parse_ray_address, wait_for_nodes,
-)
+from grpo_pipeline.common.ray_cluster import ClusterNotReady, wait_for_nodes
+from grpo_pipeline.common.ray_address import check_reachable, job_api_url, parse_ray_address
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.generation.plan import plan_generation
 from verl_cluster import ENTRYPOINT, EVENT_WAIT_S, wait_for

@@ -50,9 +50,8 @@ from grpo_pipeline.backends.verl.requirements import verl_requirements
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.node_tasks import check_paths_on_nodes
 from grpo_pipeline.common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
-from grpo_pipeline.common.ray_cluster import (
-    ClusterLost, answer_timeout_s, cluster_address, connect_ray, disconnect_ray, parse_ray_address, wait_for_nodes,
-)
+from grpo_pipeline.common.ray_cluster import ClusterLost, answer_timeout_s, connect_ray, disconnect_ray, wait_for_nodes
+from grpo_pipeline.common.ray_address import cluster_address, parse_ray_address
 from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.planner.memory import MemoryPlan, plan_for
