@@ -157,6 +157,8 @@ def print_dry_run(plan, as_json: bool) -> None:
         print(f"#   {name}={item['value']}  [{item['source']}]")
     for reference in plan.env.unset_references:
         print(f"#   {reference}: not set here; a run refuses to start without it")
+    if "lora" in summary:
+        print(f"# lora: {summary['lora']}")
     if plan.memory:
         print("# memory plan (planner/)")
         for line in memory_table(plan.memory):

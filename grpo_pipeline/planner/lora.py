@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo_pipeline.common.errors import HEADLINE_CHARS
 from grpo_pipeline.profiles.lora import ALL_LINEAR
 
 if TYPE_CHECKING:
@@ -92,10 +93,14 @@ def lora_problems(p: RunProfile) -> list[str]:
         update={"target_modules": [t]})}), modules)]
     if not missing:
         return []
+    # TRL and verl score log-probs from the output layer's weight directly: it takes no adapter.
     ends = [t for t in missing if output == t or output.endswith("." + t)]
-    why = (f"{', '.join(ends)} is the output layer, which takes no adapter (TRL and verl score log-probs from its "
-           "weight directly)" if ends else f"the model has no module named {', '.join(missing)}")
-    return [f"lora.target_modules: {why}; its linear modules are {', '.join(names)} (or use {ALL_LINEAR})"]
+    why = f"{', '.join(ends)} is the output layer" if ends else f"the model has no module named {', '.join(missing)}"
+    line = f"lora.target_modules: {why}; its linear modules are {', '.join(names)} (or use {ALL_LINEAR})"
+    if len(line) <= HEADLINE_CHARS - len("invalid profile: "):
+        return [line]
+    return [f"lora.target_modules: {why}; name some of its linear modules (below) or use {ALL_LINEAR}\n"
+            f"  its linear modules: {', '.join(names)}"]
 
 
 def _config_json(model_dir: Path, architecture: dict[str, Any]) -> str:
@@ -129,3 +134,22 @@ def _meta_linears(config_json: str) -> tuple[tuple[tuple[str, int, int], ...], s
     output_name = next((name for name, m in model.named_modules() if m is output), "")
     return tuple((name, m.in_features, m.out_features) for name, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and m is not output), output_name
+
+
+def describe_adapter(p: RunProfile) -> str | None:
+    """The dry run's line on the adapter: what it adapts, its size beside the model's, and the reference."""
+    if not p.lora.enabled:
+        return None
+    from grpo_pipeline.profiles.model_size import model_size, size_problems
+
+    size = adapter_size(p)
+    text = p.lora.describe()
+    if size is not None:
+        total = None if size_problems(p.model.architecture) else model_size(p.model.architecture).total
+        share = f" ({100 * size.parameters / total:.2f}% of the model's {total:,})" if total else ""
+        text += f": {size.modules} modules, {size.parameters:,} trainable parameters{share}"
+    else:
+        text += " (transformers cannot build this model from its numbers: PEFT checks the modules when it loads)"
+    if p.uses_reference_model:
+        text += "; the reference policy is the base model with the adapter disabled (no second copy of the weights)"
+    return text

@@ -25,7 +25,7 @@ from grpo_pipeline.common.errors import ProfileError, UserError
 from grpo_pipeline.generation.plan import GenerationPlan, plan_generation
 from grpo_pipeline.profiles.loader import resolve_run_profile
 from grpo_pipeline.profiles.validation import profile_problems, refuse
-from grpo_pipeline.planner.lora import lora_problems
+from grpo_pipeline.planner.lora import describe_adapter, lora_problems
 from grpo_pipeline.planner.memory import MemoryPlan
 from grpo_pipeline.profiles.requirements import NodeRequirement
 from grpo_pipeline.profiles.schema import RunProfile
@@ -66,6 +66,7 @@ class RunPlan(BaseModel):
             "command": self.command,
             "env": self.env.redacted(),
         }
+        summary |= {"lora": adapter} if (adapter := describe_adapter(self.profile)) else {}
         summary |= {"memory": self.memory} if self.memory else {}
         summary |= {"node_requirements": {
             stage: {name: need.model_dump(exclude={"stages"}, exclude_defaults=True) for name, need in needs.items()}
