@@ -4,7 +4,6 @@ silently ignored adapter) is caught."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from grpo_pipeline.generation.decode_step import Sampling
