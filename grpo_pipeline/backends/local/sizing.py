@@ -37,9 +37,6 @@ class StepSizing:
     needed: float  # bytes of the step at this micro batch and checkpointing
     usable: float
     candidates: tuple[int, ...]  # the micro batches it chose among (one when given)
-    device: str
-    device_memory: float
-    source: str
 
     @property
     def layer(self) -> dict:
@@ -71,51 +68,54 @@ def micro_batch_candidates(p: RunProfile) -> tuple[int, ...]:
     return tuple(m for m in range(1, per_worker + 1) if per_worker % m == 0)
 
 
+def step_bytes(p: RunProfile, generation: GenerationPlan, micro: int, checkpointing: bool, memory: float) -> float | None:
+    """The step's peak (train_memory.py) at micro batch `micro` on a device of `memory` bytes; None: not sizable."""
+    sized = p.model_copy(update={"actor": p.actor.model_copy(update={"ppo_micro_batch_size_per_gpu": micro})})
+    step = step_memory(sized, generation, checkpointing, memory)
+    return None if step is None else step.total
+
+
+def usable_bytes(p: RunProfile, memory: float) -> float:
+    """What the step may take of a device: less the headroom (train_memory.py) and platform.reserved_memory_gib."""
+    return memory * (1 - HEADROOM) - p.platform.reserved_memory_gib * GIB
+
+
 def size_step(p: RunProfile, generation: GenerationPlan, detected_names: list[str] | None = None,
               detected_gib: list[float] | None = None, given: frozenset[str] = frozenset()) -> StepSizing | None:
     """The micro batch and checkpointing for one device of the run (see the module); None on a CPU, and where
     the device's memory or the model's size is unknown."""
-    platform = p.platform
-    if not platform.accelerated:
+    if not p.platform.accelerated:
         return None
-    device, memory_gib, source = platform.device_memory(detected_names, detected_gib)
+    _, memory_gib, _ = p.platform.device_memory(detected_names, detected_gib)
     if memory_gib is None:
         return None
-    memory = memory_gib * GIB
-    usable = memory * (1 - HEADROOM) - platform.reserved_memory_gib * GIB
-    micro = p.actor.ppo_micro_batch_size_per_gpu
+    memory, micro = memory_gib * GIB, p.actor.ppo_micro_batch_size_per_gpu
+    usable = usable_bytes(p, memory)
     candidates = (micro,) if MICRO_BATCH in given else micro_batch_candidates(p)
     modes = (p.model.enable_gradient_checkpointing,) if CHECKPOINTING in given else (False, True)
-
-    def needed(m: int, checkpointing: bool) -> float | None:
-        sized = p.model_copy(update={"actor": p.actor.model_copy(update={"ppo_micro_batch_size_per_gpu": m})})
-        step = step_memory(sized, generation, checkpointing, memory)
-        return None if step is None else step.total
-
     for checkpointing in modes:
-        fitting = []
+        best = None
         for m in candidates:  # ascending: the step grows with the micro batch
-            if (bytes_ := needed(m, checkpointing)) is None:
+            if (needed := step_bytes(p, generation, m, checkpointing, memory)) is None:
                 return None
-            if bytes_ > usable:
+            if needed > usable:
                 break
-            fitting.append((m, bytes_))
-        if fitting:
-            m, bytes_ = fitting[-1]
-            return StepSizing(m, checkpointing, True, bytes_, usable, candidates, device, memory, source)
-    smallest = candidates[0]
-    return StepSizing(smallest, modes[-1], False, needed(smallest, modes[-1]) or 0.0, usable, candidates, device,
-                      memory, source)
+            best = (m, needed)
+        if best:
+            return StepSizing(best[0], checkpointing, True, best[1], usable, candidates)
+    needed = step_bytes(p, generation, candidates[0], modes[-1], memory) or 0.0
+    return StepSizing(candidates[0], modes[-1], False, needed, usable, candidates)
 
 
-def largest_micro_batch(p: RunProfile, generation: GenerationPlan, checkpointing: bool, memory: float, usable: float,
+def largest_micro_batch(p: RunProfile, generation: GenerationPlan, checkpointing: bool, memory: float,
                         limit: int = 1 << 16) -> tuple[int, float] | None:
-    """The largest micro batch (any size, up to `limit`) whose step fits `usable` bytes, and its bytes; None when
-    not even one sequence fits (the step grows with the micro batch: doubled, then halved in on)."""
+    """The largest micro batch (any size, up to `limit`) whose step fits the device, and its bytes; None when not
+    even one sequence fits (the step grows with the micro batch: doubled, then halved in on)."""
+    usable = usable_bytes(p, memory)
+
     def needed(m: int) -> float:
-        sized = p.model_copy(update={"actor": p.actor.model_copy(update={"ppo_micro_batch_size_per_gpu": m})})
-        step = step_memory(sized, generation, checkpointing, memory)
-        return float("inf") if step is None else step.total
+        found = step_bytes(p, generation, m, checkpointing, memory)
+        return float("inf") if found is None else found
 
     if needed(1) > usable:
         return None
@@ -138,14 +138,14 @@ def one_device_table(p: RunProfile, generation: GenerationPlan) -> tuple[dict, l
         refusal = f"--suggest-layout needs the device's memory ({source})"
         return {"refusal": refusal}, []
     memory = memory_gib * GIB
-    usable = memory * (1 - HEADROOM) - p.platform.reserved_memory_gib * GIB
+    usable = usable_bytes(p, memory)
     rank = p.lora.rank or 16
     p = p.model_copy(update={"cluster": p.cluster.model_copy(update={"nnodes": 1, "devices_per_node": 1})})  # one worker
     rows = []
     for label, lora in (("full", p.lora.model_copy(update={"rank": 0})), (f"LoRA r{rank}", p.lora.model_copy(update={"rank": rank}))):
         trained = p.model_copy(update={"lora": lora})
         for checkpointing in (False, True):
-            found = largest_micro_batch(trained, generation, checkpointing, memory, usable)
+            found = largest_micro_batch(trained, generation, checkpointing, memory)
             rows.append({"training": label, "gradient_checkpointing": checkpointing,
                          "largest_micro_batch": found[0] if found else 0,
                          "step_gib": round(found[1] / GIB, 1) if found else None})
