@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from grpo_pipeline.backends.local.train_memory import GIB, HEADROOM, step_memory
 from grpo_pipeline.generation.plan import GenerationPlan
+from grpo_pipeline.planner.rules import divisors
 from grpo_pipeline.profiles.schema import RunProfile
 
 MICRO_BATCH = "actor.ppo_micro_batch_size_per_gpu"
@@ -64,8 +65,7 @@ def micro_batch_note(p: RunProfile, free: StepSizing) -> str:
 
 def micro_batch_candidates(p: RunProfile) -> tuple[int, ...]:
     """The micro batches that divide the completions one worker takes per optimizer step."""
-    per_worker = max(p.actor.ppo_mini_batch_size * p.algorithm.rollout_n // max(p.world_size, 1), 1)
-    return tuple(m for m in range(1, per_worker + 1) if per_worker % m == 0)
+    return tuple(divisors(max(p.actor.ppo_mini_batch_size * p.algorithm.rollout_n // max(p.world_size, 1), 1)))
 
 
 def step_bytes(p: RunProfile, generation: GenerationPlan, micro: int, checkpointing: bool, memory: float) -> float | None:
