@@ -241,3 +241,32 @@ def test_fsdp_command_composes_with_profile_values(extra):
 def test_fsdp_layouts_verl_refuses_are_refused_at_planning(extra, message):
     with pytest.raises(ProfileError, match=re.escape(message)):
         resolve_profile("smollm2-135m", "gpu", "verl", overrides=extra)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "[q_proj,k_proj,v_proj,o_proj]"])
+def test_lora_command_composes_with_verls_fsdp_lora_keys(targets):
+    """A LoRA run on verl's FSDP engine: the adapter's keys where verl 0.9.1 reads them (its HFModelConfig), the
+    rollout's load format its adapter sync needs, and no reference worker's settings needed (ref_in_actor)."""
+    profile, env, settings, overrides, spec = render(
+        "smollm2-135m", "gpu", ["backend=verl", "lora.rank=32", "lora.alpha=64", f"lora.target_modules={targets}",
+                                "algorithm.use_kl_loss=true"])
+    composed = compose_verl(overrides)
+    for key, value in settings.items():
+        assert select(composed, key.removeprefix(ADD_OR_OVERRIDE)) == value, key
+    assert select(composed, "actor_rollout_ref.model.lora_rank") == 32
+    assert select(composed, "actor_rollout_ref.model.lora_alpha") == 64
+    assert select(composed, "actor_rollout_ref.model.target_modules") == profile.lora.target_modules
+    assert select(composed, "actor_rollout_ref.rollout.load_format") == "safetensors"
+    assert select(composed, "actor_rollout_ref.rollout.layered_summon") is True
+    full = compose_verl(render("smollm2-135m", "gpu", ["backend=verl"])[3])
+    assert select(full, "actor_rollout_ref.model.lora_rank") == 0  # verl's default: no adapter
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["lora.dropout=0.05"], "lora.dropout=0.05: verl 0.9.1's FSDP engine gives PEFT no dropout"),
+    (["engine.strategy=megatron"], "lora.rank=16 with engine.strategy=megatron"),
+    (["lora.target_modules=[qkv]"], "the model has no module named qkv"),
+])
+def test_lora_settings_verl_cannot_run_are_refused_at_planning(extra, message):
+    with pytest.raises(ProfileError, match=re.escape(message)):
+        resolve_profile("smollm2-135m", "gpu", "verl", overrides=["lora.rank=16", *extra])

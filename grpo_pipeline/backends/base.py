@@ -117,11 +117,12 @@ class Backend(ABC):
         """Refuse at planning what depends on the host, the cluster address or the stages asked for (UserError)."""
 
     def detected_layer(self, profile: RunProfile, devices_here: int, generation: GenerationPlan,
-                       detected_names: list[str] | None = None, detected_gib: list[float] | None = None) -> dict | None:
+                       detected_names: list[str] | None = None, detected_gib: list[float] | None = None,
+                       given: frozenset[str] = frozenset()) -> dict | None:
         """Settings this engine takes from the `devices_here` found on the run's one host (their names and
         memory when known; `generation`: the run's plan, which this layer cannot change), as a profile layer
-        above the device profile's defaults (a recipe, a profile file or --set still wins); None: the device
-        profile's defaults stand."""
+        above the device profile's defaults (a recipe, a profile file or --set still wins: `given` names what
+        they set, profiles/loader.py `given_settings`); None: the device profile's defaults stand."""
         return None
 
     def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
@@ -135,6 +136,12 @@ class Backend(ABC):
         """What the dry run says of memory where `memory_plan` gives no table: why there is no estimate
         (what the model's size lacks), or what an engine without a plan decided from its own estimate (the
         local backend: gradient checkpointing); None when there is nothing to say."""
+        return None
+
+    def size_table(self, profile: RunProfile, generation: GenerationPlan) -> tuple[dict, list[str]] | None:
+        """`--suggest-layout --backend <this>` where this engine sizes one device's step rather than searching
+        layouts: the largest batch that fits (full training and LoRA) as JSON (with a `refusal` when nothing
+        fits) and as the lines printed; None: the layout search (planner/layouts.py) answers."""
         return None
 
     def generation_summary(self, profile: RunProfile, generation: GenerationPlan) -> str:
@@ -180,4 +187,9 @@ class Backend(ABC):
 
     @abstractmethod
     def policy_dir(self, result: TrainResult) -> Path:
-        """The Hugging Face directory of the trained policy (converted from the engine's checkpoint if need be)."""
+        """The Hugging Face directory of the trained policy (converted from the engine's checkpoint if need be; a
+        LoRA run's: the base model with the adapter merged, common/lora_export.py)."""
+
+    def adapter_dir(self, result: TrainResult) -> Path | None:
+        """A LoRA run's adapter alone, in PEFT's format (written by `policy_dir`); None for full fine-tuning."""
+        return None

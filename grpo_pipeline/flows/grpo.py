@@ -28,7 +28,6 @@ from grpo_pipeline.common.errors import EXIT_USER_ERROR, UserError
 from grpo_pipeline.profiles.backend_table import BackendChoice, backend_help, layout_planner
 from grpo_pipeline.profiles.loader import builtin_models
 from grpo_pipeline.planner.memory import memory_table
-from grpo_pipeline.profiles.model_size import size_problems
 from grpo_pipeline.profiles.secrets import scrub
 
 if TYPE_CHECKING:
@@ -157,6 +156,8 @@ def print_dry_run(plan, as_json: bool) -> None:
         print(f"#   {name}={item['value']}  [{item['source']}]")
     for reference in plan.env.unset_references:
         print(f"#   {reference}: not set here; a run refuses to start without it")
+    if "lora" in summary:
+        print(f"# lora: {summary['lora']}")
     if plan.memory:
         print("# memory plan (planner/)")
         for line in memory_table(plan.memory):
@@ -175,50 +176,6 @@ def print_dry_run(plan, as_json: bool) -> None:
               "the last part: the attempt)")
         print(f"#   metadata: {json.dumps(job['metadata'])}")
         print(f"#   runtime_env (every process of the job, on every node): {json.dumps(job['runtime_env'])}")
-
-
-def print_layouts(request: RunRequest, as_json: bool) -> int:
-    """`--suggest-layout`: the layouts that fit, cheapest first; exit 2 when none does."""
-    from grpo_pipeline.planner.layouts import suggest_layouts, suggestion_table
-    from grpo_pipeline.profiles.loader import resolve_run_profile
-    from grpo_pipeline.stages.device import requested_device
-
-    kind = requested_device(request.device)
-    if kind not in ("gpu", "npu"):
-        raise UserError(f"--suggest-layout plans the {layout_planner().name} backend's layouts on GPUs or NPUs, not "
-                        f"device {kind!r}; pass --device gpu or --device npu")
-    # The profile's own layout may not be valid for this cluster size: the search does not start from it.
-    profile, _ = resolve_run_profile(request.model, kind, layout_planner().name, request.profile_file,
-                                     request.overrides, validate=False)
-    if problems := size_problems(profile.model.architecture):
-        raise UserError(f"--suggest-layout needs the model's size: {'; '.join(problems)}")
-    suggestions, facts = suggest_layouts(profile)
-    if as_json:
-        print(json.dumps({"facts": facts, "layouts": [
-            {"settings": s.layout.settings(), "step_seconds": s.cost, "memory": s.plan.summary()} for s in suggestions]},
-            indent=2))
-    else:
-        print("\n".join(suggestion_table(suggestions, facts, profile)))
-    if not suggestions:
-        print(f"error: no layout of {profile.model.name} fits {profile.cluster.nnodes} x {profile.cluster.devices_per_node} "
-              f"{profile.platform.accelerator or kind} devices; {_no_layout_fix(profile, facts)}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    return 0
-
-
-def _no_layout_fix(profile, facts: dict) -> str:
-    """Which way the cluster is wrong: layouts that were never estimated were refused for their batch
-    split (more data-parallel ranks than the batch's sequences split over: too many devices), those
-    estimated did not fit in memory (too few), and none at all means no layout divides this world."""
-    if facts.get("layouts") and not facts.get("estimates"):
-        d, n = profile.data, profile.algorithm.rollout_n
-        return (f"every layout has more data-parallel ranks than data.train_batch_size {d.train_batch_size} x "
-                f"algorithm.rollout_n {n} = {d.train_batch_size * n} sequences split over; use fewer nodes "
-                "(--set cluster.nnodes=N) or a larger data.train_batch_size")
-    if not facts.get("layouts"):
-        return ("no parallel layout divides this many devices for this model; change cluster.nnodes or "
-                "cluster.devices_per_node")
-    return "add nodes (--set cluster.nnodes=N)"
 
 
 def print_run_summary(result: dict) -> None:
@@ -287,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--json only applies to --dry-run and --suggest-layout; add --dry-run")
         request = request_from_args(args)
         if args.suggest_layout:
+            from grpo_pipeline.flows.suggest import print_layouts
+
             return print_layouts(request, args.json)
         from grpo_pipeline.stages.plan import plan_run
 

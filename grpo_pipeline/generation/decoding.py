@@ -10,7 +10,8 @@ layer; FlexAttention reads each sequence's cache only up to its current length) 
 a CUDA graph: one replay per token. Sampling (temperature, top-k, top-p) happens on the device; end of
 sequence is a device-side `finished` mask the host reads every `check_every` steps, so no step waits
 for the host. The model's own parameters are read in place (q/k/v and gate/up packed into one matrix
-each, re-copied from the model at every `generate`), so a trainer's updates reach the next rollout.
+each, re-copied from the model at every `generate`), so a trainer's updates reach the next rollout
+(a LoRA policy's adapted layers merged: generation/adapted.py).
 
 On a CPU (tests) and where a feature is missing (an NPU: no CUDA graphs, no inductor) the same step
 runs eagerly, with matmul attention; a model this module cannot run is named by `unsupported()`,
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from grpo_pipeline.generation.decode_step import (CACHE_BLOCK, Sampling, Shape, Splits, decode_head, decode_layer, decode_prologue,
                                 prefill_layer, product_splits, rope_tables)
+from grpo_pipeline.generation.adapted import adapter_refusal, base_model_of, merged_weight, weight_for_decoding, write_merged
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # tables fixed per position, not per sequence length
@@ -49,7 +51,8 @@ class Generated:
 
 
 def unsupported(model) -> str | None:
-    """Why `NativeDecoder` cannot run this model; None when it can."""
+    """Why `NativeDecoder` cannot run this model (a PEFT one: its base with the adapter); None when it can."""
+    model = base_model_of(model)
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_MODEL_TYPES:
@@ -70,7 +73,7 @@ def unsupported(model) -> str | None:
     attention = inner.layers[0].self_attn
     if len({getattr(attention, name).bias is None for name in ("q_proj", "k_proj", "v_proj")}) > 1:
         return "biases on some of the q/k/v projections only"
-    return None
+    return adapter_refusal(model)
 
 
 def compile_cache_dir(model_root: str) -> Path:
@@ -141,7 +144,8 @@ class NativeDecoder:
 
         if reason := unsupported(model):
             raise ValueError(f"native decoding cannot run this model: {reason}")
-        self.model, self.check_every = model, check_every
+        self.model = model = base_model_of(model)  # a PEFT model's base: its adapted layers are PEFT's
+        self.check_every = check_every
         self.eos_token_ids, self.pad_token_id = [int(t) for t in eos_token_ids], int(pad_token_id)
         embed = model.model.embed_tokens.weight
         self.device, self.dtype, self.vocab = embed.device, embed.dtype, model.lm_head.weight.shape[0]
@@ -199,21 +203,24 @@ class NativeDecoder:
             "qkv_bias": pack(*biases) if all(b is not None for b in biases) else None,
             "q_norm": attn.q_norm.weight if self.shape.qk_norm else None,
             "k_norm": attn.k_norm.weight if self.shape.qk_norm else None,
-            "o": attn.o_proj.weight, "o_bias": attn.o_proj.bias,
-            "gate_up": pack(mlp.gate_proj.weight, mlp.up_proj.weight), "down": mlp.down_proj.weight,
+            "o": weight_for_decoding(attn.o_proj, self.device, self.dtype), "o_bias": attn.o_proj.bias,
+            "gate_up": pack(mlp.gate_proj.weight, mlp.up_proj.weight),
+            "down": weight_for_decoding(mlp.down_proj, self.device, self.dtype),
         }
 
     def _refresh_weights(self) -> None:
-        """Copy the model's current q/k/v and gate/up into the packed matrices (a trainer updates them
-        in place between rollouts); the captured graphs read the same addresses."""
+        """The weight sync: the model's current q/k/v and gate/up into the packed matrices, an adapted o/down
+        merged into its copy (a trainer updates them in place); the captured graphs read the same addresses."""
         import torch
 
         for layer, w in zip(self.model.model.layers, self.weights):
             attn, mlp = layer.self_attn, layer.mlp
-            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], out=w["qkv"])
+            torch.cat([merged_weight(attn.q_proj), merged_weight(attn.k_proj), merged_weight(attn.v_proj)], out=w["qkv"])
             if w["qkv_bias"] is not None:
                 torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias], out=w["qkv_bias"])
-            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], out=w["gate_up"])
+            torch.cat([merged_weight(mlp.gate_proj), merged_weight(mlp.up_proj)], out=w["gate_up"])
+            write_merged(attn.o_proj, w["o"])
+            write_merged(mlp.down_proj, w["down"])
         inner = self.model.model
         read = [t for w in self.weights for t in w.values() if t is not None]
         pointers = tuple(t.data_ptr() for t in read + [inner.embed_tokens.weight, inner.norm.weight,
@@ -389,6 +396,4 @@ class NativeDecoder:
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
+            __import__("torch").cuda.synchronize()

@@ -18,6 +18,9 @@ over that many ranks, which leaves world / SP data-parallel ranks. Its roles run
   then the larger of the logits (freed once lm_head's backward ran) and one recomputed layer with its
   backward's working set. Logits as verl 0.9.1 uses transformers' bf16 output with flash-attn's in-place
   cross entropy: x2, x8 with an entropy term (the constants below, with their file:line).
+- LoRA (`lora.rank` > 0): the base's fp32 shard stays, the adapter (cast to the base's fp32) is all that has
+  gradients and Adam's moments, and the reference is the actor with its adapter disabled (verl's `ref_in_actor`):
+  no reference role, no reference shard on the host.
 - actor, optimizer step: the state plus torch AdamW's foreach temporaries (4 bytes a parameter of the shard).
 - log-probs: the old policy's no-grad forward (logits x6: verl always computes its entropy), beside
   what the actor keeps resident (parameters unless offloaded, Adam's state unless offloaded; gradients
@@ -33,6 +36,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo_pipeline.planner.activations import _mixer_elements, logits_bytes, micro_batch
+from grpo_pipeline.planner.lora import adapter_size
 from grpo_pipeline.planner.parallel import Layout
 from grpo_pipeline.planner.roles import GIB, MemoryPlan, RoleMemory, rollout_rows
 
@@ -129,7 +133,12 @@ def estimate_fsdp(p: RunProfile, lay: Layout, device: str, capacity_gib: float |
     # The separate embedding unit is gathered only where forward starts and backward ends, when no
     # activations are held; at the peaks the root and two decoder layers (one prefetched) are.
     gathered = COMPUTE_BYTES * (root + 2 * max(layer, size.vision))
-    state = {"weights": MASTER_BYTES * shard, "gradients": GRAD_BYTES * shard, "optimizer": ADAM_BYTES * shard}
+    # With LoRA only the adapter trains (verl casts it to the base's fp32, transformer_impl.py _build_lora_module):
+    # gradients and Adam's moments are the adapter's; a model transformers cannot build is counted as full.
+    adapter = adapter_size(p) if p.lora.enabled else None
+    trained = adapter.parameters / group if adapter else shard
+    state = {"weights": MASTER_BYTES * (shard + trained if adapter else shard), "gradients": GRAD_BYTES * trained,
+             "optimizer": ADAM_BYTES * trained}
     where = f"FSDP2 over {group} rank{'s' if group > 1 else ''}" + (f", Ulysses {sp}" if sp > 1 else "")
 
     sequences = actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp
@@ -141,15 +150,16 @@ def estimate_fsdp(p: RunProfile, lay: Layout, device: str, capacity_gib: float |
     # last decoder layer and recomputes it (transformers' CausalLM applies lm_head after the layers), so
     # with checkpointing the peak holds the larger of the two, not both: the recomputed layer's part is
     # what it needs beyond the logits. Without checkpointing every layer's activations are held at the loss.
-    update = {**state, "gathered weights": gathered,
-              "unsharded gradients": COMPUTE_BYTES * (size.output or size.embedding) + (COMPUTE_BYTES + GRAD_BYTES) * layer,
+    unsharded = (COMPUTE_BYTES + GRAD_BYTES) * adapter.parameters / max(size.num_layers, 1) if adapter else (
+        COMPUTE_BYTES * (size.output or size.embedding) + (COMPUTE_BYTES + GRAD_BYTES) * layer)
+    update = {**state, "gathered weights": gathered, "unsharded gradients": unsharded,
               "activations": stored, "logits": logits, "recomputed layer": max(recomputed - logits, 0.0)}
     update = {k: v for k, v in update.items() if v or k in ("activations", "logits")}
     when = (f"update, {where}, " + (f"token budget {int(tokens)} per micro batch" if actor.use_dynamic_bsz else
                                     f"micro batch {lay.micro_batch} x {int(tokens * sp / lay.micro_batch)} tokens")
             + f", gradient checkpointing {'on' if lay.checkpointing else 'off'}")
     plan.roles.append(RoleMemory("actor", when, update, usable, _fix(p, lay, update)))
-    step = {**state, "optimizer step temporaries": FOREACH_BYTES * shard}
+    step = {**state, "optimizer step temporaries": FOREACH_BYTES * trained}
     plan.roles.append(RoleMemory("actor", f"optimizer step, torch AdamW foreach, {where}", step, usable, _fix(p, lay, step)))
 
     resident = {"weights": 0.0 if lay.param_offload else state["weights"],
@@ -165,7 +175,7 @@ def estimate_fsdp(p: RunProfile, lay: Layout, device: str, capacity_gib: float |
                   "activations": forward, "logits": logits_bytes(p, lp_tokens, 1, LOGITS_OLD_POLICY)}
     plan.roles.append(RoleMemory("actor", lp_when, {k: v for k, v in old_policy.items() if v}, usable,
                                  _fix(p, lay, old_policy, log_probs=True)))
-    if p.uses_reference_model:
+    if p.builds_reference_model:  # with LoRA verl's reference is the actor, adapter disabled (ref_in_actor)
         reference = {"gathered weights": gathered, "activations": forward,
                      "logits": logits_bytes(p, lp_tokens, 1, LOGITS_REFERENCE), "actor resident": sum(resident.values())}
         plan.roles.append(RoleMemory("reference", lp_when + ", its shard on the host (CPUOffloadPolicy)",
@@ -175,7 +185,7 @@ def estimate_fsdp(p: RunProfile, lay: Layout, device: str, capacity_gib: float |
     rows, plan.kv_sequences = rollout_rows(p, size, lay.rollout_tp, capacity, usable, sum(resident.values()))
     plan.roles.extend(rows)
     host = (state["weights"] if lay.param_offload else 0.0) + (state["optimizer"] if lay.optimizer_offload else 0.0)
-    host += MASTER_BYTES * shard if p.uses_reference_model else 0.0
+    host += MASTER_BYTES * shard if p.builds_reference_model else 0.0
     host_capacity = plat.host_memory_gib * GIB if plat.host_memory_gib else None
     plan.roles.append(RoleMemory("host", f"offloaded, {p.cluster.devices_per_node} devices a node",
                                  {"offloaded": host * p.cluster.devices_per_node}, host_capacity,

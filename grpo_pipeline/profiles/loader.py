@@ -208,10 +208,7 @@ def resolve_run_profile(
         layers.append(("the devices found on this host", detected))
     layers += model_layers(model, device)
     given = len(layers)  # the layers from here on are the user's
-    if profile_file:
-        layers.append((f"profile file {profile_file}", load_yaml_mapping(Path(profile_file), "profile file")))
-    if overrides:
-        layers.append(("--set", overrides_to_layer(overrides)))
+    layers += _user_layers(profile_file, overrides)
     chosen, reason = choose_backend(layers, backend, device)
     layers.append(("--backend", {"backend": chosen}))
 
@@ -231,6 +228,27 @@ def resolve_run_profile(
     if validate:
         validate_profile(profile)
     return profile, reason
+
+
+def _user_layers(profile_file: str | Path | None, overrides: list[str] | dict[str, Any] | None) -> list[tuple[str, dict[str, Any]]]:
+    layers = [(f"profile file {profile_file}", load_yaml_mapping(Path(profile_file), "profile file"))] if profile_file else []
+    return layers + ([("--set", overrides_to_layer(overrides))] if overrides else [])
+
+
+def given_settings(model: str, device: str, profile_file: str | Path | None = None,
+                   overrides: list[str] | dict[str, Any] | None = None) -> frozenset[str]:
+    """The dotted names of the settings a recipe (or a model directory's config), a profile file or --set gives:
+    what wins over the layer a backend takes from this host's devices (`detected`), which must decide the rest
+    knowing them (the local backend's micro batch and gradient checkpointing: backends/local/sizing.py)."""
+    names: set[str] = set()
+
+    def walk(layer: dict[str, Any], prefix: str) -> None:
+        for key, value in layer.items():
+            walk(value, f"{prefix}{key}.") if isinstance(value, dict) else names.add(f"{prefix}{key}")
+
+    for _, layer in model_layers(model, device) + _user_layers(profile_file, overrides):
+        walk(layer, "")
+    return frozenset(names)
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -16,6 +16,7 @@ from pydantic import Field, field_validator
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, BackendName
 from grpo_pipeline.profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
 from grpo_pipeline.profiles.guards import GuardsSection
+from grpo_pipeline.profiles.lora import LoraSection
 from grpo_pipeline.profiles.platform import DeviceKind, Platform
 from grpo_pipeline.profiles.requirements import NodeRequirement
 from grpo_pipeline.profiles.section import (
@@ -310,6 +311,8 @@ class RunProfile(Section):
     data: DataSection = Field(default_factory=DataSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
     actor: ActorSection = Field(default_factory=ActorSection)
+    lora: LoraSection = Field(default_factory=LoraSection, description="A LoRA adapter instead of full fine-tuning "
+                              "(profiles/lora.py).")
     engine: EngineSection = Field(default_factory=EngineSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     generation: GenerationSection = Field(
@@ -387,4 +390,11 @@ class RunProfile(Section):
 
     @property
     def uses_reference_model(self) -> bool:
+        """A reference policy is computed (KL loss or in-reward KL); with LoRA it is the base model with the adapter
+        disabled, so no copy of the weights is built (`builds_reference_model`)."""
         return self.algorithm.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def builds_reference_model(self) -> bool:
+        """A second copy of the weights is built for the reference policy."""
+        return self.uses_reference_model and not self.lora.enabled

@@ -23,8 +23,9 @@ from grpo_pipeline.stages import run_lock
 from grpo_pipeline.stages.request import RERUN_COMMAND, RunRequest
 from grpo_pipeline.common.errors import ProfileError, UserError
 from grpo_pipeline.generation.plan import GenerationPlan, plan_generation
-from grpo_pipeline.profiles.loader import resolve_run_profile
+from grpo_pipeline.profiles.loader import given_settings, resolve_run_profile
 from grpo_pipeline.profiles.validation import profile_problems, refuse
+from grpo_pipeline.planner.lora import describe_adapter, lora_problems
 from grpo_pipeline.planner.memory import MemoryPlan
 from grpo_pipeline.profiles.requirements import NodeRequirement
 from grpo_pipeline.profiles.schema import RunProfile
@@ -65,6 +66,7 @@ class RunPlan(BaseModel):
             "command": self.command,
             "env": self.env.redacted(),
         }
+        summary |= {"lora": adapter} if (adapter := describe_adapter(self.profile)) else {}
         summary |= {"memory": self.memory} if self.memory else {}
         summary |= {"node_requirements": {
             stage: {name: need.model_dump(exclude={"stages"}, exclude_defaults=True) for name, need in needs.items()}
@@ -105,11 +107,12 @@ def checked_profile(model: str, device: str, backend: str = "auto", profile_file
                     detected: dict[str, Any] | None = None) -> tuple[RunProfile, str]:
     """The profile from its layers (profiles/loader.py), and why it has its backend, checked against every
     rule at once: its backend's own (layout, batches over its ranks, what it cannot run: the planner's
-    rules, picked by the backend) and those that hold for any backend; all problems on one line."""
+    rules, picked by the backend), those that hold for any backend and the LoRA adapter's target modules
+    against the model's own (planner/lora.py); all problems on one line."""
     profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False,
                                           detected=detected)
     refuse([*dataset_problems(profile.data), *backend_for(profile.backend).profile_problems(profile),
-            *profile_problems(profile)])
+            *profile_problems(profile), *lora_problems(profile)])
     return profile, reason
 
 
@@ -119,19 +122,26 @@ def resolve_profile(model: str, device: str, backend: str = "auto", profile_file
     return checked_profile(model, device, backend, profile_file, overrides)[0]
 
 
+def one_device_sizes(profile: RunProfile) -> tuple[dict, list[str]] | None:
+    """`--suggest-layout` where the profile's backend sizes one device's step (`Backend.size_table`), with the
+    generation plan the run would have; None: its layouts are searched instead."""
+    return backend_for(profile.backend).size_table(profile, plan_generation(profile))
+
+
 def profile_for(request: RunRequest, device: DeviceInfo) -> tuple[RunProfile, str]:
     """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide).
     On one host whose devices were counted, the backend may plan for them (the local backend: one worker
-    per GPU found, unless a recipe, a profile file or --set names cluster.devices_per_node; gradient
-    checkpointing only where the step would not fit those GPUs without it)."""
+    per GPU found, unless a recipe, a profile file or --set names cluster.devices_per_node; the micro batch
+    and gradient checkpointing the step needs on those GPUs: backends/local/sizing.py)."""
     args = (request.model, device.kind, request.backend, request.profile_file, request.overrides)
     if device.count > 0 and not cluster_address(request.ray_address)[0]:
         # Unvalidated first: the device profile's default layout may not fit this host's rules.
         unchecked, _ = resolve_run_profile(*args, validate=False)
         # The layer sets neither `generation` nor `platform`: this is the plan plan_run makes of the result.
         generation = plan_generation(unchecked)
+        given = given_settings(request.model, device.kind, request.profile_file, request.overrides)
         if layer := backend_for(unchecked.backend).detected_layer(unchecked, device.count, generation,
-                                                                  *device.found(unchecked)):
+                                                                  *device.found(unchecked), given=given):
             return checked_profile(*args, detected=layer)
     return checked_profile(*args)
 

@@ -10,6 +10,7 @@ from grpo_pipeline.backends.local.checkpoints import CHECKPOINTS, latest_step
 from grpo_pipeline.backends.local.mapping import mapping_problems
 from grpo_pipeline.backends.local.rollout_memory import rollout_memory_problems
 from grpo_pipeline.backends.local.settings import check_prompt_lengths, check_workers_fit, plan_local_training
+from grpo_pipeline.backends.local.sizing import micro_batch_note, one_device_table, size_step
 from grpo_pipeline.backends.local.train_memory import checkpointing_choice
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import RunProfile
@@ -22,7 +23,8 @@ class LocalBackend(Backend):
         return [*mapping_problems(profile), *rollout_memory_problems(profile)]
 
     def detected_layer(self, profile: RunProfile, devices_here: int, generation: GenerationPlan,
-                       detected_names: list[str] | None = None, detected_gib: list[float] | None = None) -> dict | None:
+                       detected_names: list[str] | None = None, detected_gib: list[float] | None = None,
+                       given: frozenset[str] = frozenset()) -> dict | None:
         # A CPU keeps its one worker (the host's cores are shared by the workers, not counted as devices)
         # and the profile's gradient checkpointing: no layer.
         if not (profile.platform.accelerated and devices_here > 0):
@@ -30,20 +32,29 @@ class LocalBackend(Backend):
         layer: dict = {}
         if profile.cluster.nnodes == 1:
             # One training worker per accelerator found: a model directory on a one-GPU host would
-            # otherwise take the gpu profile's 8 and be refused. The step is sized for the fewer of the
-            # two: a recipe's own count stands, and more workers only make each one's rollouts smaller.
+            # otherwise take the gpu profile's 8 and be refused. The step is sized for the count the run
+            # will have: a recipe's, a profile file's or --set's own count stands (more than the host has
+            # is refused by check_run, with its fix).
             layer["cluster"] = {"devices_per_node": devices_here}
-            workers = min(profile.cluster.devices_per_node, devices_here)
+            workers = profile.cluster.devices_per_node if "cluster.devices_per_node" in given else devices_here
             profile = profile.model_copy(update={"cluster": profile.cluster.model_copy(update={"devices_per_node": workers})})
-        # Recomputing activations costs about a third more forward compute: only where the step needs it.
-        if choice := checkpointing_choice(profile, generation, detected_names, detected_gib):
-            layer["model"] = {"enable_gradient_checkpointing": choice.enabled}
+        # The micro batch and the recomputation the step needs (backends/local/sizing.py), around what is given.
+        if sizing := size_step(profile, generation, detected_names, detected_gib, given):
+            layer |= sizing.layer
         return layer or None
 
     def memory_note(self, profile: RunProfile, generation: GenerationPlan, detected_names: list[str] | None = None,
                     detected_gib: list[float] | None = None) -> str | None:
         choice = checkpointing_choice(profile, generation, detected_names, detected_gib)
-        return choice.describe(profile.model.enable_gradient_checkpointing, counted=bool(detected_gib)) if choice else None
+        if choice is None:
+            return None
+        note = choice.describe(profile.model.enable_gradient_checkpointing, counted=bool(detected_gib))
+        if detected_gib and (free := size_step(profile, generation, detected_names, detected_gib)):
+            note += f"; {micro_batch_note(profile, free)}"
+        return note
+
+    def size_table(self, profile: RunProfile, generation: GenerationPlan) -> tuple[dict, list[str]] | None:
+        return one_device_table(profile, generation)
 
     def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool,
                   ray_address: str | None) -> None:
@@ -84,4 +95,15 @@ class LocalBackend(Backend):
         return f"checkpoint global_step_{step}, the latest" if step is not None else "no checkpoint (none was saved)"
 
     def policy_dir(self, result: TrainResult) -> Path:
-        return Path(result.checkpoint_dir)  # global_step_N holds the HF policy itself
+        from grpo_pipeline.common.lora_export import export_lora_policy, has_adapter
+
+        checkpoint = Path(result.checkpoint_dir)
+        if has_adapter(checkpoint):  # a LoRA run's step holds the adapter: merged into the base model
+            return export_lora_policy(checkpoint)[1]
+        return checkpoint  # global_step_N holds the HF policy itself
+
+    def adapter_dir(self, result: TrainResult) -> Path | None:
+        from grpo_pipeline.common.lora_export import export_adapter, has_adapter
+
+        checkpoint = Path(result.checkpoint_dir)
+        return export_adapter(checkpoint) if has_adapter(checkpoint) else None

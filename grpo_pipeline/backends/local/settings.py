@@ -21,6 +21,7 @@ from grpo_pipeline.common.errors import ProfileError, UserError
 from grpo_pipeline.generation.decoding import compile_cache_dir
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.guards import GuardsSection
+from grpo_pipeline.profiles.lora import LoraSection
 from grpo_pipeline.profiles.platform import Platform
 from grpo_pipeline.profiles.schema import RunProfile
 
@@ -57,6 +58,8 @@ class LocalTrainSettings(BaseModel):
                                           "(under model.root).")
     guards: GuardsSection = Field(default_factory=GuardsSection, description="The run's guards: the workers stop "
                                   "on a non-finite step before it is saved, and probe the rollouts' log-probs.")
+    lora: LoraSection = Field(default_factory=LoraSection, description="The adapter TRL trains instead of every weight "
+                              "(rank 0: none; backends/local/lora.py).")
 
     @property
     def checkpoints(self) -> Path:
@@ -115,6 +118,7 @@ def plan_local_training(
         compile_cache_dir=str(compile_cache_dir(profile.model.root)),
         padding_free=padding_free(profile.engine.use_remove_padding, generation.attn_implementation),
         guards=profile.guards,
+        lora=profile.lora,
     )
 
 

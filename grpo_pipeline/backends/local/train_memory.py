@@ -9,7 +9,9 @@ platform.reserved_memory_gib); a recipe, a profile file or --set still wins. Per
 GRPOTrainer on the model loaded in the run's dtype (bf16 on a GPU) with `bf16=True` (backends/local/worker.py):
 - state: the parameters, their gradients and AdamW's two moments, all in the parameters' dtype; with more
   than one worker DDP's buckets, a second copy of the gradients (gradient_as_bucket_view is off); with a KL
-  term TRL's reference model, a second copy of the weights. The optimizer step adds nothing the size of
+  term TRL's reference model, a second copy of the weights. With LoRA (the profile's `lora`) only the adapter
+  trains: its fp32 weights, gradients and moments replace the base model's (backends/local/lora.py), and the
+  reference is the base with the adapter disabled, no copy. The optimizer step adds nothing the size of
   the parameters: with torch >= 2.9 (pyproject.toml) transformers picks the fused AdamW, which updates in
   place (verl's foreach step keeps an fp32 temporary: planner/fsdp.py), so the peak is in the backward pass.
 - activations of one micro batch, actor.ppo_micro_batch_size_per_gpu sequences x (max_prompt_length +
@@ -35,11 +37,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from grpo_pipeline.backends.local.lora import adapter_activation_bytes, adapter_state
 from grpo_pipeline.backends.local.rollout_memory import DTYPE_BYTES, GIB, decoding_state
 from grpo_pipeline.generation.decode_step import CACHE_BLOCK
 from grpo_pipeline.generation.decoding import SUPPORTED_MODEL_TYPES
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.planner.fsdp import activation_bytes, backward_working_bytes, hf_layer_bytes
+from grpo_pipeline.planner.lora import AdapterSize
 from grpo_pipeline.profiles.model_size import head_dim, model_size, size_problems
 from grpo_pipeline.profiles.schema import RunProfile
 
@@ -102,10 +106,15 @@ def step_memory(p: RunProfile, generation: GenerationPlan, checkpointing: bool, 
     size = model_size(arch)
     dtype = DTYPE_BYTES.get(p.platform.run_dtype(p.engine.dtype), 4)
     parameters = size.total * dtype
-    uses_reference = p.algorithm.use_kl_loss and p.algorithm.kl_loss_coef > 0  # TRL's beta = 0: no reference model
-    state = {"weights": parameters, "gradients": parameters, "optimizer": 2 * parameters,
-             "DDP buckets": parameters if p.world_size > 1 else 0.0,
-             "reference model": parameters if uses_reference else 0.0}
+    # TRL's beta = 0: no reference model; with LoRA the reference is the base with the adapter disabled.
+    uses_reference = p.algorithm.use_kl_loss and p.algorithm.kl_loss_coef > 0 and p.builds_reference_model
+    adapter_parts, adapter = adapter_state(p, p.world_size)
+    if adapter_parts:  # only the adapter trains: its gradients and AdamW's moments, not the base model's
+        state = {"weights": parameters, **adapter_parts}
+    else:  # full fine-tuning (or an adapter on a model PEFT must size itself: counted as full, the safe side)
+        state = {"weights": parameters, "gradients": parameters, "optimizer": 2 * parameters,
+                 "DDP buckets": parameters if p.world_size > 1 else 0.0,
+                 "reference model": parameters if uses_reference else 0.0}
 
     length = p.data.max_prompt_length + p.data.max_response_length
     tokens = p.actor.ppo_micro_batch_size_per_gpu * length
@@ -113,17 +122,19 @@ def step_memory(p: RunProfile, generation: GenerationPlan, checkpointing: bool, 
     attention_layers = sum(not linear for linear, _ in size.layer_kinds)
     # The final norm's input and output, and the fused head's copy of the scored positions' hidden states.
     head_input = 3 * ACTIVATION_BYTES * arch.hidden_size * tokens
+    lora = adapter_activation_bytes(p, adapter) * tokens  # one layer's adapters' saved inputs
     if checkpointing:
         stored, recomputed = activation_bytes(p, size, tokens, checkpointing=True)
-        backward = recomputed + attention
+        backward = recomputed + attention + lora
     else:
         stored = activation_bytes(p, size, tokens, checkpointing=False)[0] + attention_layers * attention
+        stored += arch.num_layers * lora
         backward = max(backward_working_bytes(p, *kind) for kind in size.layer_kinds) * tokens
     # The head's backward runs first, with every stored activation held; its temporaries are gone before
     # the last layer's backward (or recomputation) starts: the peak holds the larger of the two.
     activations = {"activations": stored + head_input, "backward": max(_head_backward_bytes(p, tokens, dtype), backward)}
     return StepMemory({**{k: v for k, v in state.items() if v}, **activations,
-                       **_rollouts_kept(p, generation, dtype, device_memory)})
+                       **_rollouts_kept(p, generation, dtype, device_memory, adapter)})
 
 
 def checkpointing_choice(p: RunProfile, generation: GenerationPlan, detected_names: list[str] | None = None,
@@ -166,7 +177,8 @@ def _head_backward_bytes(p: RunProfile, tokens: float, dtype: int) -> float:
     return (tokens + arch.vocab_size) * arch.hidden_size * (4 + dtype) + tile
 
 
-def _rollouts_kept(p: RunProfile, plan: GenerationPlan, dtype: int, device_memory: float) -> dict[str, float]:
+def _rollouts_kept(p: RunProfile, plan: GenerationPlan, dtype: int, device_memory: float,
+                   adapter: AdapterSize | None = None) -> dict[str, float]:
     """What the rollouts' engine keeps on the device through the training step."""
     if plan.engine == "vllm":
         return {"vLLM's share": p.rollout.gpu_memory_utilization * device_memory}
@@ -179,4 +191,8 @@ def _rollouts_kept(p: RunProfile, plan: GenerationPlan, dtype: int, device_memor
     positions = CACHE_BLOCK * math.ceil((p.data.max_prompt_length + p.data.max_response_length) / CACHE_BLOCK)
     d, h = head_dim(arch), arch.hidden_size
     packed = arch.num_layers * ((arch.num_attention_heads + 2 * arch.num_kv_heads) * d + 2 * (arch.intermediate_size or 0)) * h
-    return {"rollout KV cache": per_position * positions + linear_state, "rollout packed weights": packed * dtype}
+    # An adapted o_proj / down_proj is read merged from a decoder-side copy (generation/adapted.py); q/k/v and
+    # gate/up are in the packed copies already.
+    merged = arch.num_layers * sum(adapter.per_layer.get(name, 0) * out for name, out in
+                                   (("o_proj", h), ("down_proj", h))) if adapter else 0
+    return {"rollout KV cache": per_position * positions + linear_state, "rollout packed weights": (packed + merged) * dtype}

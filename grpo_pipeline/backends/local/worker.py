@@ -85,6 +85,10 @@ def worker_loop(config: dict[str, Any]) -> None:
     if settings.guards.probe_sequences:
         trainer_class = type(f"Probed{trainer_class.__name__}", (RolloutProbe, trainer_class), {})
         options["probe_sequences"] = settings.guards.probe_sequences
+    if settings.lora.enabled:  # TRL wraps the model with PEFT; the reference is the base, adapter disabled
+        from grpo_pipeline.backends.local.lora import peft_config
+
+        options["peft_config"] = peft_config(settings.lora)
     trainer = trainer_class(
         model=model,
         reward_funcs=_reward_function(settings.reward_function),

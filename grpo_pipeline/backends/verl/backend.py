@@ -46,6 +46,7 @@ from grpo_pipeline.backends.verl.resume import keep_good_checkpoint, missing_dat
 from grpo_pipeline.backends.verl.steps import planned_steps, step_count_problem
 from grpo_pipeline.backends.verl.job import JOB_DIR, LOST, TERMINAL, JobRecord, job_spec, new_token, read_record, write_record
 from grpo_pipeline.backends.verl.job_api import job_client, job_status, stop_job, submit
+from grpo_pipeline.backends.verl.lora import lora_problems, merged_policy, verl_adapter
 from grpo_pipeline.backends.verl.requirements import verl_requirements
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.node_tasks import check_paths_on_nodes
@@ -129,7 +130,7 @@ class VerlBackend(Backend):
                     "actor.use_dynamic_bsz=true: dynamic batch size needs packed sequences, but "
                     "engine.use_remove_padding=false; set actor.use_dynamic_bsz=false"
                 )
-        problems += entrypoint_problems(p.trainer.entrypoint)
+        problems += entrypoint_problems(p.trainer.entrypoint) + lora_problems(p)
         if p.trainer.save_freq <= 0:
             problems.append(f"trainer.save_freq={p.trainer.save_freq}: the verl backend resumes and exports from "
                             "verl's checkpoints; set it to a number of steps (verl also saves the last step)")
@@ -344,10 +345,14 @@ class VerlBackend(Backend):
         return keep_good_checkpoint(Path(run_dir) / "checkpoints", trip)  # the train stage's checkpoint_dir
 
     def policy_dir(self, result: TrainResult) -> Path:
-        # The base model names a dist checkpoint's tensors where verl saved no HF config (its job record has it).
+        # The base model names a dist checkpoint's tensors where verl saved no HF config (its job record has it),
+        # and is what a LoRA run's adapter is merged into.
         record = read_record(Path(result.metrics_file).parent) if result.metrics_file else None
         base = Path(record.model_path) if record is not None and record.model_path else None
-        return verl_hf_dir(Path(result.checkpoint_dir), base)
+        return merged_policy(Path(result.checkpoint_dir), base) or verl_hf_dir(Path(result.checkpoint_dir), base)
+
+    def adapter_dir(self, result: TrainResult) -> Path | None:
+        return verl_adapter(Path(result.checkpoint_dir))
 
 
 def _responses_per_step(profile: RunProfile) -> int:

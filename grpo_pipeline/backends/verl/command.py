@@ -26,6 +26,7 @@ import shlex
 from typing import Any
 
 from grpo_pipeline.backends.base import TrainingInputs
+from grpo_pipeline.backends.verl.lora import lora_settings
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.planner.rules import UNEVEN_PIPELINE_FIELDS
 
@@ -182,6 +183,7 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
             "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": r.update_weights_bucket_megabytes,
         }
     )
+    settings.update(lora_settings(p))  # the adapter and the rollout's load format it needs (backends/verl/lora.py)
     vllm_kwargs = dict(r.vllm_kwargs)
     if r.max_model_len is not None:
         vllm_kwargs = {"max_model_len": r.max_model_len, **vllm_kwargs}
