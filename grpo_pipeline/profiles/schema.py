@@ -17,6 +17,7 @@ from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, BackendName
 from grpo_pipeline.profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
 from grpo_pipeline.profiles.platform import DeviceKind, Platform
 from grpo_pipeline.profiles.requirements import NodeRequirement
+from grpo_pipeline.profiles.rewards import RewardSection
 from grpo_pipeline.profiles.section import (
     MAX_DEVICES_PER_NODE, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_NODES, MAX_SEQUENCES, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH,
     Section,
@@ -202,11 +203,6 @@ class AlgorithmSection(Section):
         "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = Field("token-mean", description="How per-token losses are aggregated.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
-    reward_function: str | None = Field(
-        None,
-        description="A custom reward `/path/file.py:function` taking (response, ground_truth) and returning a "
-        "float, used for every row instead of the data_source's built-in reward (local backend and evaluation).",
-    )
 
 
 class ActorSection(Section):
@@ -308,6 +304,9 @@ class RunProfile(Section):
     cluster: ClusterSection = Field(default_factory=ClusterSection)
     data: DataSection = Field(default_factory=DataSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    reward: RewardSection = Field(
+        default_factory=RewardSection, description="The rewards users bring: verl- or TRL-style functions, a reward "
+        "server; empty: the dataset's built-in reward (profiles/rewards.py).")
     actor: ActorSection = Field(default_factory=ActorSection)
     engine: EngineSection = Field(default_factory=EngineSection)
     rollout: RolloutSection = Field(default_factory=RolloutSection)

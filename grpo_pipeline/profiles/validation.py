@@ -1,5 +1,5 @@
 """Rules that involve several fields of a profile and hold for any backend, checked before anything
-expensive starts: lengths, the dist checkpoint's converter, generation settings, a custom reward file.
+expensive starts: lengths, the dist checkpoint's converter, generation settings, the rewards a user brings (profiles/rewards.py).
 
 The layout rules (Megatron's and vLLM's parallel layouts, batches over data-parallel ranks) are the
 planner's (planner/rules.py); each backend picks those that apply to it (`Backend.profile_problems`),
@@ -9,11 +9,10 @@ Each message names the field, its value and a fix.
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.profiles.rewards import reward_problems
 
 if TYPE_CHECKING:
     from grpo_pipeline.profiles.schema import RunProfile
@@ -103,53 +102,6 @@ def conversion_problems(p: RunProfile) -> list[str]:
     return []
 
 
-# A reward file is a module of a few functions; anything larger is not one.
-MAX_REWARD_FILE_BYTES = 1 << 20
-
-
-def reward_problems(p: RunProfile) -> list[str]:
-    """A custom reward that training would fail to load minutes in: the file is read and parsed (never
-    run: planning executes no user code) and must define the function at its top level."""
-    spec = p.algorithm.reward_function
-    if not spec:
-        return []
-    where = f"algorithm.reward_function={spec!r}"
-    path, _, name = spec.rpartition(":")
-    if not path or not name.isidentifier():
-        return [f"{where}: expected /path/to/file.py:function"]
-    file = Path(path).expanduser()
-    try:
-        if not file.is_file():
-            return [f"{where}: {path} is not a file; give the path of a Python file that every node can read"]
-        with open(file, "rb") as handle:
-            source = handle.read(MAX_REWARD_FILE_BYTES + 1)
-    except OSError as exc:
-        return [f"{where}: cannot read {path} ({exc.strerror or exc})"]
-    if len(source) > MAX_REWARD_FILE_BYTES:
-        return [f"{where}: {path} is larger than {MAX_REWARD_FILE_BYTES >> 10} KiB; a reward file is a small Python module"]
-    try:
-        tree = ast.parse(source, filename=path)
-    except (SyntaxError, ValueError) as exc:
-        line = f" line {exc.lineno}" if getattr(exc, "lineno", None) else ""
-        return [f"{where}: {path}{line} is not valid Python ({getattr(exc, 'msg', exc)}); fix it"]
-    if name not in _top_level_names(tree):
-        return [f"{where}: {path} defines no {name!r} at its top level; name a function of (response, ground_truth) it defines"]
-    return []
-
-
-def _top_level_names(tree: ast.Module) -> set[str]:
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-    return names
-
-
 def dataset_problems(p: RunProfile) -> list[str]:
     """Splits the arith generator cannot make (found minutes in, at the dataset stage, otherwise)."""
     d = p.data
@@ -163,7 +115,7 @@ def dataset_problems(p: RunProfile) -> list[str]:
 
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
-    return [*dataset_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
+    return [*dataset_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p.reward),
             *position_problems(p), *head_problems(p), *sampling_problems(p)]
 
 

@@ -3,7 +3,7 @@
     python -m grpo_pipeline --model tiny --device cpu --stages evaluate --set 'eval.models=[/path/a,/path/b]'
 
 For each model directory: responses to every validation prompt (`eval.samples_per_prompt` each),
-scored by `common/rewards.py` as in training; per-sample results go to `<out>/<name>.jsonl` and the
+scored by the run's reward as in training (rewards/plan.py); per-sample results go to `<out>/<name>.jsonl` and the
 metrics (mean reward with a bootstrap 95% interval, accuracy, format rate, pass@k, response length
 mean / p95, truncation rate) are computed from exactly those records.
 
@@ -32,6 +32,7 @@ from grpo_pipeline.generation.decoding import compile_cache_dir
 from grpo_pipeline.generation.engines import engine_label, transformers_generate
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.generation.protocol import Generate, GenerationSettings, Response
+from grpo_pipeline.rewards.plan import RewardParts, RewardPlan, batch_of
 
 BOOTSTRAP_RESAMPLES = 1000
 
@@ -40,7 +41,7 @@ class EvalSettings(GenerationSettings):
     """The generation settings of the evaluation, and what it scores with."""
 
     max_prompts: int | None = None
-    reward_function: str | None = None
+    reward: RewardPlan = Field(default_factory=RewardPlan, description="What scores the responses (rewards/plan.py).")
 
     @classmethod
     def from_profile(cls, profile: RunProfile, plan: GenerationPlan) -> EvalSettings:
@@ -54,7 +55,7 @@ class EvalSettings(GenerationSettings):
         return cls(
             plan=plan, samples_per_prompt=section.samples_per_prompt, temperature=section.temperature,
             max_new_tokens=section.max_new_tokens or profile.data.max_response_length, batch_size=section.batch_size,
-            max_prompts=section.max_prompts, seed=section.seed, reward_function=profile.algorithm.reward_function,
+            max_prompts=section.max_prompts, seed=section.seed, reward=RewardPlan.from_section(profile.reward),
             dtype=profile.platform.run_dtype(profile.engine.dtype), max_prompt_length=profile.data.max_prompt_length,
             compile_cache_dir=str(compile_cache_dir(profile.model.root)),
         )
@@ -111,7 +112,8 @@ def load_validation(val_file: Path, max_prompts: int | None) -> list[dict]:
     if missing:
         raise UserError(f"{val_file}: no {', '.join(missing)} column(s): validation rows need prompt, data_source and "
                         "reward_model.ground_truth (verl's RL schema)")
-    rows = table.select(["prompt", "data_source", "reward_model"]).to_pylist()[: max_prompts or None]
+    rows = table.select([c for c in ("prompt", "data_source", "reward_model", "ability", "extra_info")
+                         if c in table.column_names]).to_pylist()[: max_prompts or None]
     if not rows:
         raise UserError(f"{val_file}: the validation split is empty")
     for index, row in enumerate(rows):
@@ -126,23 +128,22 @@ def evaluate_model(
     name: str, model_dir: Path, rows: list[dict], settings: EvalSettings, out_dir: Path,
     generate: Generate = transformers_generate,
 ) -> ModelMetrics:
-    from grpo_pipeline.common.rewards import score
-
     started = time.perf_counter()
     responses = generate(model_dir, [row["prompt"] for row in rows], settings)
     generation_s = time.perf_counter() - started
     if len(responses) != len(rows) or any(len(r) != settings.samples_per_prompt for r in responses):
         raise RuntimeError(f"the engine returned {len(responses)} groups for {len(rows)} prompts")
+    flat = [(index, sample, row, response) for index, (row, group) in enumerate(zip(rows, responses))
+            for sample, response in enumerate(group)]
+    scores = RewardParts(settings.reward).score(batch_of([row for _, _, row, _ in flat], [r.text for *_, r in flat]))
     samples = []
-    for index, (row, group) in enumerate(zip(rows, responses)):
-        for sample, response in enumerate(group):
-            result = score(row["data_source"], response.text, row["ground_truth"], settings.reward_function)
-            samples.append({
-                "prompt_index": index, "sample": sample, "data_source": row["data_source"],
-                "prompt": row["prompt"][-1]["content"], "response": response.text, "ground_truth": row["ground_truth"],
-                "reward": result.reward, "correct": result.correct, "formatted": result.formatted,
-                "response_tokens": response.tokens, "truncated": response.truncated,
-            })
+    for position, (index, sample, row, response) in enumerate(flat):
+        samples.append({
+            "prompt_index": index, "sample": sample, "data_source": row["data_source"],
+            "prompt": row["prompt"][-1]["content"], "response": response.text, "ground_truth": row["ground_truth"],
+            "reward": scores.rewards[position], "correct": scores.correct[position],
+            "formatted": scores.formatted[position], "response_tokens": response.tokens, "truncated": response.truncated,
+        })
     samples_file = out_dir / f"{name}.jsonl"
     write_text_atomic(samples_file, "".join(json.dumps(s) + "\n" for s in samples))
     return ModelMetrics(name=name, path=str(model_dir), samples_file=str(samples_file), generation_s=round(generation_s, 2),

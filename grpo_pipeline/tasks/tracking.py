@@ -75,6 +75,7 @@ def open_tracker_run(profile: RunProfile, device: DeviceInfo, env: dict | None, 
 
 def step_values(metrics: StepMetrics) -> dict[str, float]:
     values = {f"train/{name}": getattr(metrics, name) for name in _STEP_FIELDS}
+    values |= {f"train/{name}": value for name, value in metrics.rewards.items()}  # each reward part, its extras
     return {key: float(value) for key, value in values.items() if value is not None}
 
 
