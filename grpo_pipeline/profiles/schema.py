@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, BackendName
+from grpo_pipeline.profiles.datasets import DataColumns, DatasetName
 from grpo_pipeline.profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
 from grpo_pipeline.profiles.platform import DeviceKind, Platform
 from grpo_pipeline.profiles.requirements import NodeRequirement
@@ -146,11 +147,14 @@ class ClusterSection(Section):
 
 
 class DataSection(Section):
-    dataset: Literal["arith", "gsm8k", "geo3k"] = Field(
+    dataset: DatasetName = Field(
         "arith",
-        description="Dataset, which also picks the converter and the reward: `arith` (generated, no "
-        "network), `gsm8k`, `geo3k`.",
+        description="Dataset, which also picks the converter and the reward: `arith` (generated, no network), "
+        "`gsm8k`, `geo3k`, `math` (MATH, 7.5k training problems), `math500`, `dapo17k` (DAPO-Math-17k), `aime24`, "
+        "`aime25`, or `mapped`: any hub or local dataset by `data.columns` (profiles/datasets.py).",
     )
+    columns: DataColumns = Field(default_factory=DataColumns, description="`data.dataset=mapped`: the columns that "
+                                 "make the prompt and the answer.")
     source: str | None = Field(
         None,
         description="Hub dataset repo id (e.g. `tyzhu/geo3k`) or a local directory of parquet files; "

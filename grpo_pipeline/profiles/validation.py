@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.profiles.datasets import mapping_problems
 from grpo_pipeline.profiles.rewards import reward_problems
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def dataset_problems(p: RunProfile) -> list[str]:
 
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
-    return [*dataset_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p.reward),
+    return [*dataset_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p.reward), *mapping_problems(p.data),
             *position_problems(p), *head_problems(p), *sampling_problems(p)]
 
 
