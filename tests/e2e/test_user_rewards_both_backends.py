@@ -62,7 +62,7 @@ def test_the_verl_backend_renders_verls_keys_and_its_job_scores_with_the_carried
         assert steps_in(run_dir / "metrics.jsonl") == [1, 2]
         jobs = JobSubmissionClient(cluster.address)
         job = next(j for j in jobs.list_jobs() if (j.metadata or {}).get("run_name") == "rewards")
-        assert "reward.custom_reward_function.path=pkg://grpo_pipeline.rewards.verl_entry" in job.entrypoint
+        assert 'reward.custom_reward_function.path="pkg://grpo_pipeline.rewards.verl_entry"' in job.entrypoint
         assert "reward compute_score (verl style, weight 0.5)" in output  # the check before the submit
     finally:
         ray.shutdown()
