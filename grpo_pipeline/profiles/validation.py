@@ -103,21 +103,10 @@ def conversion_problems(p: RunProfile) -> list[str]:
     return []
 
 
-def dataset_problems(p: RunProfile) -> list[str]:
-    """Splits the arith generator cannot make (found minutes in, at the dataset stage, otherwise)."""
-    d = p.data
-    if d.dataset != "arith" or d.source:
-        return []
-    from grpo_pipeline.common.rl_data import arith_rows_problem  # pyarrow: only for arith runs
-
-    problem = arith_rows_problem(d.arith_train_rows, d.arith_test_rows, d.seed)
-    return [problem] if problem else []
-
-
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
-    return [*dataset_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p.reward), *mapping_problems(p.data),
-            *position_problems(p), *head_problems(p), *sampling_problems(p)]
+    return [*length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p.reward),
+            *mapping_problems(p.data), *position_problems(p), *head_problems(p), *sampling_problems(p)]
 
 
 def refuse(problems: list[str]) -> None:

@@ -27,6 +27,8 @@ from grpo_pipeline.profiles.datasets import EVALUATION_ONLY, SOURCES, DataColumn
 if TYPE_CHECKING:
     import pyarrow as pa
 
+    from grpo_pipeline.profiles.schema import RunProfile
+
 # pyarrow and huggingface_hub are imported where files are made, so planning a run (a dry run
 # renders paths of this stage) stays fast.
 ARITH = "arith"
@@ -117,6 +119,17 @@ class DatasetFiles(BaseModel):
     cached: bool = Field(..., description="True when nothing was fetched or built.")
 
 
+def dataset_problems(profile: RunProfile) -> list[str]:
+    """Splits the arith generator cannot make, at planning (otherwise found minutes in, at this stage)."""
+    d = profile.data
+    if d.dataset != "arith" or d.source:
+        return []
+    from grpo_pipeline.common.rl_data import arith_rows_problem  # pyarrow: only for arith runs
+
+    problem = arith_rows_problem(d.arith_train_rows, d.arith_test_rows, d.seed)
+    return [problem] if problem else []
+
+
 def dataset_dir(spec: DataSpec) -> Path:
     """Where the dataset's entry lives, known without fetching it (for a dry run's command)."""
     return Store(spec.root).path_for(spec.store_name, spec.identity())
@@ -173,6 +186,8 @@ def _matching_files(directory: Path, patterns: list[str]) -> list[Path]:
 def _read_splits(directory: Path, patterns: list[str], source: str) -> dict[str, pa.Table]:
     """The source's files grouped by split (file name), shards concatenated."""
     import pyarrow as pa
+
+    from grpo_pipeline.profiles.schema import RunProfile
     import pyarrow.parquet as pq
 
     from grpo_pipeline.common.rl_data import DatasetFormatError

@@ -29,7 +29,7 @@ from grpo_pipeline.profiles.requirements import NodeRequirement
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.rewards.check import check_rewards
 from grpo_pipeline.rewards.plan import RewardPlan
-from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, dataset_dir
+from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, dataset_dir, dataset_problems
 from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_device
 from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
 from grpo_pipeline.stages.model import ModelCheckpoint, ModelSpec
@@ -104,7 +104,8 @@ def checked_profile(model: str, device: str, backend: str = "auto", profile_file
     rules, picked by the backend) and those that hold for any backend; all problems on one line."""
     profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False,
                                           detected=detected)
-    refuse([*backend_for(profile.backend).profile_problems(profile), *profile_problems(profile)])
+    refuse([*backend_for(profile.backend).profile_problems(profile), *profile_problems(profile),
+            *dataset_problems(profile)])
     return profile, reason
 
 
