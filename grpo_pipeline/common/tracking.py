@@ -206,7 +206,8 @@ class TensorboardTracker(Tracker):
     def log_params(self, params, tags):
         # TensorBoard has no parameters: the profile and the tags are text, shown in its TEXT tab.
         self.writer.add_text("tags", "\n".join(f"- {k}: {v}" for k, v in tags.items()))
-        self.writer.add_text("profile", "\n".join(f"    {k}: {v}" for k, v in params.items()))
+        if params:
+            self.writer.add_text("profile", "\n".join(f"    {k}: {v}" for k, v in params.items()))
 
     def log_metrics(self, metrics, step):
         for key, value in metrics.items():
@@ -307,6 +308,10 @@ class TrackingSession:
         self.state.evaluated_at.append(step)
         write_state(self.run_dir, self.state)
         return True
+
+    def log_tags(self, tags: dict[str, str]) -> None:
+        for tracker in self.trackers:
+            tracker.log_params({}, tags)
 
     def log_files(self, paths: list[Path]) -> None:
         for path in paths:

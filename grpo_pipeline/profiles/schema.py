@@ -15,6 +15,7 @@ from pydantic import Field, field_validator
 
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, BackendName
 from grpo_pipeline.profiles.datasets import DataColumns, DatasetName
+from grpo_pipeline.profiles.evaluation import EvalSection
 from grpo_pipeline.profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
 from grpo_pipeline.profiles.platform import DeviceKind, Platform
 from grpo_pipeline.profiles.requirements import NodeRequirement
@@ -227,28 +228,6 @@ class ActorSection(Section):
     checkpoint_strict: bool = Field(
         True, description="Fail when a checkpoint does not match the model exactly."
     )
-
-
-class EvalSection(Section):
-    models: list[str] = Field(
-        default_factory=list,
-        description="HF model directories to evaluate with `--stages evaluate`; empty: the base model and "
-        "the trained policy of this run.",
-    )
-    samples_per_prompt: int = Field(
-        1, gt=0, le=MAX_HEADS, description="Responses per validation prompt; pass@k is reported for k = this number."
-    )
-    temperature: float = Field(
-        0.0, ge=0, description="Sampling temperature; 0 is greedy (only with one sample per prompt)."
-    )
-    max_new_tokens: int | None = Field(
-        None, gt=0, le=MAX_TOKENS, description="Longest response; empty: data.max_response_length."
-    )
-    batch_size: int = Field(32, gt=0, le=MAX_SEQUENCES, description="Prompts generated together (transformers engine).")
-    max_prompts: int | None = Field(
-        None, gt=0, description="Evaluate on the first N validation prompts only; empty: all."
-    )
-    seed: int = Field(0, description="Seed of sampling and of the bootstrap.")
 
 
 class TrainerSection(Section):

@@ -1,5 +1,6 @@
 """Rules that involve several fields of a profile and hold for any backend, checked before anything
-expensive starts: lengths, the dist checkpoint's converter, generation settings, the rewards a user brings (profiles/rewards.py).
+expensive starts: lengths, the dist checkpoint's converter, generation settings, the rewards a user brings (profiles/rewards.py), the evaluation asked for
+(profiles/evaluation.py).
 
 The layout rules (Megatron's and vLLM's parallel layouts, batches over data-parallel ranks) are the
 planner's (planner/rules.py); each backend picks those that apply to it (`Backend.profile_problems`),
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from grpo_pipeline.common.errors import ProfileError
 from grpo_pipeline.profiles.datasets import mapping_problems
+from grpo_pipeline.profiles.evaluation import eval_problems
 from grpo_pipeline.profiles.rewards import reward_problems
 
 if TYPE_CHECKING:
@@ -106,7 +108,8 @@ def conversion_problems(p: RunProfile) -> list[str]:
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
     return [*length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p.reward),
-            *mapping_problems(p.data), *position_problems(p), *head_problems(p), *sampling_problems(p)]
+            *mapping_problems(p.data), *eval_problems(p.eval), *position_problems(p), *head_problems(p),
+            *sampling_problems(p)]
 
 
 def refuse(problems: list[str]) -> None:

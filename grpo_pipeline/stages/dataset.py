@@ -22,6 +22,7 @@ from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.profiles.yaml_files import path_kind
 from grpo_pipeline.profiles.schema import DataSection
 from grpo_pipeline.common.store import Built, Store
+from grpo_pipeline.profiles.evaluation import HELDOUT
 from grpo_pipeline.profiles.datasets import EVALUATION_ONLY, SOURCES, DataColumns, DatasetName, data_source_of
 
 if TYPE_CHECKING:
@@ -128,6 +129,15 @@ def dataset_problems(profile: RunProfile) -> list[str]:
 
     problem = arith_rows_problem(d.arith_train_rows, d.arith_test_rows, d.seed)
     return [problem] if problem else []
+
+
+def benchmark_specs(profile: RunProfile) -> dict[str, DataSpec]:
+    """The data of each benchmark of `eval.benchmarks` but `heldout` (the run's own validation split): a
+    built-in dataset from its default source, into the run's `data.root` (arith: the run's generator settings)."""
+    d = profile.data
+    return {name: DataSpec.from_profile(DataSection(dataset=name, root=d.root, seed=d.seed, arith_train_rows=d.arith_train_rows,
+                                                    arith_test_rows=d.arith_test_rows))
+            for name in profile.eval.benchmarks if name != HELDOUT}
 
 
 def dataset_dir(spec: DataSpec) -> Path:
