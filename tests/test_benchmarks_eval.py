@@ -169,15 +169,22 @@ def test_the_export_stage_verifies_every_saved_step_when_asked(tiny_model_dir, t
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["eval.benchmarks=[heldout,math500]", "eval.best_metric=aime24/pass@1"],
+    (["eval.benchmarks=[heldout,math500]", "eval.checkpoints=all", "eval.best_metric=aime24/pass@1"],
      "eval.best_metric='aime24/pass@1': 'aime24' is not one of eval.benchmarks"),
-    (["eval.samples_per_prompt=4", "eval.temperature=1", "eval.best_metric=pass@3"],
+    (["eval.samples_per_prompt=4", "eval.temperature=1", "eval.checkpoints=best", "eval.best_metric=pass@3"],
      "pass@3 is not computed; the k of pass@k are [1, 2, 4]"),
     (["eval.pass_k=[8]"], "eval.pass_k=[8]: pass@8 needs at least 8 responses per prompt"),
-    (["eval.best_metric=accuracy"], "the metric is one of pass@k, avg@n, mean_reward"),
+    (["eval.checkpoints=all", "eval.best_metric=accuracy"], "the metric is one of pass@k, avg@n, mean_reward"),
     (["eval.benchmarks=[gsm8k,gsm8k]"], "each benchmark once"),
 ])
 def test_an_evaluation_that_cannot_work_is_refused_at_planning_in_one_line(cli, overrides, message):
     args = [a for o in overrides for a in ("--set", o)]
     result = cli("--model", "tiny", "--device", "cpu", "--dry-run", *args)
     assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_best_metric_is_checked_only_where_a_best_is_chosen(cli):
+    planned = ("--model", "tiny", "--device", "cpu", "--dry-run", "--set", "eval.samples_per_prompt=4", "--set",
+               "eval.temperature=1", "--set", "eval.pass_k=[4]")
+    assert cli(*planned).returncode == 0  # eval.checkpoints=last: the default pass@1 is never asked for
+    assert "pass@1 is not computed" in cli(*planned, "--set", "eval.checkpoints=all").stderr

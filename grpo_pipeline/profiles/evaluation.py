@@ -98,7 +98,7 @@ def eval_problems(section: EvalSection) -> list[str]:
     if too_big := [k for k in section.pass_k if not 0 < k <= n]:
         problems.append(f"eval.pass_k={section.pass_k}: pass@{too_big[0]} needs at least {too_big[0]} responses per "
                         f"prompt; keep each k between 1 and eval.samples_per_prompt={n}, or raise eval.samples_per_prompt")
-    if section.benchmarks:
+    if section.benchmarks and section.checkpoints != "last":  # the best is chosen only among saved steps
         benchmark, metric = section.selection()
         found = _METRIC.match(metric)
         if benchmark not in section.benchmarks:
