@@ -212,10 +212,10 @@ def evaluate_task(
         logger.info("generated with: %s", report.engine)
     for metrics in report.models:
         logger.info(metrics.summary_line())
+    write_json_atomic(run_dir / "eval" / "eval.json", report.model_dump(mode="json"))
     if report.best is not None:
         mark_best(run_dir, report.best)
         logger.info(report.best.line())
-    write_json_atomic(run_dir / "eval" / "eval.json", report.model_dump(mode="json"))
     create_markdown_artifact(key="evaluation", markdown=benchmark_tables(report.model_dump(mode="json")) + "\n",
                              description=f"Evaluation on {', '.join(files)}")
     return report
