@@ -146,11 +146,12 @@ def render(
     models = (evaluation or {}).get("models") or []
     if models:
         engine = f" Generated with {evaluation['engine']}." if evaluation.get("engine") else ""
-        names = benchmarks_of(evaluation)
-        on = "validation prompts" if names == ["heldout"] else f"prompts of each benchmark ({', '.join(names)})"
-        parts += ["## Evaluation", "", f"{models[0].get('n', models[0]['k'])} response(s) to each of the {on}, scored "
-                  f"with the training reward (a benchmark of its own: its built-in reward); 95% intervals over prompts "
-                  f"(bootstrap); pass@k by the unbiased estimator.{engine}", "", benchmark_tables(evaluation), ""]
+        names, n = benchmarks_of(evaluation), models[0].get("n", models[0]["k"])
+        what = (f"{models[0]['prompts']} validation prompts, {n} response(s) each, scored with the training reward"
+                if names == ["heldout"] else f"{n} response(s) to each prompt of {', '.join(names)}, each benchmark "
+                "scored with its built-in reward (`heldout`, the validation split: with the training reward)")
+        parts += ["## Evaluation", "", f"{what}; 95% intervals over prompts (bootstrap), pass@k by the unbiased "
+                  f"estimator.{engine}", "", benchmark_tables(evaluation), ""]
         parts += [f"Generation time: {evaluation['generation']}.", ""] if evaluation.get("generation") else []
         for plot, alt in ((EVAL_PLOT, "evaluation"), (CURVE_PLOT, "checkpoints")):
             if (run_dir / plot).is_file():
