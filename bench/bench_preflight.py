@@ -36,6 +36,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+
+from grpo_pipeline.common.ray_cluster import FREE_PORTS  # noqa: E402
 from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 
 from grpo_pipeline.backends import backend_for  # noqa: E402
@@ -49,8 +51,8 @@ STAND_IN_SLEEP = "import time; time.sleep(5)"
 
 
 def cluster_of(nodes: int, image: dict[str, str]) -> Cluster:
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"NPU": 1}, "env_vars": image,
-                                                         "include_dashboard": True, "dashboard_port": 0})
+    made = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 1, "resources": {"NPU": 1},
+                                                         "env_vars": image, "include_dashboard": True})
     for _ in range(nodes - 1):
         made.add_node(num_cpus=1, resources={"NPU": 1}, env_vars=image)
     made.wait_for_nodes()

@@ -14,6 +14,11 @@ Ratios are each variant's over `none` of the same round.
 `--log-calls N` measures instead what one training step's record costs the flow's process in each
 tool: N `log_step` calls (the nine `train/*` metrics of a step) into a tracker run opened as a run opens
 it, the tools alternated in blocks of 10; it adds `log_step_ms` to the `--out` file when that exists.
+
+`--fault-steps N` measures what MLflow going away costs training (issue 44): N steps through the train
+stage's `StepTracking` (metrics.jsonl written first, as the training side does) while the server
+answers, then N while its port takes connections and never answers; the ratio of the second's mean
+step cost to the first's, and the connections the silent port took (one per 30 s wait at most).
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ def run(model: str, root: Path, name: str, steps: int, settings: list[str], env:
 def log_step_cost(root: Path, url: str, calls: int) -> dict[str, float]:
     """Milliseconds per logged step, per tool (median of the blocks)."""
     from grpo_pipeline.backends.metrics import StepMetrics
-    from grpo_pipeline.common.tracking import start_tracking, tracking_session
+    from grpo_pipeline.common.tracker_session import tracking_session
+    from grpo_pipeline.common.tracking import start_tracking
     from grpo_pipeline.tasks.tracking import step_values
     from grpo_pipeline.profiles.tracking import TrackingSection
 
@@ -90,6 +96,41 @@ def log_step_cost(root: Path, url: str, calls: int) -> dict[str, float]:
     return {tool: statistics.median(values) for tool, values in blocks.items()}
 
 
+def fault_cost(root: Path, steps: int) -> dict[str, float]:
+    """Mean seconds a step costs the flow while MLflow answers, then while it is silent."""
+    from uuid import uuid4
+
+    from grpo_pipeline.backends.metrics import METRICS, StepMetrics, append_metrics
+    from grpo_pipeline.profiles.loader import resolve_profile
+    from grpo_pipeline.stages.device import DeviceInfo
+    from grpo_pipeline.tasks.tracking import StepTracking, open_tracker_run
+    from mlflow_server import free_port, silent_server
+
+    port, run_dir = free_port(), root / "fault-run"
+    run_dir.mkdir()
+    profile = resolve_profile("tiny", "cpu", overrides=["tracking.trackers=[mlflow]",
+                                                        f"tracking.mlflow.tracking_uri=http://127.0.0.1:{port}"])
+    device = DeviceInfo(kind="cpu", count=1, decided_by="requested", reason="bench")
+
+    def train(tracking: StepTracking, numbers: range) -> float:
+        started = time.perf_counter()
+        for step in numbers:
+            record = StepMetrics(step=step, reward_mean=0.5, step_time_s=1.0, time=time.time())
+            append_metrics(run_dir / METRICS, record)
+            tracking.step(record)
+        return (time.perf_counter() - started) / len(numbers)
+
+    with mlflow_server(root, port):
+        open_tracker_run(profile, device, {}, run_dir, uuid4(), warn=print)
+        tracking = StepTracking(profile, run_dir, logs_itself=False, warn=lambda line: None)
+        answering = train(tracking, range(1, steps + 1))
+    with silent_server(port) as taken:
+        silent = train(tracking, range(steps + 1, 2 * steps + 1))
+        connections = len(taken)
+    return {"steps": steps, "answering_s_per_step": answering, "silent_s_per_step": silent,
+            "silent_over_answering": silent / answering, "silent_connections": connections}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -97,8 +138,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--log-calls", type=int, default=0)
+    parser.add_argument("--fault-steps", type=int, default=0)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench-tracking-"))
+    if args.fault_steps:
+        cost = fault_cost(root, args.fault_steps)
+        print(json.dumps(cost, indent=2))
+        if args.out:
+            args.out.write_text(json.dumps({"machine": platform.node(), **cost}, indent=2) + "\n")
+        return
     if args.log_calls:
         os.environ.update(WANDB_SILENT="true", WANDB_CONFIG_DIR=str(root / "wandb-config"))
         with mlflow_server(root) as url:

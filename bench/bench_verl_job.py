@@ -35,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+
+from grpo_pipeline.common.ray_cluster import FREE_PORTS  # noqa: E402
 from ray.job_submission import JobSubmissionClient  # noqa: E402
 
 from grpo_pipeline.backends import backend_for  # noqa: E402
@@ -149,8 +151,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps of each followed / unfollowed job")
     parser.add_argument("--work-mb", type=int, default=400, help="MB hashed per step (a CPU-bound step)")
     args = parser.parse_args()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"NPU": 1},
-                                                            "include_dashboard": True, "dashboard_port": 0})
+    cluster = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 2, "resources": {"NPU": 1},
+                                                            "include_dashboard": True})
     cluster.add_node(num_cpus=2, resources={"NPU": 1})
     cluster.wait_for_nodes()
     try:

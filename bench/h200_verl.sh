@@ -13,6 +13,12 @@
 #              && bash bench/h200_verl.sh session && WAIT=480 bash bench/h200_verl.sh wait
 #          WAIT=560 bash bench/h200_verl.sh wait                 # again until "== session: done"
 # Each run is also a command of its own: check, cluster, verl, override, local, collect, kill9, stop, decode.
+# The step breakdown alone needs neither verl nor Prefect: one call carrying Ray and the flow's wheels less
+# Prefect's stack (prefect, cryptography, sqlalchemy, asyncpg, apprise, redis, burner_redis, greenlet,
+# whenever, dateparser, pendulum, alembic) as .whl/step (58 MiB), then
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/step/*.whl \
+#       && SHORT=0 SEGMENTS=step STEP_MODELS=qwen3-1.7b,qwen3-4b,qwen3-0.6b bash bench/h200_verl.sh session \
+#       && WAIT=500 bash bench/h200_verl.sh wait
 # The flow runs with the flow's packages (/tmp/site); Ray, and so the job and every worker, with the
 # cluster's (/tmp/site-verl): prefect 3.9 and vLLM 0.24 cannot share one environment (bench/verl_carry.py).
 set -euo pipefail

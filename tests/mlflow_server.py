@@ -26,10 +26,11 @@ def free_port() -> int:
 
 
 @contextmanager
-def mlflow_server(root: Path) -> Iterator[str]:
-    """The server's URL while it runs; stopped (and its workers with it) on exit."""
-    port = free_port()
-    log = open(root / "mlflow-server.log", "w")
+def mlflow_server(root: Path, port: int | None = None) -> Iterator[str]:
+    """The server's URL while it runs; stopped (and its workers with it) on exit. The same `root` and
+    `port` again: the same server, restarted (its store and artifacts kept)."""
+    port = port or free_port()
+    log = open(root / "mlflow-server.log", "a")
     process = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
          "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
@@ -60,3 +61,37 @@ def mlflow_server(root: Path) -> Iterator[str]:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         log.close()
+
+
+@contextmanager
+def silent_server(port: int) -> Iterator[list[socket.socket]]:
+    """A server that stopped answering, on 127.0.0.1:`port`: it takes every connection and never
+    replies (the worst a tracker that went away can do: each request waits for its timeout). Yields
+    the connections taken so far."""
+    import threading
+
+    taken: list[socket.socket] = []
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", port))
+    listener.listen(64)
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                taken.append(listener.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield taken
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+        for connection in taken:
+            connection.close()

@@ -109,7 +109,7 @@ def test_a_one_gpu_host_plans_one_worker_and_refuses_eight_named_ones(tmp_path):
     eight = RunRequest(model=str(model), device="gpu", overrides=["cluster.devices_per_node=8"])
     profile, _ = profile_for(eight, one_gpu)
     with pytest.raises(ProfileError, match=r"cluster.devices_per_node=8: 8 training workers but this host has 1 GPUs; "
-                                           r"set --set cluster.devices_per_node=1"):
+                                           r"use --set cluster.devices_per_node=1 or fewer"):
         check_plan(eight, profile, one_gpu, dry_run=False)
 
 

@@ -9,9 +9,11 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from grpo_pipeline.common.errors import HEADLINE_CHARS
 
 SECRET = "hf_sEcReT_vAlUe_123"
 
@@ -21,6 +23,15 @@ def test_the_module_entry_point_exits_2_with_one_line_and_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "error: unknown setting 'engine.tpp' in --set; did you mean 'engine.tp'?\n"
+
+
+def test_a_python_without_the_dependencies_gets_one_line_naming_the_venv():
+    """`python -S`: no site-packages, as a system Python without the project's dependencies."""
+    done = subprocess.run([sys.executable, "-S", "-m", "grpo_pipeline", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"error: this Python ({sys.executable}) lacks grpo_pipeline's dependencies (no module ")
+    assert done.stderr.rstrip().endswith("run .venv/bin/python -m grpo_pipeline (make setup builds it)")
 
 
 def test_dry_run_json_plans_for_a_named_device_without_requiring_it(cli, tmp_path):
@@ -128,15 +139,19 @@ def test_bad_input_is_one_line_exit_2(cli, tmp_path, args, env, fragment):
     done = cli("--model", "tiny", *args, "--dry-run", env=env)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert "Traceback" not in done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
-    assert fragment in lines[0] and "hf_typed_in" not in done.stderr
+    headline, *details = done.stderr.strip().splitlines()
+    # One line: the problem and its fix; the details, if any, indented below it.
+    assert headline.startswith("error: ") and len(headline) <= len("error: ") + HEADLINE_CHARS, done.stderr
+    assert all(line.startswith("  ") for line in details), done.stderr
+    assert fragment in done.stderr and "hf_typed_in" not in done.stderr
 
 
 def test_real_run_on_a_missing_gpu_fails_clearly_before_the_flow(cli, tmp_path):
     done = cli("--model", "tiny", "--device", "gpu", "--run-dir", str(tmp_path))
     assert done.returncode == 2
-    assert done.stderr.startswith("error: --device gpu requested but not usable here")
+    assert done.stderr.startswith("error: --device gpu is not usable here")
+    if "a build without CUDA" in done.stderr:  # the Makefile's CPU torch: the fix is the GPU set-up
+        assert done.stderr.rstrip().endswith("make setup-gpu (docs/install.md)"), done.stderr
     assert "Traceback" not in done.stderr
     assert not any(tmp_path.iterdir())
 

@@ -33,7 +33,7 @@ def test_probe_tells_toolkit_missing_from_absent(tmp_path):
     report = run_probe(extra_path=str(tmp_path))
     assert report["npu"]["status"] == "toolkit-missing"
     assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in report["npu"]["detail"]
-    with pytest.raises(DeviceError, match="npu requested but not usable here: torch_npu is installed but the Ascend toolkit"):
+    with pytest.raises(DeviceError, match="npu is not usable here: torch_npu is installed but the Ascend toolkit"):
         detect_device("npu", probe=report)
     assert detect_device("auto", probe=report).kind != "npu"  # falls through to a GPU, or the CPU
     # A run on a Ray cluster may be planned from a host without NPUs: the cluster's nodes are checked.
@@ -57,7 +57,7 @@ def test_auto_falls_back_to_cpu_with_a_reason():
 
 @pytest.mark.parametrize("kind", ["gpu", "npu"])
 def test_explicit_unusable_device_is_an_error_not_a_fallback(kind):
-    with pytest.raises(DeviceError, match=f"--device {kind} requested but not usable here"):
+    with pytest.raises(DeviceError, match=f"--device {kind} is not usable here"):
         detect_device(kind, probe=NO_ACCELERATOR)
 
 

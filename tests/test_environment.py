@@ -82,7 +82,8 @@ def test_user_exported_env_wins_and_is_recorded():
 
 def test_env_references_are_read_from_the_environment_or_reported():
     profile = resolve_profile("tiny", "cpu", overrides=["env.MIRROR=${MY_MIRROR:-https://hf-mirror.com}",
-                                                       "env.NODE=${NODE_NAME}", "env.HF_TOKEN=${HF_TOKEN}"])
+                                                       "env.NODE=${NODE_NAME}", "env.HF_TOKEN=${HF_TOKEN}",
+                                                       "public_env=[MIRROR, NODE]"])
     env = resolve_environment(profile, environ={})
     assert env.values["MIRROR"].value == "https://hf-mirror.com" and env.values["MIRROR"].source == "profile"
     assert env.unset_references == ["NODE (${NODE_NAME})", "HF_TOKEN (${HF_TOKEN})"]
@@ -92,6 +93,9 @@ def test_env_references_are_read_from_the_environment_or_reported():
     env = resolve_environment(profile, environ={"MY_MIRROR": "http://m", "NODE_NAME": "n1", "HF_TOKEN": "hf_abcdef"})
     assert env.values["MIRROR"].value == "http://m" and env.values["NODE"].value == "n1" and not env.unset_references
     assert env.values["HF_TOKEN"].secret_from == "HF_TOKEN" and env.values["HF_TOKEN"].value is None
+    # Not listed in public_env, a value read by reference is held as a secret (issue 44), whatever its names.
+    hidden = resolve_environment(profile.model_copy(update={"public_env": []}), environ={"MY_MIRROR": "http://m"})
+    assert hidden.values["MIRROR"].secret_from == "MY_MIRROR" and hidden.values["MIRROR"].value is None
 
 
 SECRET = "test-secret-value-7f3a9c"

@@ -62,16 +62,34 @@ CASES = [
     ("overrides", f"env.HF_TOKEN=${{HF_TOKEN}}\nengine.tp=2\nenv.API_KEY={SECRET}", SECRET_LITERAL),
     *[("overrides", f"trainer.total_training_steps=2{sep}env.HF_TOKEN={SECRET}", SECRET_LITERAL)
       for sep in SEPARATORS.values()],
-    ("overrides", f'env.MIRROR_AUTH="${{HF_TOKEN:-{SECRET}}}"', SECRET_DEFAULT),
-    ("overrides", f"env.MIRROR_AUTH=${{HF_TOKEN:-{SECRET}}}", SECRET_DEFAULT),
+    ("overrides", f'env.MIRROR="${{HF_TOKEN:-{SECRET}}}"', SECRET_DEFAULT),
+    ("overrides", f"env.MIRROR=${{HF_TOKEN:-{SECRET}}}", SECRET_DEFAULT),
+    ("overrides", f"env.GH=${{GITHUB_PAT:-{SECRET}}}", SECRET_DEFAULT),  # PAT, AUTH, DSN...: secrets' names too
+    ("overrides", f"env.MIRROR_AUTH=${{HF_TOKEN:-{SECRET}}}", SECRET_LITERAL),  # a secret-named entry first
+    # Issue 44: literal secrets under secret-named keys outside env, which the API stored (HTTP 201).
+    ("overrides", f"tracking.wandb.api_key={SECRET}", SECRET_LITERAL),
+    ("overrides", f"tracking.mlflow.password={SECRET}", SECRET_LITERAL),
+    ("overrides", f"evn.HF_TOKEN={SECRET}", SECRET_LITERAL),
+    ("overrides", f"env_HF_TOKEN={SECRET}", SECRET_LITERAL),
+    ("overrides", f"hf_token={SECRET}", SECRET_LITERAL),
+    ("overrides", f"rollout.vllm_kwargs.hf_token={SECRET}", SECRET_LITERAL),
+    ("overrides", f"env.SENTRY_DSN={SECRET}", SECRET_LITERAL),
+    ("overrides", f"env.MY_COOKIE='{SECRET}'", SECRET_LITERAL),
+    ("overrides", "hf_token=${HF_TOKEN}", None),  # no value stored (and the run refuses the unknown setting)
+    ("overrides", "actor.ppo_max_token_len_per_gpu=16384", None),  # the profile's own settings that look like one
+    ("overrides", "model.architecture.linear_num_key_heads=16", None),
+    ("overrides", "engine.transformer_overrides.moe_token_dispatcher_type=alltoall", None),  # megatron-core's name
+    ("overrides", "env.SSL_CERT_FILE=/etc/ssl/certs/ca.pem", None),  # where a certificate is, not a secret
+    ("overrides", "env.GH=${GITHUB_PAT}", None),
     ("overrides", f"env.DB_URL=postgres://user:{SECRET}@db/x", URL_CREDENTIALS),
     ("overrides", f"data.source=https://{SECRET}@mirror/x", URL_CREDENTIALS),
     ("overrides", f"data.source=https://mirror/x  # was https://u:{SECRET}@mirror/x", URL_CREDENTIALS),
     ("overrides", f"eval.models=[/m, 'https://u:{SECRET}@h/x']", URL_CREDENTIALS),
     ("overrides", f"env={{HF_TOKEN: {SECRET}}}", GRAMMAR),
-    ("overrides", f"env.HF_TOKEN.x={SECRET}", GRAMMAR),
+    ("overrides", f"env.HF_TOKEN.x={SECRET}", SECRET_LITERAL),
     ("overrides", f"env.HF-TOKEN={SECRET}", GRAMMAR),
-    ("overrides", f"ENV.HF_TOKEN={SECRET}", GRAMMAR),
+    ("overrides", f"ENV.HF_TOKEN={SECRET}", SECRET_LITERAL),
+    ("overrides", f"ENV.X={SECRET}", GRAMMAR),
     ("overrides", f"env.X=HF_TOKEN: {SECRET}", GRAMMAR),
     ("overrides", f'data.source="https\\x3a//u:{SECRET}@mirror/x"', GRAMMAR),
     ("overrides", f"a.b=&anchor {SECRET}", GRAMMAR),
@@ -97,6 +115,8 @@ CASES = [
     ("ray_address", "ray://head:10001", None),
     ("ray_address", f"ray://u:{SECRET}@head:10001", NO_AT),
     ("ray_address", f"{SECRET}@head:6379", NO_AT),
+    ("ray_address", f"ray://u:{SECRET}%40head:10001", NO_AT),  # the '@' %-escaped: the same credentials
+    ("ray_address", f"ray://u:{SECRET}%40head:10001".upper(), NO_AT),
     ("ray_address", f"head\x0c{SECRET}:6379", ONE_LINE),
     ("run_name", "try1", None),
     ("run_name", "two words", RUN_NAME),

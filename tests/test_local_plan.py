@@ -82,7 +82,7 @@ def test_generation_settings_that_cannot_work_are_refused(overrides, message):
         (["cluster.devices_per_node=4"], 2, "cluster.devices_per_node=4: 4 training workers but this host has 2 CPU cores"),
         # A group size that does not divide the batch: caught by the profile's own validation already.
         (["algorithm.rollout_n=3", "cluster.devices_per_node=2"], 2,
-         "8 prompts x rollout_n 3 = 24 sequences do not split over 2 data-parallel ranks"),
+         "8 x rollout_n 3 = 24 sequences do not split over 2 ranks"),
         (["algorithm.use_kl_in_reward=true"], 2, "no in-reward KL"),
         (["algorithm.loss_agg_mode=token-sum"], 2, "the local backend supports token-mean"),
     ],

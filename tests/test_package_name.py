@@ -99,7 +99,7 @@ def test_a_ray_node_whose_image_has_same_named_packages_runs_the_project_and_kee
     from ray.cluster_utils import Cluster
 
     from grpo_pipeline.common.node_tasks import check_paths_on_nodes
-    from grpo_pipeline.common.ray_cluster import connect_ray
+    from grpo_pipeline.common.ray_cluster import FREE_PORTS, connect_ray
 
     image = others_packages(tmp_path / "image-site", "WHOSE = \"the image's {name}\"\n")
     # Ray adds the driver's working directory to its workers' path: here that would be this checkout,
@@ -109,7 +109,7 @@ def test_a_ray_node_whose_image_has_same_named_packages_runs_the_project_and_kee
     ray.shutdown()
     # The node's raylet, and every worker it starts, has only the image's packages on PYTHONPATH: the
     # project reaches the worker as the job's py_modules, which Ray puts first.
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "env_vars": {"PYTHONPATH": str(image)}})
+    cluster = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 1, "env_vars": {"PYTHONPATH": str(image)}})
     try:
         connect_ray(cluster.address, {})  # as a run joins a cluster: the job's py_modules are the package
         # The project's own node task, pickled by reference: the worker imports grpo_pipeline.common.node_tasks.

@@ -168,7 +168,7 @@ def test_uneven_pipeline_stages_validate_and_split_as_megatron_core_does(layers,
     ({"num_layers_in_first_pipeline_stage": 11, "num_layers_in_last_pipeline_stage": 11, "vpp": 2},
      "must divide by engine.vpp=2"),
     ({"account_for_embedding_in_pipeline_split": True}, "the model's 94 layers + the embedding do not split evenly"),
-    ({}, "or split them unevenly: engine.num_layers_in_first_pipeline_stage=11 engine.num_layers_in_last_pipeline_stage=11"),
+    ({}, "--set engine.num_layers_in_first_pipeline_stage=11 --set engine.num_layers_in_last_pipeline_stage=11"),
     ({"transformer_overrides": {"num_layers_in_last_pipeline_stage": 10}},
      "engine.transformer_overrides.num_layers_in_last_pipeline_stage: set engine.num_layers_in_last_pipeline_stage instead"),
 ])

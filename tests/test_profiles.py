@@ -97,7 +97,7 @@ def test_local_hf_directory_gives_architecture(tmp_path):
     arch = profile.model.architecture
     assert (arch.num_layers, arch.num_attention_heads, arch.num_kv_heads, arch.num_experts) == (6, 8, 2, 4)
     assert profile.model.path == str(tmp_path.resolve())
-    with pytest.raises(ProfileError, match="num_kv_heads = 2 is not divisible by TP"):
+    with pytest.raises(ProfileError, match=r"engine.tp=4: the model's heads \(kv 2\) do not split 4 ways; use engine.tp in 1, 2"):
         resolve_profile(str(tmp_path), "gpu", backend="verl",
                         overrides=["engine.tp=4", "cluster.devices_per_node=4", "actor.ppo_micro_batch_size_per_gpu=1"])
 

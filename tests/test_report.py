@@ -1,10 +1,12 @@
-"""The run report on its own: the comparison table, the verdict on the intervals, a failed run."""
+"""The run report on its own: the comparison table, the verdict on the intervals, a failed run, the steps and
+times, the plots' bands and bars, the settings that differ, the trackers' links."""
 
 from __future__ import annotations
 
+import pytest
 
 from grpo_pipeline.backends.metrics import StepMetrics
-from grpo_pipeline.stages.report import write_report
+from grpo_pipeline.stages.report import STEP_ROWS, write_report
 
 
 def model(name: str, mean: float, low: float, high: float, tmp_path) -> dict:
@@ -37,3 +39,59 @@ def test_a_failed_run_still_gets_a_report_with_the_reason_and_the_curve(tmp_path
     assert report.startswith("# GRPO run") and "> **The run failed.** Stage `evaluate`: UserError: no weights" in report
     assert "4 of 8 steps; policy in [checkpoints/global_step_4]" in report
     assert "| train | 30.0 | 75% |" in report and (tmp_path / "reward_curve.png").stat().st_size > 1000
+
+
+def steps_file(tmp_path, rewards: list[tuple[float, float]]):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(StepMetrics(step=i, reward_mean=m, reward_std=s, step_time_s=2.0, time=0.0)
+                               .model_dump_json() + "\n" for i, (m, s) in enumerate(rewards, 1)))
+    return {"steps_done": len(rewards), "max_steps": len(rewards), "resumed_from": None, "already_complete": False,
+            "checkpoint_dir": str(tmp_path / "checkpoints" / "global_step_1"), "metrics_file": str(metrics)}
+
+
+def test_steps_are_a_table_and_training_time_is_split_from_its_start_up(tmp_path):
+    train = steps_file(tmp_path, [(0.1, 0.3)] * 45)
+    timings = {"detect_device": 0.01, "resolve_profile": 0.02, "train": 100.0, "evaluate": 10.0}
+    report = write_report(tmp_path, train=train, timings=timings).read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| ") and "0.100 ± 0.300" in line]
+    assert len(rows) == STEP_ROWS and rows[0].startswith("| 1 |") and rows[-1].startswith("| 45 |")
+    assert f"{STEP_ROWS} of 45 steps shown." in report
+    assert "| &nbsp;&nbsp;45 GRPO steps | 90.0 | 82% |" in report
+    assert "| &nbsp;&nbsp;start-up (Ray, workers, model load) and checkpoints | 10.0 | 9% |" in report
+    assert "| 2 other steps (planning, checks) | 0.0 | |" in report and "| detect_device |" not in report
+
+
+def test_the_reward_band_stays_in_the_rewards_range_and_only_intervals_get_error_bars(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    bands, error_bars = [], []
+    fill, errorbar = matplotlib.axes.Axes.fill_between, matplotlib.axes.Axes.errorbar
+    monkeypatch.setattr(matplotlib.axes.Axes, "fill_between",
+                        lambda self, x, low, high, **kw: bands.append((list(low), list(high))) or fill(self, x, low, high, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "errorbar",
+                        lambda self, *a, **kw: error_bars.append(a) or errorbar(self, *a, **kw))
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", _bar_without_yerr(matplotlib.axes.Axes.bar))
+    train = steps_file(tmp_path, [(0.05, 0.3), (0.9, 0.3)])
+    write_report(tmp_path, train=train, profile=None,
+                 evaluation={"models": [model("base", 0.2, 0.1, 0.3, tmp_path), model("trained", 0.6, 0.5, 0.7, tmp_path)]})
+    (low, high), = bands  # 0.05 - 0.3 and 0.9 + 0.3 cut to the rewards' 0..1
+    assert low == pytest.approx([0.0, 0.6]) and high == pytest.approx([0.35, 1.0])
+    assert len(error_bars) == 2  # the mean reward's interval of each model, nothing on accuracy or format
+
+
+def _bar_without_yerr(bar):
+    def checked(self, *args, **kwargs):
+        assert "yerr" not in kwargs  # a bar without an interval gets no (zero-height) error bar
+        return bar(self, *args, **kwargs)
+    return checked
+
+
+def test_settings_are_those_that_differ_and_tracker_places_are_links(tmp_path):
+    from grpo_pipeline.profiles.loader import resolve_run_profile
+
+    profile, _ = resolve_run_profile("tiny", "cpu", "auto", None, ["trainer.total_training_steps=3"], validate=False)
+    link = "http://127.0.0.1:5000/#/experiments/1/runs/abc (once `mlflow ui --backend-store-uri sqlite:///x.db` serves it)"
+    report = write_report(tmp_path, profile=profile.model_dump(mode="json"), tracking={"mlflow": link}).read_text()
+    assert "```yaml\ntrainer:\n  total_training_steps: 3\n```" in report and "verl" not in report.split("## Settings")[1]
+    assert ("Experiment tracking: [mlflow](http://127.0.0.1:5000/#/experiments/1/runs/abc) (once `mlflow ui "
+            "--backend-store-uri sqlite:///x.db` serves it).") in report

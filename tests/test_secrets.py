@@ -91,7 +91,12 @@ def test_a_ray_address_is_checked_for_its_form_without_echoing_credentials(addre
     ("name", "secret"),
     [("HF_TOKEN", True), ("WANDB_API_KEY", True), ("AWS_SECRET_ACCESS_KEY", True), ("DB_PASSWORD", True),
      ("GITHUB_PAT_TOKEN", True), ("OPENAI_APIKEY", True), ("TOKENIZERS_PARALLELISM", False),
-     ("HCCL_BUFFSIZE", False), ("KEYBOARD_LAYOUT", False)],
+     ("HCCL_BUFFSIZE", False), ("KEYBOARD_LAYOUT", False),
+     # Issue 44: names the first list did not know, and names of where a secret or a certificate is.
+     *[(name, True) for name in ("GITHUB_PAT", "MY_AUTH", "GH_OAUTH", "HTTP_AUTHORIZATION", "BEARER", "API_JWT",
+                                 "SITE_COOKIE", "SESSION_ID", "SENTRY_DSN", "PRIVATE_KEY_PEM", "CLIENT_CERT",
+                                 "GCP_CREDS", "SSH_PASSPHRASE")],
+     *[(name, False) for name in ("SSL_CERT_FILE", "SSL_CERT_DIR", "SSH_AUTH_SOCK", "HF_TOKEN_PATH", "PATH")]],
 )
 def test_secret_names(name, secret):
     assert is_secret(name) is secret
@@ -149,7 +154,7 @@ def test_a_secret_literal_is_refused_in_any_setting_naming_the_setting_never_the
 def test_a_secret_value_the_shell_expanded_into_a_setting_is_refused_naming_its_variable(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     for overrides, fragment in (
-        ([f"env.MIRROR_AUTH={TOKEN}"], "--set: env.MIRROR_AUTH holds the value of HF_TOKEN; write env.MIRROR_AUTH=${HF_TOKEN}"),
+        ([f"env.MIRROR={TOKEN}"], "--set: env.MIRROR holds the value of HF_TOKEN; write env.MIRROR=${HF_TOKEN}"),
         ([f"trainer.experiment_name=run-{TOKEN}"], "--set: trainer.experiment_name holds the value of HF_TOKEN"),
     ):
         with pytest.raises(ValidationError, match=re.escape(fragment)) as refused:
@@ -206,3 +211,54 @@ def test_a_stage_error_quoting_a_secret_is_raised_scrubbed_and_keeps_its_kind(mo
         assert str(caught.value) == f"{kind.__name__}: GET https://mirror/x?token=*** returned 500"
     with pytest.raises(ValueError, match="nothing secret"):  # an error without a secret is raised as it is
         errors_scrubbed(fails)(lambda message: ValueError("nothing secret"))
+
+
+def test_a_value_read_by_reference_is_a_secret_whatever_its_names_unless_the_profile_marks_it_public(monkeypatch):
+    """Issue 44: `env.GH=${GITHUB_PAT}` and `env.CYR=${MY_AUTH}` were stored in clear everywhere; a value
+    read by reference now fails safe, whatever the names, and `public_env` shows one on purpose."""
+    environ = {"GITHUB_PAT": "ghp-made-up-1234", "MY_AUTH": "made-up-auth-5678", "ODD_NAME": "made-up-odd-9012",
+               "IFNAME": "eth0-made-up"}
+    profile = resolve_profile("tiny", "cpu", overrides=["env.GH=${GITHUB_PAT}", "env.CYR=${MY_AUTH}",
+                                                        "env.PLAIN=${ODD_NAME}", "env.IFACE=${IFNAME}",
+                                                        "public_env=[IFACE]"])
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    env = resolve_environment(profile)
+    shown = env.redacted()
+    assert {name: shown[name]["value"] for name in ("GH", "CYR", "PLAIN", "IFACE")} == {
+        "GH": "***", "CYR": "***", "PLAIN": "***", "IFACE": "eth0-made-up"}
+    stored = env.model_dump_json() + json.dumps(env.worker_env)
+    assert not [value for name, value in environ.items() if name != "IFNAME" and value in stored]
+    assert env.worker_env["IFACE"] == "eth0-made-up" and "GH" not in env.worker_env
+    assert scrub("GH is ghp-made-up-1234, ODD is made-up-odd-9012") == "GH is ***, ODD is ***"
+    driver = dict(environ)
+    env.apply(driver)  # the driver still gets each one, under the entry's name
+    assert (driver["GH"], driver["CYR"], driver["PLAIN"]) == ("ghp-made-up-1234", "made-up-auth-5678", "made-up-odd-9012")
+
+
+@pytest.mark.parametrize(("overrides", "problem"), [
+    (["public_env=[NOPE]"], "public_env: NOPE is no env entry of the profile"),
+    (["env.HF_TOKEN=${HF_TOKEN}", "public_env=[HF_TOKEN]"], "public_env: env.HF_TOKEN is named like a secret"),
+])
+def test_public_env_names_an_entry_that_may_be_shown(overrides, problem):
+    with pytest.raises(ProfileError, match=re.escape(problem)):
+        resolve_profile("tiny", "cpu", overrides=overrides)
+
+
+@pytest.mark.parametrize("field", ["run_name", "run_root", "model", "profile_file"])
+def test_a_secret_value_as_a_run_name_or_run_folder_is_refused_naming_its_variable(monkeypatch, field):
+    """Issue 44: `--run-name <token>` was printed by the dry run and stored in plan.json, tracking.json,
+    the tracker runs and Prefect: the options stored as written get the check `--set` values get."""
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    value = {"run_root": f"/tmp/runs-{TOKEN}", "profile_file": f"{TOKEN}.yaml"}.get(field, TOKEN)
+    with pytest.raises(ValidationError, match=re.escape("holds the value of HF_TOKEN, and it is stored and shown")) as refused:
+        RunRequest(**{field: value})
+    assert TOKEN not in str(refused.value)
+
+
+def test_credentials_with_a_percent_escaped_at_are_credentials():
+    address = f"ray://u:{TOKEN}%40head:10001"
+    with pytest.raises(ValidationError, match="carries no credentials") as refused:
+        RunRequest(ray_address=address)
+    assert TOKEN not in str(refused.value)
+    assert scrub(f"tried {address}") == "tried ray://***@head:10001"

@@ -26,8 +26,9 @@ from grpo_pipeline.backends.metrics import StepMetrics
 from grpo_pipeline.backends.verl.command import verl_command
 from grpo_pipeline.backends.verl.job import JOB_DIR, job_spec
 from grpo_pipeline.backends.verl.rewards import reward_modules
-from grpo_pipeline.common.tracking import read_state, tracking_session
-from grpo_pipeline.tasks.tracking import StepTracking, finish_tracker_run, open_tracker_run, report_files, tracking_lines
+from grpo_pipeline.common.tracker_session import tracking_session
+from grpo_pipeline.common.tracking import FINISHED, read_state
+from grpo_pipeline.tasks.tracking import StepTracking, close_tracker_runs, open_tracker_run, tracking_lines
 from mlflow_server import free_port, mlflow_server
 from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.common.rl_data import arith_splits
@@ -92,8 +93,8 @@ def test_a_run_and_its_resumed_retry_are_one_tracker_run_in_each_tool(mlflow_url
     steps.close()
     (run_dir / "report.md").write_text("# GRPO run `tiny-run`\n\nthe report\n")
     (run_dir / "metrics.jsonl").write_text("".join(_step(s).model_dump_json() + "\n" for s in range(1, 6)))
-    result = {"eval": _evaluation(), "train": {"steps_done": 5}}
-    assert finish_tracker_run(profile, run_dir, result, report_files(run_dir), finished=True)
+    result = {"eval": _evaluation(), "train": {"steps_done": 5}, "tracking": tracking_lines(read_state(run_dir))}
+    assert close_tracker_runs(profile, run_dir, result, FINISHED, lambda: "written") == "written"
 
     ids = read_state(run_dir).runs
     links = tracking_lines(read_state(run_dir))

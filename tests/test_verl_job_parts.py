@@ -227,6 +227,20 @@ def test_a_submit_waits_for_the_heads_job_agent(monkeypatch, tmp_path):
     assert job_api.submit(head, spec) is False  # the same job: followed, not submitted twice
 
 
+def test_a_head_whose_agent_never_comes_is_named_in_one_line_with_the_port_it_may_have_lost(monkeypatch, tmp_path):
+    """Issue 44: beside another Ray, the head's agent found its port taken and never registered; the
+    tests waited out 300 s and failed on Ray's own message."""
+    monkeypatch.setattr(job_api, "AGENT_RETRY_S", 0.01)
+    monkeypatch.setenv("GRPO_PIPELINE_RAY_CONNECT_TIMEOUT_S", "0.2")
+    profile = resolve_profile("tiny", "npu", "verl")
+    spec = job_spec(profile, training_inputs(profile, tmp_path), tmp_path, "run", {}, "c0ffee", 1)
+    with pytest.raises(job_api.ClusterNotReady) as refused:
+        job_api.submit(HeadWithoutAgentYet(refusals=10**6), spec)
+    message = str(refused.value)
+    assert "\n" not in message and "port (52365 unless given)" in message
+    assert "start the head with --dashboard-agent-listen-port=0" in message
+
+
 def test_the_tracker_names_a_step_only_once_its_folder_exists(tmp_path):
     assert tracker_step(tmp_path) is None
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")

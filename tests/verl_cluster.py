@@ -21,6 +21,7 @@ from pathlib import Path
 from ray.cluster_utils import Cluster
 
 from grpo_pipeline.backends.metrics import read_metrics
+from grpo_pipeline.common.ray_cluster import FREE_PORTS
 from node_images import node_image
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,8 +43,8 @@ def npu_cluster(nodes: int = 2, images: list[dict[str, str]] | None = None) -> C
     which the preflight passes. `ordered_nodes`: the nodes in the order of `images`."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     images = images or [node_image(Path(tempfile.mkdtemp(prefix="node-image-")))] * nodes
-    made = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"NPU": 1}, "env_vars": images[0],
-                                                         "include_dashboard": True, "dashboard_port": 0})
+    made = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 2, "resources": {"NPU": 1}, "env_vars": images[0],
+                                                         "include_dashboard": True})
     made.ordered_nodes = [made.head_node]
     for image in images[1:]:
         made.ordered_nodes.append(made.add_node(num_cpus=2, resources={"NPU": 1}, env_vars=image))

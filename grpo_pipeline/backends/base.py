@@ -136,6 +136,11 @@ class Backend(ABC):
         local backend: gradient checkpointing); None when there is nothing to say."""
         return None
 
+    def generation_summary(self, profile: RunProfile, generation: GenerationPlan) -> str:
+        """How this engine's runs generate rollouts and evaluation, for the dry run's header: by default
+        both by the run's plan (generation/plan.py)."""
+        return f"rollouts and evaluation: {generation.describe()}"
+
     def evaluation(self, profile: RunProfile, settings: GenerationSettings, devices_here: int, ray_address: str | None,
                    runtime_env: dict) -> tuple[GenerationSettings, Generate]:
         """Where the evaluation stage generates for this engine's runs: by default on this host's

@@ -34,10 +34,12 @@ def short(name: object, limit: int = MAX_NAME_SHOWN) -> str:
     return text if len(text) <= limit else f"{text[:limit // 2]}...{text[-limit // 2:]} ({len(text):,} characters)"
 
 
-def read_regular(path: Path, limit: int) -> bytes:
-    """The bytes of `path` (a link is followed), if it is a regular file of at most `limit` bytes;
-    else NotARegularFile saying what it is. Opened without blocking, so a FIFO answers at once."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+def read_regular(path: Path, limit: int, follow_links: bool = True) -> bytes:
+    """The bytes of `path` (a link is followed unless `follow_links` is False: then OSError ELOOP),
+    if it is a regular file of at most `limit` bytes; else NotARegularFile saying what it is. Opened
+    without blocking, so a FIFO answers at once."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW)
+    fd = os.open(path, flags)
     try:
         mode = os.fstat(fd).st_mode
         kind = next((name for test, name in _KINDS.items() if test(mode)), None)

@@ -38,10 +38,10 @@ from huggingface_hub.hf_api import RepoFile
 from pydantic import BaseModel, Field
 
 from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.common.hub_reach import hub_endpoint, hub_offline, reach_problem, unreachable
 from grpo_pipeline.common.progress import Bar
 from grpo_pipeline.common.store import HASH_THREADS, sha256_file, sha256_files
 
-DEFAULT_ENDPOINT = "https://huggingface.co"
 # A 429's Retry-After is honoured up to this long inside the attempt; longer waits are left to the
 # task's own retry delay.
 MAX_RETRY_AFTER_S = 60.0
@@ -67,8 +67,7 @@ class HubSettings(BaseModel):
         if token is None:
             token_file = Path(env.get("HF_HOME") or "~/.cache/huggingface").expanduser() / "token"
             token = token_file.read_text().strip() if token_file.is_file() else None
-        offline = env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-        return cls(endpoint=(env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/"), token=token, offline=offline)
+        return cls(endpoint=hub_endpoint(env), token=token, offline=hub_offline(env))
 
 
 class Snapshot(BaseModel):
@@ -171,7 +170,13 @@ def fetch_snapshot(
             if isinstance(item, RepoFile)
         ]
     except Exception as exc:
-        raise classify_hub_error(exc, what) from exc
+        error = classify_hub_error(exc, what)
+        # Not reaching the hub at all (a name that does not resolve, a refused connection) is no fault the
+        # task's retries get past: asked again for a few seconds here, then said once.
+        if isinstance(error, TransientFetchError) and (problem := reach_problem(settings.endpoint)):
+            raise unreachable(f"{repo_type} {repo_id}", problem, settings.endpoint, "a local copy of it",
+                              "the store") from None
+        raise error from exc
     for item in listed:
         safe_relative_path(item.path)
     wanted = [item for item in listed if _matches(item.path, patterns)]

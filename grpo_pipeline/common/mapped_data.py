@@ -1,6 +1,6 @@
 """Any hub or local dataset as verl's RL rows, by column mapping (`data.dataset=mapped`, `data.columns`).
 
-    python -m grpo_pipeline --model tiny --device cpu --set data.dataset=mapped --set data.source=/data/qa \\
+    python -m grpo_pipeline --model tiny --device cpu --set data.dataset=mapped --set data.source=/path/to/qa \\
         --set data.columns.prompt=question --set data.columns.answer=final --stages fetch_dataset
 
 The prompt is a text column (put into `data.columns.template` at `{prompt}`, after `data.columns.system_prompt`)

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from grpo_pipeline.common.ray_cluster import cluster_address, connect_ray, node_label
+from grpo_pipeline.common.ray_cluster import connect_ray, node_label
+from grpo_pipeline.common.ray_address import cluster_address
 from grpo_pipeline.common.errors import UserError
 
 NODE_CHECK_TIMEOUT_S = 120

@@ -5,9 +5,10 @@
 
 A tracker run is the whole pipeline run. `start_tracking` opens it once the run is planned (or finds it
 again: its ids are kept in the run folder's `tracking.json`, so a retried or resumed run continues the
-same tracker run), a `TrackingSession` logs to it, and `job_env` gives the variables verl's own loggers
-read to continue it from a cluster job. A training step is logged once: `tracking.json` remembers the
-last one, and a resumed attempt's steps up to it are skipped (they were logged by the attempt before).
+same tracker run), a `TrackingSession` (common/tracker_session.py) logs to it, and `job_env` gives the
+variables verl's own loggers read to continue it from a cluster job. A tracking URI's credentials
+(`http://user:pass@host`, as MLflow documents) reach MLflow's client in this process only: ids, links
+and the job's variables keep the URI without them.
 """
 
 from __future__ import annotations
@@ -16,20 +17,27 @@ import os
 import shutil
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.common.files import write_json_atomic
+from grpo_pipeline.common.tracker_stores import artifacts_beside, tensorboard_dir, tracking_uri, without_credentials
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.profiles.tracking import TrackingSection
 
 STATE_FILE = "tracking.json"
+# Where each tool's own local UI serves a store or folder by default (`mlflow ui`, `tensorboard`).
+LOCAL_UI = {"mlflow": "http://127.0.0.1:5000", "tensorboard": "http://localhost:6006"}
 # MLflow caps a parameter's value (6,000 characters since 2.x) and a batch (100 parameters).
 _PARAM_CHARS, _BATCH = 6000, 100
+# How long one request to MLflow may take: opening the run (a yes/no at the start), a step while training.
+OPEN_TIMEOUT_S, STEP_TIMEOUT_S = 15, 5
+# The status a tracker run ends with, by how the pipeline run ended (MLflow's RunStatus names).
+FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
 
 
 class TrackingState(BaseModel):
@@ -38,8 +46,17 @@ class TrackingState(BaseModel):
     runs: dict[str, dict[str, str]] = Field(default_factory=dict, description="Per tracker: its run's ids and where it is.")
     links: dict[str, str] = Field(default_factory=dict, description="Per tracker: where a person looks at the run.")
     skipped: dict[str, str] = Field(default_factory=dict, description="Trackers left out at the start (warn): why.")
-    last_step: int = Field(0, description="The last training step logged by the flow; a resumed attempt's earlier steps are skipped.")
+    last_step: int = Field(0, description="The last training step every tracker has (from an earlier version: the "
+                           "last one the flow logged).")
+    logged_to: dict[str, int] = Field(default_factory=dict, description="Per tracker: the last training step it has, "
+                                      "each step up to it once; steps after it wait in metrics.jsonl.")
+    missed: dict[str, list[int]] = Field(default_factory=dict, description="Per tracker: steps of metrics.jsonl it did "
+                                         "not get by the run's end (it did not answer); the report names them.")
+    ended: str | None = Field(None, description="The status the tracker runs were closed with, once the run ended.")
     evaluated_at: list[int] = Field(default_factory=list, description="Training steps whose evaluation was logged.")
+
+    def logged(self, name: str) -> int:
+        return self.logged_to.get(name, self.last_step)
 
 
 def read_state(run_dir: Path) -> TrackingState | None:
@@ -78,8 +95,12 @@ class Tracker(ABC):
     @abstractmethod
     def log_file(self, path: Path) -> None: ...
 
-    def close(self, finished: bool | None = None) -> None:
-        """End this session's hold on the run; `finished` True/False also ends the run itself (done / failed)."""
+    def close(self, status: str | None = None) -> None:
+        """End this session's hold on the run; a `status` (FINISHED, FAILED, KILLED) also ends the run itself."""
+
+    def bounded(self, timeout_s: float = STEP_TIMEOUT_S):
+        """A context in which each request to the tool gives up after `timeout_s`, without retries."""
+        return nullcontext()
 
     def job_env(self, ids: dict[str, str]) -> dict[str, str]:
         """What verl's logger for this tool reads (verl/utils/tracking.py, verl 0.9.1) to continue the run."""
@@ -95,6 +116,8 @@ class MlflowTracker(Tracker):
     def __init__(self, settings: TrackingSection, run_dir: Path):
         super().__init__(settings, run_dir)
         self.uri = tracking_uri(settings, run_dir)
+        # MLflow prints "View run ... at: <the URI>" when a run ends: with the URI's credentials, if it has any.
+        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
 
     def open(self, ids, run_name):
         from mlflow.tracking import MlflowClient
@@ -102,20 +125,20 @@ class MlflowTracker(Tracker):
         self.client = MlflowClient(self.uri)
         if ids:
             self.run_id, self.experiment_id = ids["run_id"], ids["experiment_id"]
-            with _answer_soon():
-                self.client.update_run(self.run_id, status="RUNNING")
+            self.client.update_run(self.run_id, status="RUNNING")
         else:
-            with _answer_soon():  # a server that is not there fails in seconds, not after MLflow's retries
-                experiment = self.client.get_experiment_by_name(self.settings.mlflow.experiment)
-            self.experiment_id = (experiment.experiment_id if experiment
-                                  else self.client.create_experiment(self.settings.mlflow.experiment))
+            experiment = self.client.get_experiment_by_name(self.settings.mlflow.experiment)
+            self.experiment_id = (experiment.experiment_id if experiment else self.client.create_experiment(
+                self.settings.mlflow.experiment, artifact_location=artifacts_beside(self.uri)))
             self.run_id = self.client.create_run(self.experiment_id, run_name=run_name).info.run_id
-        return {"run_id": self.run_id, "experiment_id": self.experiment_id, "tracking_uri": self.uri}
+        return {"run_id": self.run_id, "experiment_id": self.experiment_id, "tracking_uri": without_credentials(self.uri)}
 
     def link(self):
-        if self.uri.startswith(("http://", "https://")):
-            return f"{self.uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
-        return f"run {self.run_id} of `mlflow ui --backend-store-uri {self.uri}`"
+        uri = without_credentials(self.uri)
+        if uri.startswith(("http://", "https://")):
+            return f"{uri.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{self.run_id}"
+        return (f"{LOCAL_UI['mlflow']}/#/experiments/{self.experiment_id}/runs/{self.run_id} (once "
+                f"`.venv/bin/mlflow ui --backend-store-uri {uri}` serves it)")
 
     def log_params(self, params, tags):
         from mlflow.entities import Param, RunTag
@@ -134,12 +157,18 @@ class MlflowTracker(Tracker):
     def log_file(self, path):
         self.client.log_artifact(self.run_id, str(path))
 
-    def close(self, finished=None):
-        if finished is not None:
-            self.client.set_terminated(self.run_id, "FINISHED" if finished else "FAILED")
+    def close(self, status=None):
+        if status is not None:
+            self.client.set_terminated(self.run_id, status)
+
+    def bounded(self, timeout_s=STEP_TIMEOUT_S):
+        return _answer_soon(timeout_s)
 
     def job_env(self, ids):
-        return {"MLFLOW_TRACKING_URI": ids["tracking_uri"], "MLFLOW_RUN_ID": ids["run_id"]}
+        # Without its credentials: a node's MLflow reads them from its own environment (MLFLOW_TRACKING_USERNAME
+        # and MLFLOW_TRACKING_PASSWORD, or MLFLOW_TRACKING_TOKEN, exported before `ray start` there), as every
+        # secret a job needs is read; a runtime_env is kept in Ray's GCS, its logs and its dashboard.
+        return {"MLFLOW_TRACKING_URI": without_credentials(ids["tracking_uri"]), "MLFLOW_RUN_ID": ids["run_id"]}
 
 
 class WandbTracker(Tracker):
@@ -152,8 +181,8 @@ class WandbTracker(Tracker):
         import wandb
 
         w = self.settings.wandb
-        if w.mode == "online" and not os.environ.get("WANDB_API_KEY") and not _netrc_has_wandb():
-            raise RuntimeError("no WANDB_API_KEY in the flow's environment (and no `wandb login`)")
+        if missing := missing_credentials(self.settings):
+            raise RuntimeError(missing)
         self.run = wandb.init(
             project=w.project, entity=w.entity, id=(ids or {}).get("run_id"), name=run_name, resume="allow",
             mode=w.mode, dir=str(self.run_dir), reinit="create_new",
@@ -177,8 +206,8 @@ class WandbTracker(Tracker):
     def log_file(self, path):
         self.run.save(str(path), base_path=str(Path(path).parent), policy="now")
 
-    def close(self, finished=None):
-        self.run.finish(exit_code=0 if finished in (None, True) else 1)
+    def close(self, status=None):
+        self.run.finish(exit_code=0 if status in (None, FINISHED) else 1)
 
     def job_env(self, ids):
         env = {"WANDB_RUN_ID": ids["run_id"], "WANDB_RESUME": "allow", "WANDB_MODE": ids["mode"],
@@ -201,7 +230,7 @@ class TensorboardTracker(Tracker):
         return {"log_dir": str(self.log_dir)}
 
     def link(self):
-        return f"`tensorboard --logdir {self.log_dir}`"
+        return f"{LOCAL_UI['tensorboard']} (once `.venv/bin/tensorboard --logdir {self.log_dir}` serves it)"
 
     def log_params(self, params, tags):
         # TensorBoard has no parameters: the profile and the tags are text, shown in its TEXT tab.
@@ -221,7 +250,7 @@ class TensorboardTracker(Tracker):
         (self.log_dir / "files").mkdir(exist_ok=True)
         shutil.copy2(path, self.log_dir / "files" / path.name)
 
-    def close(self, finished=None):
+    def close(self, status=None):
         self.writer.close()
 
     def job_env(self, ids):
@@ -230,17 +259,6 @@ class TensorboardTracker(Tracker):
 
 TRACKER_CLASSES: dict[str, type[Tracker]] = {t.name: t for t in (MlflowTracker, WandbTracker, TensorboardTracker)}
 DESCRIBED = {"mlflow": "MLflow", "wandb": "Weights & Biases", "tensorboard": "TensorBoard"}
-
-
-def tracking_uri(settings: TrackingSection, run_dir: Path) -> str:
-    """The profile's URI, else MLflow's own variable, else a SQLite store beside the run folders."""
-    return (settings.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-            or f"sqlite:///{(Path(run_dir).resolve().parent / 'mlflow.db')}")
-
-
-def tensorboard_dir(settings: TrackingSection, run_dir: Path) -> Path:
-    return Path(settings.tensorboard.log_dir).expanduser().resolve() if settings.tensorboard.log_dir else (
-        Path(run_dir).resolve() / "tensorboard")
 
 
 def start_tracking(settings: TrackingSection, run_dir: Path, run_name: str, params: dict[str, str],
@@ -256,12 +274,15 @@ def start_tracking(settings: TrackingSection, run_dir: Path, run_name: str, para
             continue
         tracker = TRACKER_CLASSES[name](settings, run_dir)
         try:
-            state.runs[name] = tracker.open(state.runs.get(name), run_name)
-            state.links[name] = tracker.link()
-            tracker.log_params(params, tags)
-            tracker.close()
+            with tracker.bounded(OPEN_TIMEOUT_S):  # a server that is not there fails in seconds, not after its retries
+                if name not in state.runs:
+                    state.logged_to[name] = 0  # a new tracker run gets every step of metrics.jsonl
+                state.runs[name] = tracker.open(state.runs.get(name), run_name)
+                state.links[name] = tracker.link()
+                tracker.log_params(params, tags)
+                tracker.close()
         except Exception as exc:  # each tool raises its own types (connection, auth, timeouts)
-            problem = f"{DESCRIBED[name]} ({where(settings, run_dir, name)}) cannot be reached: {_one_line(exc)}"
+            problem = f"{DESCRIBED[name]} ({where(settings, run_dir, name)}) cannot be reached: {one_line(exc)}"
             if settings.on_unreachable == "fail":
                 raise UserError(f"tracking: {problem}; start it or fix tracking.{name}, drop it from tracking.trackers, "
                                 "or set tracking.on_unreachable=warn to run without it") from None
@@ -273,69 +294,10 @@ def start_tracking(settings: TrackingSection, run_dir: Path, run_name: str, para
 
 def where(settings: TrackingSection, run_dir: Path, name: str) -> str:
     if name == "mlflow":
-        return scrub(tracking_uri(settings, run_dir))
+        return without_credentials(tracking_uri(settings, run_dir))
     if name == "wandb":
         return f"project {settings.wandb.project}, {settings.wandb.mode}"
     return str(tensorboard_dir(settings, run_dir))
-
-
-class TrackingSession:
-    """The run's trackers, open for a stretch of the flow (training's steps, the evaluation and report)."""
-
-    def __init__(self, settings: TrackingSection, run_dir: Path, state: TrackingState, run_name: str):
-        self.run_dir, self.state, self.trackers = Path(run_dir), state, []
-        for name, ids in state.runs.items():
-            tracker = TRACKER_CLASSES[name](settings, run_dir)
-            tracker.open(ids, run_name)
-            self.trackers.append(tracker)
-
-    def log_step(self, step: int, metrics: dict[str, float]) -> bool:
-        """Log a training step once: False for a step an earlier attempt already logged."""
-        if step <= self.state.last_step:
-            return False
-        for tracker in self.trackers:
-            tracker.log_metrics(metrics, step)
-        self.state.last_step = step
-        write_state(self.run_dir, self.state)
-        return True
-
-    def log_evaluation(self, step: int, metrics: dict[str, float]) -> bool:
-        """The evaluation of the policy at training step `step`, once."""
-        if step in self.state.evaluated_at:
-            return False
-        for tracker in self.trackers:
-            tracker.log_metrics(metrics, step)
-        self.state.evaluated_at.append(step)
-        write_state(self.run_dir, self.state)
-        return True
-
-    def log_tags(self, tags: dict[str, str]) -> None:
-        for tracker in self.trackers:
-            tracker.log_params({}, tags)
-
-    def log_files(self, paths: list[Path]) -> None:
-        for path in paths:
-            if Path(path).is_file():
-                for tracker in self.trackers:
-                    tracker.log_file(Path(path))
-
-    def close(self, finished: bool | None = None) -> None:
-        for tracker in self.trackers:
-            tracker.close(finished)
-
-
-@contextmanager
-def tracking_session(settings: TrackingSection, run_dir: Path, run_name: str) -> Iterator[TrackingSession | None]:
-    """The run's trackers for a stretch of work; None when the run has none (or none was reachable)."""
-    state = read_state(run_dir)
-    if not settings.trackers or state is None or not state.runs:
-        yield None
-        return
-    session = TrackingSession(settings, run_dir, state, run_name)
-    try:
-        yield session
-    finally:
-        session.close()
 
 
 def job_env(settings: TrackingSection, run_dir: Path) -> dict[str, str]:
@@ -350,10 +312,12 @@ def job_env(settings: TrackingSection, run_dir: Path) -> dict[str, str]:
 
 
 @contextmanager
-def _answer_soon() -> Iterator[None]:
-    """MLflow retries a request for minutes by default; reaching the server at the start is a yes/no."""
+def _answer_soon(timeout_s: float) -> Iterator[None]:
+    """MLflow retries a request for minutes by default (7 retries, 120 s each): reaching the server at
+    the start is a yes/no, and a step is never held up by a server that went away (its steps wait in
+    metrics.jsonl: common/tracker_session.py)."""
     saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
-    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT="15")
+    os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(int(timeout_s)))
     try:
         yield
     finally:
@@ -362,6 +326,17 @@ def _answer_soon() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def missing_credentials(settings: TrackingSection, environ: Mapping[str, str] | None = None) -> str | None:
+    """A tracker the run cannot log to without credentials this environment lacks (W&B online without a
+    key), known before anything starts: the problem and its fix, or None."""
+    environ = os.environ if environ is None else environ
+    w = settings.wandb
+    if "wandb" in settings.trackers and w.mode == "online" and not environ.get("WANDB_API_KEY") and not _netrc_has_wandb():
+        return ("tracking: W&B (online) needs WANDB_API_KEY, which is not set here (nor `wandb login`); export it, "
+                "or --set tracking.wandb.mode=offline")
+    return None
 
 
 def _netrc_has_wandb() -> bool:
@@ -373,6 +348,7 @@ def _netrc_has_wandb() -> bool:
         return False
 
 
-def _one_line(exc: Exception) -> str:
+def one_line(exc: Exception) -> str:
+    """An exception in one line, scrubbed of secrets: a warning's or a refusal's words."""
     text = scrub(str(exc)).strip().splitlines()
     return f"{type(exc).__name__}: {text[0][:200] if text else ''}"

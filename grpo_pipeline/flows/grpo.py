@@ -23,7 +23,7 @@ import yaml
 from pydantic import ValidationError
 
 from grpo_pipeline.flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
-from grpo_pipeline.stages.request import STAGES, RunRequest
+from grpo_pipeline.stages.request import RERUN_COMMAND, STAGES, RunRequest
 from grpo_pipeline.common.errors import EXIT_USER_ERROR, UserError
 from grpo_pipeline.profiles.backend_table import BackendChoice, backend_help, layout_planner
 from grpo_pipeline.profiles.loader import builtin_models
@@ -39,14 +39,23 @@ class _OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's default prints the whole usage block first
         self.exit(EXIT_USER_ERROR, f"error: {message} (see --help)\n")
 
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            # `--set key value`: the value is left over. Its key is named, never the value (it may be a secret).
+            if split := [item for item in getattr(parsed, "overrides", []) if "=" not in item]:
+                self.error(f"--set {split[0]} has no value; write it as one word: --set {split[0]}=VALUE")
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
-        prog="python -m grpo_pipeline",
+        prog=f"{this_python()} -m grpo_pipeline",
         description="Run GRPO post-training as a Prefect flow, or print what a run would do (--dry-run).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  python -m grpo_pipeline --model qwen3.5-122b-a10b --device npu --dry-run\n"
-        "  python -m grpo_pipeline --model tiny --device cpu --set trainer.total_training_steps=4",
+        epilog=f"examples:\n  {this_python()} -m grpo_pipeline --model qwen3.5-122b-a10b --device npu --dry-run\n"
+        f"  {this_python()} -m grpo_pipeline --model tiny --device cpu --set trainer.total_training_steps=4",
     )
     parser.add_argument(
         "--model", default="smollm2-135m",
@@ -95,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def this_python() -> str:
+    """The interpreter running this, as a person would type it here (`.venv/bin/python` in the checkout)."""
+    try:
+        return str(Path(sys.executable).relative_to(Path.cwd()))
+    except ValueError:
+        return sys.executable
+
+
 def request_from_args(args: argparse.Namespace) -> RunRequest:
     fields = {
         "model": args.model,
@@ -117,7 +134,7 @@ def request_from_args(args: argparse.Namespace) -> RunRequest:
         error = exc.errors()[0]
         field = ".".join(str(p) for p in error["loc"])
         message = error["msg"].removeprefix("Value error, ")
-        if field.startswith(("overrides", "ray_address", "model", "profile_file", "run_root")):
+        if field.startswith(("overrides", "ray_address", "model", "profile_file", "run_root", "run_name")):
             # Values that may carry a secret are never echoed; these messages name their option.
             raise UserError(message) from None
         raise UserError(f"--{field.replace('_', '-')}={getattr(args, field, None) or fields.get(field)!r}: {message}") from None
@@ -127,10 +144,12 @@ def print_dry_run(plan, as_json: bool) -> None:
     if as_json:
         print(json.dumps(plan.summary(), indent=2))
         return
+    from grpo_pipeline.backends import backend_for
+
     summary = plan.summary()
     print(f"# device: {plan.device.kind} ({plan.device.decided_by}: {plan.device.reason})")
     print(f"# backend: {plan.profile.backend} ({plan.backend_reason})")
-    print(f"# generation (rollouts and evaluation; generation/plan.py): {plan.generation.describe()}")
+    print(f"# generation: {backend_for(plan.profile.backend).generation_summary(plan.profile, plan.generation)}")
     print("# resolved profile")
     print(yaml.safe_dump(summary["profile"], sort_keys=False).rstrip())
     print("# environment of every process (secrets redacted; source: profile default or user export)")
@@ -148,8 +167,9 @@ def print_dry_run(plan, as_json: bool) -> None:
         print(f"# node requirements of the {stage} stage (checked on every Ray node before it starts there)")
         for name, need in needs.items():
             print(f"#   {need.describe(name)}")
-    print("# training command")
-    print(format_command(plan.command))
+    label, command = command_lines(plan.command)
+    print(f"# {label}")
+    print(command)
     if job := plan.submission:
         print(f"# submitted by the train stage as Ray job {job['submission_id']} (<token>: fixed per run folder; "
               "the last part: the attempt)")
@@ -210,9 +230,9 @@ def print_run_summary(result: dict) -> None:
     if model := result.get("model"):
         state = "cached" if model["cached"] else "prepared and verified"
         print(f"base model {model['source']} ({state}): {model['num_parameters']:,} parameters in {model['path']}")
-    if command := result.get("command"):
-        print("training command:")
-        print(format_command(command))
+    if (command := result.get("command")) and "train" in result:
+        label, shown = command_lines(command)
+        print(f"{label}:\n{shown}")
     if train := result.get("train"):
         if train["already_complete"]:
             print(f"training: already complete at step {train['steps_done']}; nothing trained")
@@ -230,6 +250,14 @@ def print_run_summary(result: dict) -> None:
             print(report.best.line())
     if report := result.get("report"):
         print(f"report: {report}")
+
+
+def command_lines(command: list[str]) -> tuple[str, str]:
+    """(what the command is, the command to paste): the engine's own training command (verl's), or, for a
+    backend that trains inside the flow, this run again from the command line, with this interpreter."""
+    if command[:3] == RERUN_COMMAND:
+        return "the same run again (the local backend trains inside the flow)", format_command([this_python(), *command[1:]])
+    return "training command (the backend submits it as a Ray job)", format_command(command)
 
 
 def format_command(command: list[str]) -> str:
@@ -277,11 +305,17 @@ def main(argv: list[str] | None = None) -> int:
         plan = plan_run(request, dry_run=False)
         return run_flow(request.model_copy(update={"run_name": Path(plan.run_dir).name}), plan)
     except UserError as exc:
-        print(f"error: {scrub(str(exc))}", file=sys.stderr)
+        print_error(str(exc))
         return EXIT_USER_ERROR
     except LocalAPIError as exc:
-        print(f"error: {scrub(str(exc))}", file=sys.stderr)
+        print_error(str(exc))
         return 1
+
+
+def print_error(message: str) -> None:
+    """A refusal for a person: `error:` and its first line (the problem and its fix), the details below it."""
+    headline, *details = scrub(message).splitlines() or [""]
+    print("\n".join([f"error: {headline}", *(f"  {line}" for line in details)]), file=sys.stderr)
 
 
 def run_flow(request: RunRequest, plan: RunPlan) -> int:
@@ -289,12 +323,14 @@ def run_flow(request: RunRequest, plan: RunPlan) -> int:
     process's lease (flows/lease.py), with Prefect's local API unless one is configured. A stop
     (SIGTERM, Ctrl-C) ends it in order (Prefect marks it crashed, its hooks stop the Ray job and
     write the report) and exits with the signal's conventional code."""
+    from grpo_pipeline.common.progress import terminal_owned
     from grpo_pipeline.flows import lease
 
     configured = os.environ.get("PREFECT_API_URL")
     previous = signal.signal(signal.SIGTERM, _stop_on_signal)
     try:
-        with (lease.held(configured or f"local:{lease.prefect_home()}", required=not configured) as held,
+        with (terminal_owned(),
+              lease.held(configured or f"local:{lease.prefect_home()}", required=not configured) as held,
               local_api_unless_configured(held.api_log) as api):
             from grpo_pipeline.flows.pipeline import grpo_pipeline
 

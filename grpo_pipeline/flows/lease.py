@@ -1,20 +1,33 @@
 """What a run leaves behind when its process is killed outright (kill -9, the OOM killer), found
-and ended by the next run.
+and ended by the next run, and nothing else: docs/files.md ("What a later run cleans up") has the rule.
 
     python -m grpo_pipeline --model tiny --device cpu    # reaps what an earlier, killed run left
 
 A process that runs the flow holds a lease while it runs: `<PREFECT_HOME>/grpo-pipeline/leases/
-<id>.json` names its pid and start time, the Prefect database its flow runs are in and those runs.
-Every process it starts (the command line's Prefect API, Ray's local processes, training workers)
-inherits `GRPO_PIPELINE_LEASE=<id>` in its environment, so it can be found even after its parent
-is gone. A run ending normally (or on SIGTERM / Ctrl-C) releases its lease. At the start of each
-run, the leases of this host whose owner is no longer alive are reaped: the processes that carry
-their id are ended (SIGTERM, then SIGKILL), their flow runs that still look alive are marked
-Crashed, and their files (the lease, the local API's log) are removed.
+<id>.json` names its pid and start time, the Prefect database its flow runs are in, those runs and the
+local Ray sessions it started (by id). Every process it starts (the command line's Prefect API, Ray's
+local processes, training workers) inherits `GRPO_PIPELINE_LEASE=<id>` in its environment, so it can be
+found even after its parent is gone. A run ending normally (or on SIGTERM / Ctrl-C) releases its
+lease. At the start of each run, the leases of this host whose owner is no longer alive are reaped:
+the processes that are provably the dead run's are ended (SIGTERM, then SIGKILL), its flow runs that
+still look alive are marked Crashed, and its files (the lease, the local API's log) are removed.
+
+A process is the dead run's only when both hold: it started after the run's owner (start since boot,
+which no step of the wall clock moves), and it carries the lease's variable in its environment or its
+parent chain (through processes that also started after the owner) leads to one that does. What files
+it reads or its command line names prove nothing (a person's `tail -f` of the run's log does both).
+Ray renames its processes over their environment block (setproctitle) unless SPT_NOENV is set, so the
+run sets it: renamed agents and workers keep the variable readable in /proc/<pid>/environ.
+
+A lease file is input another program may have written or broken: it is read only under a name of
+the pattern a run gives it, only if it is a regular file of this user of at most 64 KiB, and only if
+its `id` is its file's name; anything else is skipped with one warning, and no path is ever built
+from what a lease holds.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -22,29 +35,42 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from uuid import UUID
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
+from grpo_pipeline.common.bounded_read import read_regular, short
 from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.common.files import write_json_atomic
 
 LEASE_VAR = "GRPO_PIPELINE_LEASE"
+# setproctitle's switch (Ray vendors it): a new title stays within the command line's bytes and leaves
+# the environment block, where the lease's variable is, as it was.
+TITLE_KEEPS_ENVIRONMENT = ("SPT_NOENV", "1")
 STOP_GRACE_S = 5.0
+# What a run names its lease: `<unix time>-<pid>-<6 hex>`; the file is `<id>.json`, its API's log `<id>.api.log`.
+LEASE_ID = r"[0-9]{1,12}-[0-9]{1,10}-[0-9a-f]{6}"
+_LEASE_FILE = re.compile(rf"({LEASE_ID})\.json")
+RAY_SESSION = r"session_[0-9]{4}-[0-9]{2}-[0-9]{2}_[0-9]{2}-[0-9]{2}-[0-9]{2}_[0-9]{1,6}_[0-9]{1,10}"
+MAX_LEASE_BYTES = 64 * 1024  # a lease is a few hundred bytes; a run with thousands of flow runs stays far below
 
 
 class Lease(BaseModel):
-    id: str
-    pid: int
+    id: str = Field(..., pattern=rf"^{LEASE_ID}$", description="Its file's name less `.json`.")
+    pid: int = Field(..., gt=1, lt=2**32)
     started: float = Field(..., description="The owner's process start time (psutil), so a reused pid is not taken for it.")
     started_after_boot: float | None = Field(
         None, description="The owner's start in seconds after boot (Linux): what tells it from a reused pid, as a step "
         "of the wall clock leaves it alone. None in a lease of an earlier version, or off Linux.")
-    host: str
-    database: str | None = Field(None, description="Where its flow runs are: `local:<PREFECT_HOME>` or an API URL.")
-    flow_runs: list[str] = Field(default_factory=list)
+    host: str = Field(..., max_length=255)
+    database: str | None = Field(None, max_length=4096,
+                                 description="Where its flow runs are: `local:<PREFECT_HOME>` or an API URL.")
+    flow_runs: list[UUID] = Field(default_factory=list)
+    ray_sessions: list[str] = Field(default_factory=list, description="The local Ray sessions the run started, by id "
+                                    "(the name of the session's folder): what a clean-up says it ended.")
 
     @property
     def path(self) -> Path:
@@ -67,6 +93,10 @@ class Lease(BaseModel):
             return abs(psutil.Process(self.pid).create_time() - self.started) < 1.0
         except psutil.Error:
             return False
+
+
+class UnreadableLease(ValueError):
+    """A file in the leases folder that is not a lease this program can trust."""
 
 
 def started_after_boot(pid: int) -> float | None:
@@ -99,14 +129,45 @@ def leases_dir() -> Path:
 
 def current() -> Lease | None:
     """This process's lease, if it holds one."""
-    lease_id = os.environ.get(LEASE_VAR)
-    if not lease_id:
+    lease_id = os.environ.get(LEASE_VAR, "")
+    if not re.fullmatch(LEASE_ID, lease_id):
         return None
     try:
-        lease = Lease.model_validate_json((leases_dir() / f"{lease_id}.json").read_text())
-    except (OSError, ValueError):
+        lease = read_lease(leases_dir() / f"{lease_id}.json")
+    except (OSError, UnreadableLease):
         return None
     return lease if lease.pid == os.getpid() else None
+
+
+def read_lease(path: Path) -> Lease:
+    """The lease in `path`, trusting nothing in it: UnreadableLease (saying why, in a few words) for a
+    name a run never gives, anything but this user's regular file (a link is not followed, a FIFO is
+    not waited on), more than MAX_LEASE_BYTES, or content that is not a lease named after its file."""
+    import stat
+
+    named = _LEASE_FILE.fullmatch(path.name)
+    if named is None:
+        raise UnreadableLease("not the name of a lease (<time>-<pid>-<6 hex>.json)")
+    try:
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode):
+            raise UnreadableLease("a symbolic link, not a lease")
+        if hasattr(os, "getuid") and info.st_uid != os.getuid():
+            raise UnreadableLease(f"owned by another user (uid {info.st_uid})")
+        data = read_regular(path, MAX_LEASE_BYTES, follow_links=False)
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise UnreadableLease(f"cannot be read ({exc.strerror or exc})") from None
+    try:
+        lease = Lease.model_validate(json.loads(data))
+    except ValidationError as exc:
+        raise UnreadableLease(f"not a lease (its {'.'.join(map(str, exc.errors()[0]['loc'])) or 'content'} is not valid)") from None
+    except ValueError:  # JSON or UTF-8
+        raise UnreadableLease("not a lease (not JSON)") from None
+    if lease.id != named.group(1):
+        raise UnreadableLease("its id is not its file's name")
+    return lease
 
 
 @contextmanager
@@ -115,6 +176,8 @@ def held(database: str | None = None, required: bool = False) -> Iterator[Lease]
     Where PREFECT_HOME cannot be written the run goes on without one (nothing to reap it by), unless
     `required` (the command line's local API keeps its database there too)."""
     import psutil
+
+    from grpo_pipeline.common.ray_cluster import LOCAL_RAY_STARTED
 
     if (lease := current()) is not None:
         yield lease
@@ -130,11 +193,18 @@ def held(database: str | None = None, required: bool = False) -> Iterator[Lease]
                             "to a writable directory, or PREFECT_API_URL to a running Prefect server") from None
         yield lease
         return
+    title_var, title_value = TITLE_KEEPS_ENVIRONMENT
+    set_title_var = title_var not in os.environ
     os.environ[LEASE_VAR] = lease.id
+    os.environ.setdefault(title_var, title_value)
+    LOCAL_RAY_STARTED.append(note_ray_session)
     try:
         yield lease
     finally:
+        LOCAL_RAY_STARTED.remove(note_ray_session)
         os.environ.pop(LEASE_VAR, None)
+        if set_title_var:
+            os.environ.pop(title_var, None)
         lease.path.unlink(missing_ok=True)
         lease.api_log.unlink(missing_ok=True)
 
@@ -152,13 +222,20 @@ def database_of_this_run() -> str:
 def note_flow_run(flow_run_id) -> None:
     """Record a flow run this process runs, so a reaper can mark it crashed."""
     if (lease := current()) is not None:
-        lease.flow_runs.append(str(flow_run_id))
+        lease.flow_runs.append(UUID(str(flow_run_id)))
         lease.save()
 
 
-def end_leftovers(database: str, log) -> None:
+def note_ray_session(session: str) -> None:
+    """Record a local Ray session this process started (common/ray_cluster.py tells), by its id."""
+    if (lease := current()) is not None and re.fullmatch(RAY_SESSION, session) and session not in lease.ray_sessions:
+        lease.ray_sessions.append(session)
+        lease.save()
+
+
+def end_leftovers(database: str, log: Callable[[str], None]) -> None:
     """Reap the leases of killed runs, and mark their flow runs in this run's database crashed."""
-    stale = stale_leases()
+    stale = stale_leases(warn=log)
     if not stale:
         return
     from prefect.client.orchestration import get_client
@@ -166,19 +243,31 @@ def end_leftovers(database: str, log) -> None:
     ended = reap(stale)
     with get_client(sync_client=True) as client:
         marked = mark_crashed(stale, database, client)
+    sessions = [session for lease in stale for session in lease.ray_sessions]
     log(f"ended {ended} process(es) and marked {marked} flow run(s) crashed, left by killed run(s) of pid(s) "
-        f"{', '.join(str(lease.pid) for lease in stale)}")
+        f"{', '.join(str(lease.pid) for lease in stale)}" + (f" (Ray sessions {', '.join(sessions)})" if sessions else ""))
 
 
-def stale_leases() -> list[Lease]:
+def stale_leases(warn: Callable[[str], None] | None = None) -> list[Lease]:
     """Leases of this host whose owner is gone; never this process's own (it is alive, whatever a
-    clock says)."""
+    clock says). A file of the folder that is not a trustworthy lease is skipped, with one `warn` line."""
     host, found = socket.gethostname(), []
     own = os.environ.get(LEASE_VAR)
-    for path in sorted(leases_dir().glob("*.json")) if leases_dir().is_dir() else []:
+    try:
+        entries = sorted(os.scandir(leases_dir()), key=lambda entry: entry.name)
+    except OSError:  # no folder yet (no run here), or one this user cannot list
+        return []
+    for entry in entries:
+        if not entry.name.endswith(".json"):
+            continue  # an API's log, a write's temporary file
         try:
-            lease = Lease.model_validate_json(path.read_text())
-        except (OSError, ValueError):
+            lease = read_lease(Path(entry.path))
+        except FileNotFoundError:  # released meanwhile
+            continue
+        except UnreadableLease as exc:
+            if warn is not None:
+                warn(f"lease clean-up: skipped {short(repr(entry.name))} in {leases_dir()}: {exc}; remove it if no run "
+                     "of yours wrote it")
             continue
         if lease.id == own and lease.pid == os.getpid():
             continue
@@ -188,21 +277,17 @@ def stale_leases() -> list[Lease]:
 
 
 def reap(leases: list[Lease]) -> int:
-    """End every process that carries one of these leases' ids, and every process of a local Ray
-    session their owners started; remove their files. Returns how many processes were ended."""
+    """End every process that is provably one of these leases' runs' (the module's rule), and remove
+    the leases' files (each named from its validated id). Returns how many processes were ended."""
     import psutil
 
-    ids = {lease.id for lease in leases}
-    if not ids:
+    if not leases:
         return 0
-    sessions = [str(path) + os.sep for lease in leases for path in ray_sessions_of(lease)]
-    left = []
-    for process in psutil.process_iter():
+    left = processes_of(leases)
+    for process in left:
         try:
-            if process.pid != os.getpid() and (_lease_of(process) in ids or _in_session(process, sessions)):
-                process.send_signal(signal.SIGTERM)
-                left.append(process)
-        except psutil.Error:  # gone meanwhile, or another user's
+            process.send_signal(signal.SIGTERM)
+        except psutil.Error:  # gone meanwhile
             continue
     _, alive = psutil.wait_procs(left, timeout=STOP_GRACE_S)
     for process in alive:
@@ -216,54 +301,48 @@ def reap(leases: list[Lease]) -> int:
     return len(left)
 
 
-def ray_temp_root() -> Path:
-    """Where Ray puts its sessions (ray._private.utils.get_ray_temp_dir, read without importing Ray)."""
-    return Path(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp") / "ray"
+def processes_of(leases: list[Lease]) -> list:
+    """The live processes of this user that are provably a lease's run's: started after its owner, and
+    carrying its id in their environment or below (parent chain) a process that does. Never this
+    process or one of its ancestors."""
+    import psutil
 
-
-def ray_sessions_of(lease: Lease) -> list[Path]:
-    """The local Ray sessions the lease's owner started: Ray names a session's folder after the time
-    and the pid of the process whose ray.init started it (`session_2026-12-05_00-02-53_236149_10823`);
-    one from before the owner started belongs to an earlier process of the same pid."""
-    found = []
-    for path in ray_temp_root().glob(f"session_*_{lease.pid}"):
+    by_id = {lease.id: lease for lease in leases}
+    spared = {os.getpid(), *(parent.pid for parent in psutil.Process().parents())}
+    table = {}  # pid: (process, parent pid, lease id in its environment, its start since boot, its create time)
+    for process in psutil.process_iter():
         try:
-            started = time.mktime(time.strptime(path.name[len("session_"):].rsplit("_", 2)[0], "%Y-%m-%d_%H-%M-%S"))
-        except ValueError:
+            table[process.pid] = (process, process.ppid(), _lease_of(process), started_after_boot(process.pid),
+                                  process.create_time())
+        except psutil.Error:  # gone meanwhile, or another user's
             continue
-        if started >= lease.started - 1 and path.is_dir() and not path.is_symlink():
-            found.append(path)
-    return found
 
+    def started_after_owner(pid: int, lease: Lease) -> bool:
+        _, _, _, after_boot, created = table[pid]
+        if lease.started_after_boot is not None and after_boot is not None:
+            return after_boot >= lease.started_after_boot
+        return created >= lease.started - 1.0  # an earlier version's lease, or off Linux: the wall clock
 
-def _in_session(process, sessions: list[str]) -> bool:
-    """The process belongs to one of these Ray sessions: its command line names the session's folder,
-    or it holds a file there open (its logs). Ray's agents (DashboardAgent, RuntimeEnvAgent) rename
-    themselves over both their command line and their environment, so the lease's variable is gone
-    from them: their open logs are what is left to know them by."""
-    if not sessions:
-        return False
-    command = " ".join(process.cmdline())
-    if any(re.search(re.escape(session.rstrip(os.sep)) + r"(?![0-9])", command) for session in sessions):
-        return True
-    try:
-        fds = os.listdir(f"/proc/{process.pid}/fd")
-    except OSError:
-        return False
-    for fd in fds:
-        try:
-            target = os.readlink(f"/proc/{process.pid}/fd/{fd}")
-        except OSError:
-            continue
-        if any(target.startswith(session) for session in sessions):
-            return True
-    return False
+    def run_of(pid: int) -> Lease | None:
+        """The lease whose run `pid` provably belongs to: the first id up its parent chain."""
+        seen = set()
+        while pid in table and pid not in seen:
+            seen.add(pid)
+            _, parent, marker, _, _ = table[pid]
+            if marker is not None:
+                lease = by_id.get(marker)
+                return lease if lease is not None and started_after_owner(pid, lease) else None
+            pid = parent
+        return None
+
+    return [table[pid][0] for pid in table
+            if pid not in spared and (lease := run_of(pid)) is not None and started_after_owner(pid, lease)]
 
 
 def _lease_of(process) -> str | None:
-    """The lease id in a process's environment. Read from /proc as raw bytes where there is one:
-    Ray renames its processes (setproctitle), which zeroes the start of that block, and psutil's
-    parser stops at the first gap."""
+    """The lease id in a process's environment, read from /proc as raw bytes where there is one: a
+    title written over the block (setproctitle without SPT_NOENV) leaves gaps of zeros, where psutil's
+    parser stops."""
     import psutil
 
     try:

@@ -37,7 +37,8 @@ from grpo_pipeline.tasks.stage_tasks import (
     train_task,
 )
 from grpo_pipeline.tasks.policy import filter_run_logs, reuse_only_if_intact
-from grpo_pipeline.tasks.tracking import open_tracker_run, tracking_lines
+from grpo_pipeline.common.tracking import FINISHED
+from grpo_pipeline.tasks.tracking import close_tracker_runs, open_tracker_run, tracking_lines
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, benchmark_specs, dataset_dir
 from grpo_pipeline.stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
@@ -159,6 +160,8 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
         result["eval"] = evaluation.model_dump(mode="json")
     if "report" in request.stages:
         result["report"] = str(record.run("report", report_task, record))
+    elif result.get("tracking"):  # planning alone: no report, but the tracker runs it opened end too
+        close_tracker_runs(profile, run_dir, result, FINISHED, lambda: None, get_run_logger().warning)
 
 
 def _fetch(record: RunRecord, spec: DataSpec) -> DatasetFiles:

@@ -39,7 +39,7 @@ def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: 
     sampling = Sampling(temperature=settings.temperature)
     torch.manual_seed(settings.seed)
     responses: list[list[Response]] = []
-    with Bar(total=len(texts), desc=f"generate {model_dir.name}", unit="prompt") as bar:
+    with Bar(total=len(texts), desc=f"evaluate {settings.label or model_dir.name}", unit="prompt") as bar:
         for start in range(0, len(token_prompts), settings.batch_size):
             batch = [p for p in token_prompts[start : start + settings.batch_size] for _ in range(n)]
             out = generator.generate(batch, settings.max_new_tokens, sampling)

@@ -51,6 +51,8 @@ class GenerationSettings(BaseModel):
     max_prompt_length: int | None = Field(None, description="Longest prompt expected (`data.max_prompt_length`): "
                                           "the native decoder's cache is sized for it once.")
     compile_cache_dir: str | None = Field(None, description="Where compiled decode steps are kept between runs.")
+    label: str | None = Field(None, description="What is generating, for a person watching (`base`, `trained`); "
+                              "empty: the model directory's name.")
 
     @property
     def torch_device(self) -> str:

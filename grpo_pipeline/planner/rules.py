@@ -77,22 +77,23 @@ def layout_problems(p: RunProfile) -> list[str]:
     e, arch, world = p.engine, p.model.architecture, p.world_size
     problems = []
     model_parallel = e.tp * e.pp * e.cp
+    heads = {field: n for field, n in (("attention", arch.num_attention_heads), ("kv", arch.num_kv_heads),
+                                       ("linear key", arch.linear_num_key_heads),
+                                       ("linear value", arch.linear_num_value_heads)) if n is not None}
+    if undivided := {field: n for field, n in heads.items() if n % e.tp}:
+        # One problem and one fix for TP, whatever number of head counts it misses: the TPs that split
+        # every head count and leave PP x CP a divisor of the world.
+        fitting = [tp for tp in range(1, world + 1) if all(n % tp == 0 for n in heads.values())
+                   and world % (tp * e.pp * e.cp) == 0]
+        problems.append(
+            f"engine.tp={e.tp}: the model's heads ({', '.join(f'{field} {n}' for field, n in undivided.items())}) do "
+            f"not split {e.tp} ways; use engine.tp in {', '.join(map(str, fitting)) or 'none of 1..' + str(world)}")
     if world % model_parallel:
         problems.append(
             f"engine.tp={e.tp}, engine.pp={e.pp}, engine.cp={e.cp}: TP x PP x CP = {model_parallel} does not "
             f"divide the world size {world} (cluster.nnodes {p.cluster.nnodes} x cluster.devices_per_node "
             f"{p.cluster.devices_per_node}); pick values whose product is one of {_divisors(world)}"
         )
-    for field, heads in (
-        ("model.architecture.num_attention_heads", arch.num_attention_heads),
-        ("model.architecture.num_kv_heads", arch.num_kv_heads),
-        ("model.architecture.linear_num_key_heads", arch.linear_num_key_heads),
-        ("model.architecture.linear_num_value_heads", arch.linear_num_value_heads),
-    ):
-        if heads is not None and heads % e.tp:
-            problems.append(
-                f"engine.tp={e.tp}: {field} = {heads} is not divisible by TP; use a TP in {_divisors(heads)}"
-            )
     problems += pipeline_problems(p)
     if e.mtp and not arch.mtp_layers:
         problems.append("engine.mtp=true: the model has no multi-token-prediction layers "
@@ -137,9 +138,10 @@ def pipeline_problems(p: RunProfile) -> list[str]:
                            f"use PP x VPP in {_divisors(units)}"]
     hint = ""
     if (edges := uneven_split(layers, e.pp)) and not (embedding or loss):
-        hint = (f", or split them unevenly: engine.num_layers_in_first_pipeline_stage={edges[0]} "
+        hint = (f" or an uneven split\nan uneven split of {layers} layers over {e.pp} stages: --set "
+                f"engine.num_layers_in_first_pipeline_stage={edges[0]} --set "
                 f"engine.num_layers_in_last_pipeline_stage={edges[1]}")
-    return problems + [f"engine.pp={e.pp}: the model's {counted} do not split evenly over PP stages; "
+    return problems + [f"engine.pp={e.pp}: the model's {counted} do not split evenly over {e.pp} stages; "
                        f"use a PP in {_divisors(units)}{hint}"]
 
 
@@ -151,9 +153,9 @@ def rollout_problems(p: RunProfile) -> list[str]:
     spans_nodes = r.tp > per_node and r.tp % per_node == 0 and p.world_size % r.tp == 0
     if (r.tp > per_node or per_node % r.tp) and not spans_nodes:
         problems.append(
-            f"rollout.tp={r.tp}: an inference engine takes part of one node of {per_node} devices "
-            f"(cluster.devices_per_node) or whole nodes of the world's {p.world_size}; use a rollout TP in "
-            f"{_divisors(per_node)}, or a multiple of {per_node} that divides {p.world_size}"
+            f"rollout.tp={r.tp}: an engine spans part of a node ({per_node} devices) or whole nodes of the "
+            f"world's {p.world_size}; use a rollout TP in {_divisors(per_node)}, or a multiple of {per_node} that "
+            f"divides {p.world_size}"
         )
     if arch.num_attention_heads % r.tp:
         problems.append(
@@ -186,9 +188,9 @@ def batch_problems(p: RunProfile, data_parallel: int) -> list[str]:
         ):
             if (prompts * n) % per_micro_round:
                 problems.append(
-                    f"{field}={prompts}: {prompts} prompts x rollout_n {n} = {prompts * n} sequences do not "
-                    f"split over {data_parallel} data-parallel ranks x actor.ppo_micro_batch_size_per_gpu "
-                    f"{a.ppo_micro_batch_size_per_gpu}; make {field} x rollout_n a multiple of {per_micro_round}"
+                    f"{field}={prompts}: {prompts} x rollout_n {n} = {prompts * n} sequences do not split over "
+                    f"{data_parallel} ranks x micro batch {a.ppo_micro_batch_size_per_gpu}; make {field} x rollout_n "
+                    f"a multiple of {per_micro_round}"
                 )
     return problems
 
@@ -209,8 +211,12 @@ def fsdp_group(p: RunProfile) -> int:
 
 
 def fsdp_problems(p: RunProfile) -> list[str]:
-    """FSDP2's layout as verl 0.9.1 builds it (workers/engine/fsdp/transformer_impl.py, utils.py,
-    models/transformers/monkey_patch.py), and the Megatron settings it would ignore."""
+    """FSDP2's layout as verl 0.9.1 builds it, and the Megatron settings it would ignore. The Ulysses
+    rules, each verl's own (tests/test_verl_fsdp_rules.py finds each check in verl's source): the (dp, sp)
+    device mesh (workers/engine/fsdp/transformer_impl.py `_init_device_mesh`), attention and KV heads
+    over the Ulysses ranks (models/transformers/monkey_patch.py `apply_monkey_patch`'s asserts), packed
+    sequences (transformer_impl.py, workers/config/actor.py), and the batch over every device
+    (utils/config.py `validate_config`)."""
     e, arch, world = p.engine, p.model.architecture, p.world_size
     problems = [f"engine.strategy=fsdp: engine.{name}={getattr(e, name)!r} is a Megatron setting FSDP does not read; "
                 f"set engine.{name}={_plain(default)} (FSDP shards over engine.fsdp_size ranks) or engine.strategy=megatron"
@@ -224,6 +230,13 @@ def fsdp_problems(p: RunProfile) -> list[str]:
     if arch.num_attention_heads % sp:
         problems.append(f"engine.ulysses_sp={sp}: Ulysses splits the {arch.num_attention_heads} attention heads over "
                         f"its ranks; use one of {_divisors(arch.num_attention_heads)}")
+    kv = arch.num_kv_heads
+    if kv % sp and sp % kv:
+        fits = [size for size in range(1, world + 1) if not world % size and not arch.num_attention_heads % size
+                and (not kv % size or not size % kv)]
+        problems.append(f"engine.ulysses_sp={sp}: Ulysses splits the {kv} KV heads over its ranks, or repeats them when "
+                        f"its size is a multiple of them (verl asserts num_key_value_heads % sp == 0 or sp % "
+                        f"num_key_value_heads == 0 when it builds the model); use one of {', '.join(map(str, fits))}")
     if sp > 1 and e.attn_implementation != "flash_attention_2":
         problems.append(f"engine.ulysses_sp={sp}: verl's Ulysses patches transformers' FlashAttention 2 path only "
                         f"(with {e.attn_implementation} each rank would attend to its own slice); set "
@@ -233,7 +246,8 @@ def fsdp_problems(p: RunProfile) -> list[str]:
                         "engine.use_remove_padding=true (verl refuses it otherwise)")
     sequences = p.data.train_batch_size * p.algorithm.rollout_n
     if sp > 1 and not p.actor.use_dynamic_bsz and sequences % world:  # verl's validate_config, beside batch_problems
-        problems.append(f"data.train_batch_size={p.data.train_batch_size}: x rollout_n {p.algorithm.rollout_n} = "
+        problems.append(f"data.train_batch_size={p.data.train_batch_size}: {p.data.train_batch_size} prompts x rollout_n "
+                        f"{p.algorithm.rollout_n} = "
                         f"{sequences} sequences must divide over the world's {world} devices (verl's FSDP check); "
                         f"make data.train_batch_size x rollout_n a multiple of {world}")
     if p.model.dist_checkpoint:

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from grpo_pipeline.common.bounded_read import short
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.common.errors import ProfileError, headline_and_details
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, without_accelerators
 from grpo_pipeline.profiles.hf_config import architecture_from_hf_config
 from grpo_pipeline.profiles.schema import DeviceKind, Platform, RunProfile
@@ -249,5 +249,13 @@ def describe_validation_error(exc: ValidationError) -> str:
                 # A section's own rule names its fields itself.
                 problems.append(message if message.startswith(f"{field}.") else f"{field}: {message}")
             else:
-                problems.append(f"{field}={short(repr(value))}: {message}")  # a value from a file may be megabytes
-    return "invalid profile: " + "; ".join(problems)
+                problems.append(f"{field}={short(repr(value))}: {message}{_form_hint(field, error, value)}")
+    return headline_and_details(problems, "invalid profile: ")
+
+
+def _form_hint(field: str, error: dict, value: Any) -> str:
+    """How to write a value of the right shape on the command line (YAML's list form), where the value
+    given was one item of it."""
+    if error["type"] == "list_type" and isinstance(value, (str, int, float)):
+        return f"; write a list: --set '{field}=[{value}]'"
+    return ""

@@ -66,6 +66,9 @@ class Platform(Section):
     toolkit_version_var: str | None = Field(
         None, description="Environment variable that holds the device toolkit's version (detection reports it)."
     )
+    setup_fix: str | None = Field(
+        None, description="What to do on a host whose torch has no support for this kind of device: the command "
+        "that builds the project's environment for it (docs/install.md). A refused `--device` names it.")
 
     accelerator: str | None = Field(
         None, description="Model of device the run plans memory for: a key of `platform.accelerators` (e.g. `H20`, "

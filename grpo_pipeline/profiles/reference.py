@@ -1,6 +1,6 @@
 """Write the profile reference (docs/profiles.md) from the schema's own descriptions.
 
-    python -m grpo_pipeline.profiles.reference > docs/profiles.md
+    .venv/bin/python -m grpo_pipeline.profiles.reference > docs/profiles.md
 
 A test regenerates it and compares, so the reference never drifts from the schema.
 """
@@ -50,7 +50,7 @@ def render() -> str:
     lines = [
         "# Profile reference",
         "",
-        "Generated from `profiles/schema.py` by `python -m grpo_pipeline.profiles.reference > docs/profiles.md`.",
+        "Generated from `profiles/schema.py` by `.venv/bin/python -m grpo_pipeline.profiles.reference > docs/profiles.md`.",
         "Set any of these in a profile file (`--profile-file`, nested YAML) or with `--set KEY=VALUE`;",
         "the layers are: device platform < model recipe (common, then per device) < profile file < `--set`.",
         "",

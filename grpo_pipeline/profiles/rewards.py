@@ -11,13 +11,10 @@ Ray job). Empty: each row's `data_source` picks the built-in reward (rewards/bui
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
 from typing import Any
 
 from pydantic import Field, field_validator
 
-from grpo_pipeline.profiles.secrets import parse_reference
 from grpo_pipeline.profiles.section import Section
 
 
@@ -63,56 +60,3 @@ class RewardSection(Section):
     @property
     def custom(self) -> bool:
         return bool(self.functions or self.url)
-
-
-# A reward file is a module of a few functions; anything larger is not one.
-MAX_REWARD_FILE_BYTES = 1 << 20
-def reward_problems(section: RewardSection) -> list[str]:
-    """What in the profile's `reward` section training would fail on minutes in, found without running it."""
-    problems = [problem for function in section.functions if (problem := _file_problem(function.path))]
-    if section.url is not None and not section.url.startswith(("http://", "https://")):
-        problems.append(f"reward.url={section.url!r}: a reward server is reached over http:// or https://")
-    if section.token is not None and parse_reference(section.token) is None:
-        problems.append("reward.token: only a reference `${NAME}` to a variable of the environment is taken (the value "
-                        "would be stored in the run's profile); export the token and set reward.token='${NAME}'")
-    if section.token is not None and section.url is None:
-        problems.append("reward.token is set without reward.url; set the server's URL or drop the token")
-    return problems
-
-
-def _file_problem(spec: str) -> str | None:
-    where = f"reward function {spec!r}"
-    path, _, name = spec.rpartition(":")
-    if not path or not name.isidentifier():
-        return f"{where}: expected /path/to/file.py:function"
-    file = Path(path).expanduser()
-    try:
-        if not file.is_file():
-            return f"{where}: {path} is not a file; give the path of a Python file that every node can read"
-        with open(file, "rb") as handle:
-            source = handle.read(MAX_REWARD_FILE_BYTES + 1)
-    except OSError as exc:
-        return f"{where}: cannot read {path} ({exc.strerror or exc})"
-    if len(source) > MAX_REWARD_FILE_BYTES:
-        return f"{where}: {path} is larger than {MAX_REWARD_FILE_BYTES >> 10} KiB; a reward file is a small Python module"
-    try:
-        tree = ast.parse(source, filename=path)
-    except (SyntaxError, ValueError) as exc:
-        line = f" line {exc.lineno}" if getattr(exc, "lineno", None) else ""
-        return f"{where}: {path}{line} is not valid Python ({getattr(exc, 'msg', exc)}); fix it"
-    if name not in _top_level_names(tree):
-        return f"{where}: {path} defines no {name!r} at its top level; name the reward function it defines"
-    return None
-
-
-def _top_level_names(tree: ast.Module) -> set[str]:
-    names: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
-    return names

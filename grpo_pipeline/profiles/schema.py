@@ -315,6 +315,14 @@ class RunProfile(Section):
         "the environment where the flow runs. A secret (a name like *TOKEN, *KEY, *PASSWORD) is only ever "
         "`${NAME}`: its value stays in that environment, reaches the driver only, and is never stored or shown.",
     )
+    public_env: list[str] = Field(
+        default_factory=list,
+        description="Env entries whose value, read from the environment by a `${NAME}` reference, is no secret "
+        "(`env.NCCL_SOCKET_IFNAME=${IFNAME}`): shown, stored and carried to Ray workers as a literal is. Any "
+        "other value read by reference is held as a secret whatever the names (`***` wherever shown or stored, "
+        "the driver only), so a secret under a name that does not look like one stays hidden. A secret-named "
+        "entry, or a value with credentials in a URL, is a secret even here.",
+    )
     requires: dict[str, NodeRequirement | None] = Field(
         default_factory=dict,
         description="What every node of a cluster run must have installed, by distribution name (and `python`, "

@@ -12,29 +12,41 @@ process, which has it. The Ray `runtime_env` never carries one (Ray keeps it in 
 shows it in the dashboard): a process on another node that needs one reads its own node's
 environment (export it before `ray start` there; Ray workers inherit the raylet's environment).
 
-What is a secret: a variable named like one (`is_secret`: HF_TOKEN, WANDB_API_KEY, DB_PASSWORD); an
-env entry whose reference names one (MIRROR_AUTH=${HF_TOKEN}: the entry's name does not matter);
-and a value with credentials in a URL (`scheme://user:pass@host`). Only env values are references:
-any other setting (data.source, model.path, trainer.entrypoint) is stored and used as written, so
-credentials in a URL there are refused, as they are in a literal env value.
+What is a secret: a variable named like one (`is_secret`: HF_TOKEN, WANDB_API_KEY, DB_PASSWORD,
+GITHUB_PAT, MY_AUTH, SENTRY_DSN, ...; a name that ends in a location, SSL_CERT_FILE or SSH_AUTH_SOCK,
+holds where a secret is, not one); any env entry whose value is read from the environment by a
+`${REFERENCE}`, whatever the names, unless the profile lists the entry in `public_env` (so a secret
+under a name this module does not know fails safe); and a value with credentials in a URL
+(`scheme://user:pass@host`, the `@` %-escaped too). Only env values are references: any other
+setting (data.source, model.path, trainer.entrypoint) is stored and used as written, so credentials
+in a URL there are refused, as they are in a literal env value, and so is any value under a
+secret-named key outside env (`tracking.wandb.api_key=...`), which no setting of the profile is.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
+import typing
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import unquote
 
 REDACTED = "***"
 # Whole name parts, so HF_TOKEN and WANDB_API_KEY are secrets but TOKENIZERS_PARALLELISM is not.
-_SECRET_PARTS = {"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL", "CREDENTIALS"}
+_SECRET_PARTS = {"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "PASSPHRASE", "CREDENTIAL",
+                 "CREDENTIALS", "CREDS", "PAT", "AUTH", "OAUTH", "AUTHORIZATION", "BEARER", "JWT", "COOKIE", "COOKIES",
+                 "SESSION", "SESSIONID", "DSN", "PRIVATE", "CERT"}
 _SECRET_SUFFIX = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD)$")
+# A last part that says the value is a location (SSL_CERT_FILE, SSH_AUTH_SOCK, HF_TOKEN_PATH): where a
+# secret or a public certificate is, which tools print in their messages, not the secret itself.
+_LOCATION_PARTS = ("FILE", "DIR", "PATH", "SOCK")
 # A whole value that refers to another variable: `${NAME}` or `${NAME:-default}`.
 REFERENCE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?::-(?P<default>[^}]*))?\}")
-# user:password@ (or a token as the user) in any URL: proxies, mirrors, databases, Ray addresses.
-_URL_CREDENTIALS = re.compile(r"(?<=://)([^/@\s]+)@")
+# user:password@ (or a token as the user) in any URL: proxies, mirrors, databases, Ray addresses. The
+# `@` %-escaped (`ray://u:pw%40head`) still ends credentials: a client that unescapes it sends them.
+_URL_CREDENTIALS = re.compile(r"(?<=://)([^/@\s]+)(?:@|%40)")
 # Shorter values (`1`, `true`) would scrub ordinary words out of every message.
 _MIN_SCRUBBED_LENGTH = 6
 _AS_WRITTEN = "the setting is stored and shown as written (only env values are references)"
@@ -46,6 +58,8 @@ _HELD_BY_REFERENCE: set[str] = set()
 
 def is_secret(name: str) -> bool:
     upper = name.upper()
+    if upper.rsplit("_", 1)[-1] in _LOCATION_PARTS and "_" in upper:
+        return False
     return bool(_SECRET_PARTS.intersection(upper.split("_")) or _SECRET_SUFFIX.search(upper))
 
 
@@ -102,6 +116,11 @@ def secret_literal_problems(layer: Any, where: str, values: Mapping[str, str] | 
                 f"{where}: env.{name} holds the value of {holder}; write env.{name}=${{{holder}}} (on a command line "
                 f"in single quotes: the shell expands an unquoted ${holder})"
             )
+    for setting in _secret_named_settings(layer):
+        problems.append(
+            f"{where}: {setting} names a secret, and a setting is stored and shown as written: export the secret "
+            "where the flow runs and name it in an env entry (env.NAME=${NAME})"
+        )
     for setting, text in _strings(layer, ""):
         if env and setting.startswith("env."):
             continue  # an env entry: checked above, with its own fix
@@ -129,6 +148,78 @@ def _strings(node: Any, path: str) -> Iterator[tuple[str, str]]:
     elif isinstance(node, (list, tuple)):
         for index, value in enumerate(node):
             yield from _strings(value, f"{path}[{index}]")
+
+
+def _secret_named_settings(layer: Mapping) -> list[str]:
+    """Settings outside `env` whose key names a secret (`tracking.wandb.api_key`, `hf_token`,
+    `evn.HF_TOKEN`, `rollout.vllm_kwargs.hf_token`) and that hold anything but a bare reference: no
+    setting of the profile is one (`secret_key_exemptions` has those that only look like one)."""
+    exact, free = secret_key_exemptions()
+    found: list[str] = []
+
+    def walk(node: Any, keys: tuple[str, ...]) -> None:
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                if not (keys == () and key == "env" and isinstance(value, Mapping)):  # env entries: their own rule
+                    walk(value, (*keys, str(key)))
+            return
+        if isinstance(node, (list, tuple)) and node:
+            for value in node:
+                walk(value, keys)
+            return
+        reference = parse_reference(node) if isinstance(node, str) else None
+        setting = ".".join(key if _SETTING_NAME.fullmatch(key) else "<key>" for key in keys)
+        if _names_a_secret(keys, exact, free) and setting not in found and (reference is None or reference[1] is not None):
+            found.append(setting)
+
+    walk(layer, ())
+    return found
+
+
+def _names_a_secret(keys: tuple[str, ...], exact: frozenset[str], free: tuple[str, ...]) -> bool:
+    joined = ".".join(keys)
+    prefix = next((p for p in free if joined.startswith(p + ".")), None)
+    if prefix is not None:
+        return any(names_a_credential(key) for key in keys[prefix.count(".") + 1:])
+    return joined not in exact and any(is_secret(key) for key in keys)
+
+
+def names_a_credential(name: str) -> bool:
+    """A key of a free-form mapping (a megatron-core, vLLM or distribution name) that names a secret:
+    one whose last part does (`hf_token`, `api_key`), not `moe_token_dispatcher_type`."""
+    upper = name.upper()
+    return upper.rsplit("_", 1)[-1] in _SECRET_PARTS or bool(_SECRET_SUFFIX.search(upper))
+
+
+@functools.cache
+def secret_key_exemptions() -> tuple[frozenset[str], tuple[str, ...]]:
+    """Where the secret-named key rule looks at names differently: the profile's own settings whose
+    names only look like a secret's (`actor.ppo_max_token_len_per_gpu`: tokens, not a token), left
+    alone; and the free-form mappings (`engine.transformer_overrides`, `rollout.vllm_kwargs`, `requires`),
+    whose keys are other programs' names, where only a key that names a credential (`names_a_credential`)
+    counts."""
+    from pydantic import BaseModel
+
+    from grpo_pipeline.profiles.schema import RunProfile
+
+    exact, free = set(), []
+
+    def walk(model: type[BaseModel], path: tuple[str, ...]) -> None:
+        for name, field in model.model_fields.items():
+            keys = (*path, name)
+            kinds = (field.annotation, *typing.get_args(field.annotation))
+            if keys == ("env",):
+                continue
+            if any(typing.get_origin(kind) is dict for kind in kinds):
+                free.append(".".join(keys))
+            elif any(is_secret(key) for key in keys):
+                exact.add(".".join(keys))
+            for kind in kinds:
+                if isinstance(kind, type) and issubclass(kind, BaseModel):
+                    walk(kind, keys)
+
+    walk(RunProfile, ())
+    return frozenset(exact), tuple(free)
 
 
 def _holder(text: str, values: Mapping[str, str]) -> str | None:
@@ -161,13 +252,24 @@ def secrets_of(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     environ = os.environ if environ is None else environ
     found: dict[str, str] = {}
     for name, value in environ.items():
-        if is_secret(name) or name in _HELD_BY_REFERENCE:
+        if (is_secret(name) or name in _HELD_BY_REFERENCE) and not _names_a_place(value):
             found.setdefault(value, name)
         for userinfo in _URL_CREDENTIALS.findall(value):
             for part in (userinfo, userinfo.partition(":")[2]):
                 found.setdefault(part, name)
                 found.setdefault(unquote(part), name)
     return {value: name for value, name in found.items() if len(value) >= _MIN_SCRUBBED_LENGTH}
+
+
+def _names_a_place(value: str) -> bool:
+    """An absolute path that exists: where a secret (or a public certificate: PIP_CERT) is, not its value,
+    and text that messages and settings name as it is (/etc/ssl/certs/ca-certificates.crt)."""
+    return os.path.isabs(value) and os.path.exists(value)
+
+
+def secret_holder(text: str) -> str | None:
+    """The variable of this process whose secret value `text` holds (`secrets_of`), if any."""
+    return _holder(text, secrets_of())
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -183,12 +285,18 @@ def scrub(text: str, values: Iterable[str] | None = None) -> str:
     return redact_url_credentials(text)
 
 
-def secret_name_pattern() -> str:
-    """A regex of the variable names `is_secret` calls secrets (a form's JSON-schema pattern, which the
-    Prefect API checks with Python's `re`: the scoped flag `(?i:...)` keeps it short enough to read)."""
+def secret_name_pattern(credential: bool = False) -> str:
+    """A regex of the variable names `is_secret` calls secrets (`names_a_credential` with `credential`),
+    for a form's JSON-schema pattern, which the Prefect API checks with Python's `re` (the scoped flag
+    `(?i:...)` keeps it short enough to read). It matches a whole name where no name character follows."""
     parts = "|".join(sorted(_SECRET_PARTS, key=len, reverse=True))
     suffixes = _SECRET_SUFFIX.pattern.strip("()$")
-    return rf"(?i:(?:[a-z0-9]*_)*(?:{parts})(?:_[a-z0-9_]*)?|[a-z0-9_]*(?:{suffixes}))"
+    places = "|".join(_LOCATION_PARTS)
+    end = "(?![a-z0-9_])"
+    if credential:
+        return rf"(?i:(?:[a-z0-9]*_)*(?:{parts}){end}|[a-z0-9_]*(?:{suffixes}){end})"
+    return (rf"(?i:(?![a-z0-9_]*_(?:{places}){end})"
+            rf"(?:(?:[a-z0-9]*_)*(?:{parts})(?:_[a-z0-9_]*)?|[a-z0-9_]*(?:{suffixes})){end})")
 
 
 URL_CREDENTIALS_PATTERN = _URL_CREDENTIALS.pattern.replace("(?<=://)", "://")

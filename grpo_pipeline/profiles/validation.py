@@ -1,6 +1,7 @@
 """Rules that involve several fields of a profile and hold for any backend, checked before anything
-expensive starts: lengths, the dist checkpoint's converter, generation settings, the rewards a user brings (profiles/rewards.py), the evaluation asked for
-(profiles/evaluation.py).
+expensive starts: lengths, the dist checkpoint's converter, generation settings, the rewards a user
+brings (the `reward` section, profiles/rewards.py: each file read and parsed, never run), the evaluation
+asked for (profiles/evaluation.py).
 
 The layout rules (Megatron's and vLLM's parallel layouts, batches over data-parallel ranks) are the
 planner's (planner/rules.py); each backend picks those that apply to it (`Backend.profile_problems`),
@@ -10,12 +11,15 @@ Each message names the field, its value and a fix.
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.common.errors import ProfileError, headline_and_details
 from grpo_pipeline.profiles.datasets import mapping_problems
 from grpo_pipeline.profiles.evaluation import eval_problems
-from grpo_pipeline.profiles.rewards import reward_problems
+from grpo_pipeline.profiles.rewards import RewardSection
+from grpo_pipeline.profiles.secrets import is_secret, parse_reference
 
 if TYPE_CHECKING:
     from grpo_pipeline.profiles.schema import RunProfile
@@ -105,17 +109,87 @@ def conversion_problems(p: RunProfile) -> list[str]:
     return []
 
 
+# A reward file is a module of a few functions; anything larger is not one.
+MAX_REWARD_FILE_BYTES = 1 << 20
+
+
+def reward_problems(section: RewardSection) -> list[str]:
+    """What in the profile's `reward` section (profiles/rewards.py) training would fail on minutes in, found
+    without running it: each file is read (bounded) and parsed, never run; planning executes no user code
+    here (rewards/check.py runs it in a child process, once the data is there)."""
+    problems = [problem for function in section.functions if (problem := _file_problem(function.path))]
+    if section.url is not None and not section.url.startswith(("http://", "https://")):
+        problems.append(f"reward.url={section.url!r}: a reward server is reached over http:// or https://")
+    if section.token is not None and parse_reference(section.token) is None:
+        problems.append("reward.token: only a reference `${NAME}` to a variable of the environment is taken (the value "
+                        "would be stored in the run's profile); export the token and set reward.token='${NAME}'")
+    if section.token is not None and section.url is None:
+        problems.append("reward.token is set without reward.url; set the server's URL or drop the token")
+    return problems
+
+
+def _file_problem(spec: str) -> str | None:
+    where = f"reward function {spec!r}"
+    path, _, name = spec.rpartition(":")
+    if not path or not name.isidentifier():
+        return f"{where}: expected /path/to/file.py:function"
+    file = Path(path).expanduser()
+    try:
+        if not file.is_file():
+            return f"{where}: {path} is not a file; give the path of a Python file that every node can read"
+        with open(file, "rb") as handle:
+            source = handle.read(MAX_REWARD_FILE_BYTES + 1)
+    except OSError as exc:
+        return f"{where}: cannot read {path} ({exc.strerror or exc})"
+    if len(source) > MAX_REWARD_FILE_BYTES:
+        return f"{where}: {path} is larger than {MAX_REWARD_FILE_BYTES >> 10} KiB; a reward file is a small Python module"
+    try:
+        tree = ast.parse(source, filename=path)
+    except (SyntaxError, ValueError) as exc:
+        line = f" line {exc.lineno}" if getattr(exc, "lineno", None) else ""
+        return f"{where}: {path}{line} is not valid Python ({getattr(exc, 'msg', exc)}); fix it"
+    if name not in _top_level_names(tree):
+        return f"{where}: {path} defines no {name!r} at its top level; name the reward function it defines"
+    return None
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
+def public_env_problems(p: RunProfile) -> list[str]:
+    """`public_env` names env entries read by reference, and never one named like a secret."""
+    problems = []
+    for name in p.public_env:
+        if name not in p.env:
+            problems.append(f"public_env: {name} is no env entry of the profile; add env.{name}=${{NAME}} or remove it")
+        elif is_secret(name):
+            problems.append(f"public_env: env.{name} is named like a secret, which is never shown; rename the entry, "
+                            "or remove it from public_env")
+    return problems
+
+
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
-    return [*length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p.reward),
-            *mapping_problems(p.data), *eval_problems(p.eval), *position_problems(p), *head_problems(p),
-            *sampling_problems(p)]
+    return [*public_env_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p),
+            *reward_problems(p.reward), *mapping_problems(p.data), *eval_problems(p.eval), *position_problems(p),
+            *head_problems(p), *sampling_problems(p)]
 
 
 def refuse(problems: list[str]) -> None:
-    """All problems of a profile, on one line (ProfileError); nothing when there are none."""
+    """All problems of a profile (ProfileError): the first with its fix as the headline, the others on
+    lines of their own below it; nothing when there are none."""
     if problems:
-        raise ProfileError("invalid profile: " + "; ".join(problems))
+        raise ProfileError(headline_and_details(problems, "invalid profile: "))
 
 
 def validate_profile(p: RunProfile) -> None:

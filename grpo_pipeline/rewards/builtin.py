@@ -37,6 +37,9 @@ class Score(BaseModel):
     formatted: bool
 
 
+# Every built-in reward lies in [0, 1] (a user's reward function's range is its own): the report's band
+# around the mean reward stays inside it.
+BUILTIN_REWARD_RANGE = (0.0, 1.0)
 GSM8K_CLIP_CHARS = 300
 _GSM8K_FINAL = re.compile(r"#### (\-?[0-9\.\,]+)")
 _GEO3K_FORMAT = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)

@@ -2,7 +2,7 @@
 
     python -m grpo_pipeline --model tiny --device cpu --set 'reward.functions=[/r.py:compute_score]' --dry-run
 
-- `reward_problems` (profiles/rewards.py: every plan, the dry run's too; nothing of the user's runs): each
+- `reward_problems` (profiles/validation.py: every plan, the dry run's too; nothing of the user's runs): each
   file is there, is Python, and defines the function at its top level; the server's URL is http(s); its
   token a reference.
 - `check_rewards` (when the data is there: planning when the dataset is already in the store, the train and

@@ -158,14 +158,14 @@ def plot_benchmarks(evaluation: dict, out: Path) -> bool:
         metrics = [label for label, _, _ in _rows(models[0]) if label not in ("response length", "truncated")]
         width = 0.8 / len(models)
         for index, model in enumerate(models):
-            values, low, high = [], [], []
-            for label in metrics:
-                value, interval = _plotted(model, label)
-                values.append(value)
-                low.append(value - interval[0])
-                high.append(interval[1] - value)
-            axis.bar([i + index * width for i in range(len(metrics))], values, width, yerr=[low, high], capsize=3,
-                     label=_label(model, evaluation))
+            xs = [i + index * width for i in range(len(metrics))]
+            plotted = [_plotted(model, label) for label in metrics]
+            axis.bar(xs, [value for value, _ in plotted], width, label=_label(model, evaluation))
+            # Error bars only where a metric has an interval (the format rate has none): no zero-height bars.
+            for x, (value, interval) in zip(xs, plotted):
+                if interval is not None:
+                    axis.errorbar(x, value, yerr=[[value - interval[0]], [interval[1] - value]], fmt="none",
+                                  ecolor="black", capsize=3)
         axis.set_xticks([i + 0.4 - width / 2 for i in range(len(metrics))], metrics, rotation=20)
         axis.set_ylim(0, 1.05)
         axis.set_title(name if name != _HELDOUT else "held-out split")
@@ -178,11 +178,12 @@ def plot_benchmarks(evaluation: dict, out: Path) -> bool:
     return True
 
 
-def _plotted(model: dict, label: str) -> tuple[float, tuple[float, float]]:
+def _plotted(model: dict, label: str) -> tuple[float, tuple[float, float] | None]:
+    """A metric's value and its 95% interval (None: the metric has none)."""
     if label == "mean reward" or label.startswith("avg@") or label in (model.get("pass_at") or {}):
         return metric_value(model, "mean_reward" if label == "mean reward" else "avg@n" if label.startswith("avg@") else label)
     key = {"accuracy": "accuracy", "pass@k": "pass_at_k", "format rate": "format_rate"}[label]
-    return model[key], (model[key], model[key])
+    return model[key], None
 
 
 def plot_checkpoint_curve(evaluation: dict, out: Path) -> bool:

@@ -120,9 +120,8 @@ class DatasetFiles(BaseModel):
     cached: bool = Field(..., description="True when nothing was fetched or built.")
 
 
-def dataset_problems(profile: RunProfile) -> list[str]:
-    """Splits the arith generator cannot make, at planning (otherwise found minutes in, at this stage)."""
-    d = profile.data
+def dataset_problems(d: DataSection) -> list[str]:
+    """Splits the arith generator cannot make, refused at planning (found minutes in, at this stage, otherwise)."""
     if d.dataset != "arith" or d.source:
         return []
     from grpo_pipeline.common.rl_data import arith_rows_problem  # pyarrow: only for arith runs
@@ -196,9 +195,6 @@ def _matching_files(directory: Path, patterns: list[str]) -> list[Path]:
 def _read_splits(directory: Path, patterns: list[str], source: str) -> dict[str, pa.Table]:
     """The source's files grouped by split (file name), shards concatenated."""
     import pyarrow as pa
-
-    from grpo_pipeline.profiles.schema import RunProfile
-    import pyarrow.parquet as pq
 
     from grpo_pipeline.common.rl_data import DatasetFormatError
 

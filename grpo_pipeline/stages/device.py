@@ -201,7 +201,9 @@ def detect_device(requested: str, dry_run: bool = False, probe: dict | None = No
             if cluster:
                 return DeviceInfo(kind=requested, decided_by="requested", probes=probes,
                                   reason=f"requested {requested} for the Ray cluster at {cluster} (this host: {found})")
-            raise DeviceError(f"--device {requested} requested but not usable here: {found}")
+            # A torch without the device's support: the fix is another environment, which the platform names.
+            fix = platform_for(kind).setup_fix if info.get("status") == "absent" else None
+            raise DeviceError(f"--device {requested} is not usable here: {found}" + (f"; {fix}" if fix else ""))
     summary = "; ".join(f"{kind}: {detail}" for kind, detail in probes.items())
     return DeviceInfo(
         kind="cpu", count=os.cpu_count() or 1, decided_by="detected", reason=f"no accelerator found ({summary})", probes=probes

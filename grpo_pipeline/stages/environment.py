@@ -9,9 +9,9 @@ profile's `proxy_policy`. The final values are applied to the driver and packed 
 `runtime_env` that every backend uses, because an `export` in one shell never reaches Ray workers
 on other nodes. A whole value `${NAME}` / `${NAME:-default}` is read from this process's
 environment. Secrets are the exception to all of this (profiles/secrets.py: a secret-named entry,
-one that reads a secret-named variable, a value with credentials in a URL): named only by
-reference, never held in a `RuntimeEnv` (so it can be stored and shown as it is), applied to the
-driver alone and never put in the `runtime_env`.
+any value read by reference unless the profile's `public_env` lists the entry, a value with
+credentials in a URL): named only by reference, never held in a `RuntimeEnv` (so it can be stored
+and shown as it is), applied to the driver alone and never put in the `runtime_env`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pydantic import BaseModel, Field
 from grpo_pipeline.common.errors import ProfileError
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.secrets import hold_by_reference, is_secret, is_secret_entry, is_secret_value, parse_reference, redact
-from grpo_pipeline.common.ray_cluster import parse_ray_address
+from grpo_pipeline.common.ray_address import parse_ray_address
 
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 NO_PROXY_VARS = ("no_proxy", "NO_PROXY")
@@ -105,16 +105,18 @@ def ray_head_host(ray_address: str | None) -> str | None:
     return address.host if address else None
 
 
-def profile_value(name: str, value: str, environ: dict[str, str]) -> tuple[EnvValue | None, str | None]:
+def profile_value(name: str, value: str, environ: dict[str, str], public: Iterable[str] = ()) -> tuple[EnvValue | None, str | None]:
     """A profile's env entry as the run uses it, or why it cannot be: the exported variable of the
     same name wins (as `${VAR:-default}` did upstream); a `${OTHER}` / `${OTHER:-default}` value is
     read from the environment. A secret (profiles/secrets.py: the entry or the variable it reads is
-    named like one, or the value read holds credentials in a URL or another secret's value) is held
-    as the variable it is read from, never as its value; it has no default (planning refuses one)."""
+    named like one, the value was read by reference and the entry is not in `public`, or the value
+    read holds credentials in a URL or another secret's value) is held as the variable it is read
+    from, never as its value; a secret-named one has no default (planning refuses one)."""
     reference = parse_reference(value)
     exported = name if name in environ else reference[0] if reference and reference[0] in environ else None
     if exported is not None:
-        if is_secret_entry(name, value) or is_secret_value(environ[exported], environ):
+        by_reference = reference is not None and name not in public
+        if by_reference or is_secret_entry(name, value) or is_secret_value(environ[exported], environ):
             return EnvValue(value=None, source="user", secret_from=exported), None
         return EnvValue(value=environ[exported], source="user"), None
     if reference is None:
@@ -155,7 +157,7 @@ def resolve_environment(
     values: dict[str, EnvValue] = {}
     unset = []
     for name, default in profile.env.items():
-        item, missing = profile_value(name, default, environ)
+        item, missing = profile_value(name, default, environ, profile.public_env)
         if item is None:
             unset.append(missing)
         else:

@@ -170,7 +170,7 @@ def evaluate_model(
     generate: Generate = transformers_generate, benchmark: str = HELDOUT, step: int | None = None,
 ) -> ModelMetrics:
     started = time.perf_counter()
-    responses = generate(model_dir, [row["prompt"] for row in rows], settings)
+    responses = generate(model_dir, [row["prompt"] for row in rows], settings.model_copy(update={"label": name}))
     generation_s = time.perf_counter() - started
     if len(responses) != len(rows) or any(len(r) != settings.samples_per_prompt for r in responses):
         raise RuntimeError(f"the engine returned {len(responses)} groups for {len(rows)} prompts")

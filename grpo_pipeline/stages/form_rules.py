@@ -10,7 +10,9 @@ is known in advance, and the run accepts exactly that grammar from the form:
 
 - lines split where `str.splitlines()` splits them (`\\n`, `\\r`, VT, FF, FS/GS/RS, NEL, U+2028/9);
 - a line is blank, a `# comment`, or `KEY=VALUE` with an optional trailing `# comment`;
-- KEY is dotted names (`trainer.total_training_steps`); an env entry is exactly `env.NAME`;
+- KEY is dotted names (`trainer.total_training_steps`); an env entry is exactly `env.NAME`; a key with
+  a secret-named part anywhere (profiles/secrets.py's rule: `tracking.wandb.api_key`, `hf_token`) holds
+  a bare `${NAME}` at most, as no setting but an env entry takes a secret;
 - VALUE is a plain scalar (no YAML indicator first, no `: ` or ` #` inside), a 'single-quoted' or
   "double-quoted" string without backslash escapes, or a flat [list] of those: no {mappings},
   anchors, aliases, tags, merge keys, block scalars or escapes (set nested settings by dotted keys);
@@ -18,8 +20,8 @@ is known in advance, and the run accepts exactly that grammar from the form:
 
 Within that grammar YAML only drops (comments, quotes, list punctuation) and never makes text, so
 a check of the raw text finds whatever the run's YAML-based secret check (profiles/secrets.py)
-would find in the parsed value: a secret-named env entry holds a bare `${NAME}`, an env entry that
-reads a secret has no `:-default`, and no text holds a URL's credentials. What the form cannot know
+would find in the parsed value: a secret-named key holds a bare `${NAME}`, an env entry that reads a
+secret has no `:-default`, and no text holds a URL's credentials (its `@` %-escaped or not). What the form cannot know
 is the worker's environment: a value equal to a secret the worker holds is refused by the run only.
 
 A refusal names the field and the rule, never the value: Prefect's API words a failed `pattern` as
@@ -33,7 +35,7 @@ from __future__ import annotations
 import re
 from typing import Any, NamedTuple
 
-from grpo_pipeline.profiles.secrets import URL_CREDENTIALS_PATTERN, secret_name_pattern
+from grpo_pipeline.profiles.secrets import URL_CREDENTIALS_PATTERN, secret_key_exemptions, secret_name_pattern
 
 _BREAK_CHARS = r"[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]"  # what str.splitlines() splits on
 _BREAK = rf"(?:\r\n|{_BREAK_CHARS})"
@@ -69,7 +71,16 @@ _OVERRIDE_TEXT = rf"\A(?:{OVERRIDE_LINE}{_BREAK})*{OVERRIDE_LINE}\Z"
 _SECRET = secret_name_pattern()
 _REFERENCE = rf"\$\{{{_NAME}\}}"
 _REFERENCE_VALUE = rf"(?:{_REFERENCE}|'[ \t]*{_REFERENCE}[ \t]*'|\"[ \t]*{_REFERENCE}[ \t]*\")"
-_SECRET_LITERAL = (rf"{_LINE_START}[ \t]*env\.{_SECRET}[ \t]*="
+# A key that names a secret (profiles/secrets.py `_names_a_secret`): a secret-named part anywhere
+# (env.HF_TOKEN, tracking.wandb.api_key, evn.HF_TOKEN, hf_token) less the profile's own settings that only
+# look like one (actor.ppo_max_token_len_per_gpu); under a free-form mapping, a key whose last part names
+# one (rollout.vllm_kwargs.hf_token, not engine.transformer_overrides.moe_token_dispatcher_type).
+_EXACT, _FREE = secret_key_exemptions()
+_LOOKS_SECRET = "|".join(re.escape(setting) for setting in sorted(_EXACT))
+_FREE_FORM = "|".join(re.escape(prefix) for prefix in _FREE)
+_SECRET_KEY = (rf"(?:(?!(?:{_LOOKS_SECRET})[ \t]*=)(?!(?:{_FREE_FORM})\.)(?:{_NAME}\.)*{_SECRET}(?:\.{_NAME})*"
+               rf"|(?:{_FREE_FORM})(?:\.{_NAME})*\.{secret_name_pattern(credential=True)}(?:\.{_NAME})*)")
+_SECRET_LITERAL = (rf"{_LINE_START}[ \t]*{_SECRET_KEY}[ \t]*="
                    rf"(?![ \t]*{_REFERENCE_VALUE}[ \t]*(?:[ \t]{_COMMENT})?{_LINE_END})")
 _SECRET_DEFAULT = rf"{_LINE_START}[ \t]*env\.{_NAME}[ \t]*=[ \t]*(?:['\"][ \t]*)?\$\{{{_SECRET}:-"
 RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
@@ -93,8 +104,8 @@ _NO_URL_CREDENTIALS = Rule(URL_CREDENTIALS_PATTERN, True, "no credentials in a U
 FORM_RULES: dict[str, tuple[Rule, ...]] = {
     "model": (ONE_LINE, _NO_URL_CREDENTIALS),
     "overrides": (
-        Rule(_SECRET_LITERAL, True, "a secret-named env entry holds only a reference, env.HF_TOKEN=${HF_TOKEN} (this "
-             "form is stored; export the value in the worker's environment)"),
+        Rule(_SECRET_LITERAL, True, "a secret-named key holds only a reference, and only an env entry takes one: "
+             "env.HF_TOKEN=${HF_TOKEN} (this form is stored; export the value in the worker's environment)"),
         Rule(_SECRET_DEFAULT, True, "a reference to a secret has no default value: ${HF_TOKEN}, never "
              "${HF_TOKEN:-value}"),
         _NO_URL_CREDENTIALS,
@@ -105,8 +116,8 @@ FORM_RULES: dict[str, tuple[Rule, ...]] = {
     "run_name": (Rule(rf"\A(?:{RUN_NAME})?\Z", False, "letters, digits, '.', '_' or '-', not starting with '.', "
                       "'_' or '-' (it names a folder)"),),
     "run_root": (ONE_LINE, _NO_URL_CREDENTIALS),
-    "ray_address": (ONE_LINE, Rule("@", True, "no '@': a Ray address carries no credentials (export "
-                                    "RAY_AUTH_TOKEN where the flow runs if the cluster uses token auth)")),
+    "ray_address": (ONE_LINE, Rule("[@%]", True, "no '@' nor %-escape: a Ray address carries no credentials "
+                                    "(export RAY_AUTH_TOKEN where the flow runs if the cluster uses token auth)")),
     "profile_file": (ONE_LINE, _NO_URL_CREDENTIALS),
 }
 

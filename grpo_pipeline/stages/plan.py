@@ -18,8 +18,9 @@ from pydantic import BaseModel, Field
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingRun
 from grpo_pipeline.common.file_faults import run_folder_problem
+from grpo_pipeline.common.tracker_stores import store_problem
 from grpo_pipeline.stages import run_lock
-from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.stages.request import RERUN_COMMAND, RunRequest
 from grpo_pipeline.common.errors import ProfileError, UserError
 from grpo_pipeline.generation.plan import GenerationPlan, plan_generation
 from grpo_pipeline.profiles.loader import resolve_run_profile
@@ -29,12 +30,15 @@ from grpo_pipeline.profiles.requirements import NodeRequirement
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.rewards.check import check_rewards
 from grpo_pipeline.rewards.plan import RewardPlan
-from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, dataset_dir, dataset_problems
+from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, benchmark_specs, dataset_dir, dataset_problems
 from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_device
 from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
-from grpo_pipeline.stages.model import ModelCheckpoint, ModelSpec
+from grpo_pipeline.stages.model import ModelCheckpoint, ModelSpec, model_dir
 from grpo_pipeline.stages.train import training_inputs
-from grpo_pipeline.common.ray_cluster import check_reachable, cluster_address, parse_ray_address
+from grpo_pipeline.common.hub_reach import hub_endpoint, hub_offline, reach_problem, unreachable
+from grpo_pipeline.common.ray_address import check_reachable, cluster_address, parse_ray_address
+from grpo_pipeline.common.store import read_manifest
+from grpo_pipeline.common.tracking import missing_credentials
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +91,10 @@ def training_command(
     inputs = training_inputs(profile, run_dir, data, model)
     if engine_command := backend_for(profile.backend).command(profile, inputs):
         return engine_command
-    command = ["python", "-m", "grpo_pipeline", "--model", request.model, "--device", profile.platform.kind,
+    command = [*RERUN_COMMAND, "--model", request.model, "--device", profile.platform.kind,
                "--backend", profile.backend, "--run-name", run_dir.name]
+    if request.run_root != RunRequest.model_fields["run_root"].default:
+        command += ["--run-dir", request.run_root]
     if request.profile_file:
         command += ["--profile-file", request.profile_file]
     for item in request.overrides:
@@ -104,8 +110,8 @@ def checked_profile(model: str, device: str, backend: str = "auto", profile_file
     rules, picked by the backend) and those that hold for any backend; all problems on one line."""
     profile, reason = resolve_run_profile(model, device, backend, profile_file, overrides, validate=False,
                                           detected=detected)
-    refuse([*backend_for(profile.backend).profile_problems(profile), *profile_problems(profile),
-            *dataset_problems(profile)])
+    refuse([*dataset_problems(profile.data), *backend_for(profile.backend).profile_problems(profile),
+            *profile_problems(profile)])
     return profile, reason
 
 
@@ -137,7 +143,8 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
     backend cannot run here (a stage it cannot run from the flow, more training workers than the
     host has devices), a data or model source that is not there, and (for a real run) a Ray
     cluster that does not answer; a layout that cannot fit in memory (the plan it was checked against
-    is returned; under planner.enforce=false it is logged as a warning instead)."""
+    is returned; under planner.enforce=false it is logged as a warning instead); an MLflow store that
+    cannot be made."""
     stages = request.stages
     backend_for(profile.backend).check_run(profile, device.count, stages, dry_run, request.ray_address)
     memory = device.memory_plan(profile)
@@ -151,6 +158,8 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
             check_planned_reward(profile, spec)
     if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
         ModelSpec.from_profile(profile.model)
+    if problem := store_problem(profile.tracking, write=not dry_run):
+        raise ProfileError(problem)
     address, origin = cluster_address(request.ray_address)
     if not dry_run and address:
         if parsed := parse_ray_address(address, origin):
@@ -166,6 +175,41 @@ def check_planned_reward(profile: RunProfile, data: DataSpec) -> None:
     plan = RewardPlan.from_section(profile.reward)
     for line in check_rewards(plan, str(train_file) if train_file.is_file() else None, profile.reward.check_timeout_s):
         log.info("%s", line)
+
+
+def check_hub_sources(stages: list[str], profile: RunProfile, environ: dict[str, str]) -> None:
+    """What the run must fetch from the hub (not in the store yet) can be fetched with the run's environment:
+    refused now, in one line, where the hub cannot be reached or HF_HUB_OFFLINE is set, instead of after the
+    flow started and the stage's retries were spent."""
+    missing = []
+    if {"fetch_dataset", "train", "evaluate"} & set(stages):
+        data = DataSpec.from_profile(profile.data)
+        if data.source_kind == "hub" and read_manifest(dataset_dir(data)) is None:
+            missing.append((f"dataset {data.source}", dataset_dir(data), "a local copy (--set data.source=<its folder>)"))
+    if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
+        model = ModelSpec.from_profile(profile.model)
+        if model.source_kind == "hub" and read_manifest(model_dir(model)) is None:
+            missing.append((f"model {model.source}", model_dir(model), "a local copy (--set model.path=<its folder>)"))
+    if "evaluate" in stages:
+        missing += [(f"benchmark {name} ({spec.source})", dataset_dir(spec), "eval.benchmarks without it")
+                    for name, spec in benchmark_specs(profile).items()
+                    if spec.source_kind == "hub" and read_manifest(dataset_dir(spec)) is None]
+    if not missing:
+        return
+    what, entry, local_copy = missing[0]
+    if hub_offline(environ):
+        raise UserError(f"cannot fetch {what}: HF_HUB_OFFLINE is set and the store has no copy of it; unset it, or use "
+                        f"{local_copy}\nthe store's place for it: {entry}")
+    endpoint = hub_endpoint(environ)
+    if problem := reach_problem(endpoint, environ):
+        raise unreachable(what, problem, endpoint, local_copy, str(entry))
+
+
+def check_tracker_credentials(profile: RunProfile, environ: dict[str, str]) -> None:
+    """A tracker that needs credentials the run's environment lacks fails the start now (with
+    `tracking.on_unreachable=warn` the run goes on without it, and says so when it opens the trackers)."""
+    if profile.tracking.on_unreachable == "fail" and (missing := missing_credentials(profile.tracking, environ)):
+        raise UserError(missing)
 
 
 def check_run_dir(run_dir: Path, dry_run: bool) -> None:
@@ -204,11 +248,23 @@ def _exists(path: Path) -> bool:
 
 def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
-    profile, backend_reason = profile_for(request, device)
+    try:
+        profile, backend_reason = profile_for(request, device)
+    except ProfileError:
+        # A profile refused for its batch split may be one asking for more workers than this host has:
+        # that is the problem to name (the batch rules follow from it).
+        unchecked, _ = resolve_run_profile(request.model, device.kind, request.backend, request.profile_file,
+                                           request.overrides, validate=False)
+        backend_for(unchecked.backend).check_run(unchecked, device.count, request.stages, dry_run, request.ray_address)
+        raise
     memory = check_plan(request, profile, device, dry_run)
     env = resolve_environment(profile, ray_address=request.ray_address)
     if not dry_run:
         env.check_references()
+        environ = dict(os.environ)
+        env.apply(environ)  # the environment the run's stages will have
+        check_hub_sources(request.stages, profile, environ)
+        check_tracker_credentials(profile, environ)
     run_dir = run_dir_for(request, device.kind)
     check_run_dir(run_dir, dry_run)
     generation = plan_generation(profile)  # the one decision; the stages and backends read it

@@ -5,7 +5,7 @@
 It puts together what the stages wrote: the evaluation (stages/benchmark_report.py: a table per benchmark,
 base vs trained with deltas and 95% intervals, the curve over saved steps and the best one, their plots),
 the reward curve over training steps (PNG, matplotlib), the device,
-the environment (redacted), the resolved profile, how long each stage took, and links to every file.
+the environment (redacted), the settings that differ from the defaults, how long each stage took, and links to every file.
 A failed run gets a report too, saying which stage failed and why.
 """
 
@@ -22,6 +22,7 @@ from grpo_pipeline.backends.metrics import METRICS, read_metrics
 from grpo_pipeline.common.files import write_text_atomic
 from grpo_pipeline.common.preflight import PREFLIGHT_FILE, Preflight
 from grpo_pipeline.planner.memory import MemoryPlan, memory_table
+from grpo_pipeline.rewards.builtin import BUILTIN_REWARD_RANGE
 from grpo_pipeline.stages.benchmark_report import (CURVE_PLOT, EVAL_PLOT, benchmark_tables, benchmarks_of,
                                                    plot_benchmarks, plot_checkpoint_curve, pyplot)
 
@@ -29,7 +30,9 @@ REPORT = "report.md"
 REWARD_CURVE = "reward_curve.png"
 
 
-def plot_reward_curve(metrics_file: Path, out: Path) -> bool:
+def plot_reward_curve(metrics_file: Path, out: Path, reward_range: tuple[float, float] | None = None) -> bool:
+    """Mean reward by step with a band of one standard deviation, cut to the rewards' range where it is
+    known (a reward of 0.1 +- 0.3 never went below 0)."""
     records = read_metrics(metrics_file)
     if not records:
         return False
@@ -39,16 +42,83 @@ def plot_reward_curve(metrics_file: Path, out: Path) -> bool:
     std = [r.reward_std or 0.0 for r in records]
     figure, axis = plt.subplots(figsize=(7, 3.5), dpi=100)
     axis.plot(steps, mean, marker="o", markersize=3, label="mean reward")
-    axis.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.2, label="± std")
+    low, high = reward_range or (float("-inf"), float("inf"))
+    axis.fill_between(steps, [max(m - s, low) for m, s in zip(mean, std)], [min(m + s, high) for m, s in zip(mean, std)],
+                      alpha=0.2, label="± std" + (f" (within {low:g}..{high:g})" if reward_range else ""))
     axis.set_xlabel("training step")
     axis.set_ylabel("reward")
     axis.set_title("Reward during training")
-    axis.legend(loc="lower right")
+    axis.legend(loc="upper left")
     axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(out)
     plt.close(figure)
     return True
+
+
+STEP_ROWS = 20  # a longer run's table shows this many steps, evenly spaced, the last included
+
+
+def step_table(records: list) -> list[str]:
+    """The training steps as a table (every step up to STEP_ROWS, else evenly spaced ones and the last)."""
+    shown = records if len(records) <= STEP_ROWS else [
+        records[round(i * (len(records) - 1) / (STEP_ROWS - 1))] for i in range(STEP_ROWS)]
+    lines = ["| step | reward (mean ± std) | response length | seconds |", "|---|---|---|---|"]
+    lines += [f"| {r.step} | {r.reward_mean:.3f} ± {r.reward_std or 0.0:.3f} | {r.response_length:.1f} | {r.step_time_s:.1f} |"
+              for r in shown]
+    if len(shown) < len(records):
+        lines.append(f"\n{len(shown)} of {len(records)} steps shown.")
+    return lines
+
+
+def time_table(timings: dict[str, float], records: list) -> list[str]:
+    """How long each stage took; training split into its steps and the rest (Ray, the workers and the model
+    starting, checkpoints); the flow's bookkeeping steps under 0.1 s as one row."""
+    total = sum(timings.values())
+    lines = ["## Time per stage", "", "| stage | seconds | share |", "|---|---|---|"]
+    small = {stage: seconds for stage, seconds in timings.items() if seconds < 0.1}
+    for stage, seconds in timings.items():
+        if stage in small:
+            continue
+        lines.append(f"| {stage} | {seconds:.1f} | {seconds / total:.0%} |")
+        if stage == "train" and records:
+            steps = sum(r.step_time_s for r in records)
+            lines += [f"| &nbsp;&nbsp;{len(records)} GRPO steps | {steps:.1f} | {steps / total:.0%} |",
+                      f"| &nbsp;&nbsp;start-up (Ray, workers, model load) and checkpoints | {max(seconds - steps, 0):.1f} | "
+                      f"{max(seconds - steps, 0) / total:.0%} |"]
+    if small:
+        lines.append(f"| {len(small)} other steps (planning, checks) | {sum(small.values()):.1f} | |")
+    return [*lines, f"| **all** | {total:.1f} | |", ""]
+
+
+def settings_text(profile: dict[str, Any]) -> str:
+    """The settings of the run that differ from its recipe's and device's defaults, as YAML (the resolved
+    profile holds ~200 lines, mostly defaults and the settings of the other backend)."""
+    from grpo_pipeline.profiles.loader import builtin_models, resolve_run_profile
+
+    model = profile["model"]["name"] if profile["model"]["name"] in builtin_models() else profile["model"]["path"]
+    try:
+        default, _ = resolve_run_profile(model, profile["platform"]["kind"], profile["backend"], None, [], validate=False)
+    except Exception:  # a recipe that no longer resolves (an older run's report, rendered again): say so
+        return "# the defaults could not be resolved again: see profile.yaml"
+    changed = _difference(profile, default.model_dump(mode="json"))
+    return yaml.safe_dump(changed, sort_keys=False).rstrip() if changed else "# none: the recipe's defaults as they are"
+
+
+def _difference(value: Any, default: Any) -> Any:
+    """What of `value` differs from `default`, keeping the nesting (None when nothing does)."""
+    if isinstance(value, dict) and isinstance(default, dict):
+        changed = {key: d for key, item in value.items() if (d := _difference(item, default.get(key))) is not None}
+        return changed or None
+    return None if value == default else value
+
+
+def _tracker_link(name: str, where: str) -> str:
+    """A tracker's place as a link a person can click where it starts with a URL; the rest stays as text."""
+    url, _, note = where.partition(" ")
+    if url.startswith(("http://", "https://")):
+        return f"[{name}]({url})" + (f" {note}" if note else "")
+    return f"{name}: {where}"
 
 
 def _memory_plan(profile: dict[str, Any], device: dict[str, Any]) -> MemoryPlan | None:
@@ -104,7 +174,10 @@ def write_report(run_dir: Path, **parts: Any) -> Path:
     plot_benchmarks(evaluation, run_dir / EVAL_PLOT)
     plot_checkpoint_curve(evaluation, run_dir / CURVE_PLOT)
     if parts.get("train"):
-        plot_reward_curve(Path(parts["train"]["metrics_file"]), run_dir / REWARD_CURVE)
+        rewards = (parts.get("profile") or {}).get("reward") or {}
+        custom = rewards.get("functions") or rewards.get("url")  # a reward users bring has a range of its own
+        plot_reward_curve(Path(parts["train"]["metrics_file"]), run_dir / REWARD_CURVE,
+                          None if custom else BUILTIN_REWARD_RANGE)
     return write_text_atomic(run_dir / REPORT, render(run_dir, _Files(run_dir), **parts))
 
 
@@ -135,9 +208,7 @@ def render(
         parts += [f"- last completed training step: {last[-1].step if last else 'none'}",
                   f"- stopped: {', '.join(stopped) if stopped else 'nothing was running'}", ""]
     if tracking:
-        shown = [f"[{name}]({where})" if where.startswith(("http://", "https://")) else f"{name}: {where}"
-                 for name, where in tracking.items()]
-        parts += ["Experiment tracking: " + "; ".join(shown) + ".", ""]
+        parts += ["Experiment tracking: " + "; ".join(_tracker_link(name, where) for name, where in tracking.items()) + ".", ""]
     if profile:
         model, data, algo = profile["model"], profile["data"], profile["algorithm"]
         parts += [f"Model **{model['name']}** (`{model['path']}`), dataset **{data['dataset']}**, backend "
@@ -170,7 +241,9 @@ def render(
         if train.get("rollouts"):
             parts += [f"Rollouts: {train['rollouts']}.", ""]
         if (run_dir / REWARD_CURVE).is_file():
-            parts += [media.image(REWARD_CURVE, "reward curve"), "", f"Step by step: {media.file(train['metrics_file'])}", ""]
+            parts += [media.image(REWARD_CURVE, "reward curve"), ""]
+        if records := read_metrics(Path(train["metrics_file"])):
+            parts += [*step_table(records), "", f"Every step's record: {media.file(train['metrics_file'])}", ""]
     if profile and (memory := _memory_plan(profile, device or {})):
         parts += ["## Memory plan", "", "Estimated device memory per role of the layout (planner/):", ""]
         parts += memory_table(memory.summary()) + [""]
@@ -178,10 +251,7 @@ def render(
         parts += ["## Nodes", "", f"What each node's image has, asked before the job was submitted ({checked.summary_line()}):",
                   "", *checked.table(), ""]
     if timings:
-        total = sum(timings.values())
-        parts += ["## Time per stage", "", "| stage | seconds | share |", "|---|---|---|"]
-        parts += [f"| {stage} | {seconds:.1f} | {seconds / total:.0%} |" for stage, seconds in timings.items()]
-        parts += [f"| **all** | {total:.1f} | |", ""]
+        parts += time_table(timings, read_metrics(Path(train["metrics_file"])) if train else [])
     if device:
         parts += ["## Device", "", f"{device['kind']}, {device.get('count', 0)} device(s), decided by "
                   f"{device.get('decided_by', '?')}: {device.get('reason', '')}", ""]
@@ -190,7 +260,8 @@ def render(
         parts += [f"| `{name}` | `{item['value']}` | {item['source']} |" for name, item in env.items()]
         parts.append("")
     if profile:
-        parts += ["## Resolved profile", "", "```yaml", yaml.safe_dump(profile, sort_keys=False).rstrip(), "```", ""]
+        parts += ["## Settings", "", f"The run's settings that differ from the defaults of its recipe and device; every "
+                  f"setting: {media.file('profile.yaml')}.", "", "```yaml", settings_text(profile), "```", ""]
     # Dot files are the run's bookkeeping (its lock), not results.
     files = sorted(p.name for p in run_dir.iterdir() if p.is_file() and p.name != REPORT and not p.name.startswith("."))
     parts += ["## Files", ""] + [f"- {media.file(name)}" for name in files] + [""]

@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from grpo_pipeline.common.errors import ProfileError, UserError
 from grpo_pipeline.profiles.backend_table import BackendChoice, backend_help
 from grpo_pipeline.profiles.loader import overrides_to_layer
-from grpo_pipeline.profiles.secrets import has_url_credentials, secret_literal_problems
-from grpo_pipeline.common.ray_cluster import parse_ray_address
+from grpo_pipeline.profiles.secrets import has_url_credentials, secret_holder, secret_literal_problems
+from grpo_pipeline.common.ray_address import parse_ray_address
 from grpo_pipeline.stages.form_rules import FORM_RULES, ONE_LINE, RUN_NAME, first_broken, override_lines
 
 # The stages of the flow in order. `--stages` picks a subset.
@@ -25,6 +25,9 @@ INPUT_STAGES = {
     "evaluate": ("fetch_dataset", "prepare_checkpoint"),
 }
 
+
+# A run's command when its backend trains inside the flow: the same run again from the command line.
+RERUN_COMMAND = ["python", "-m", "grpo_pipeline"]
 
 class RunRequest(BaseModel):
     # A request is stored by Prefect and shown in its UI; a validation error must not echo its values.
@@ -130,6 +133,17 @@ class RunRequest(BaseModel):
                              "stored as written: remove them")
         return overrides
 
+    @field_validator("model", "profile_file", "run_name", "run_root", "ray_address", mode="before")
+    @classmethod
+    def no_secret_value(cls, value, info: ValidationInfo):
+        """Stored and shown as written (plan.json, the report, tracker runs, Prefect), like an override:
+        a value that holds one of this process's secrets is refused before anything else looks at it (URL
+        credentials have their own refusal, below)."""
+        if isinstance(value, str) and not has_url_credentials(value) and (holder := secret_holder(value)):
+            raise ValueError(f"{_option(info.field_name)} holds the value of {holder}, and it is stored and shown as "
+                             "written (the run's files, trackers, Prefect); choose another")
+        return value
+
     @field_validator("model", "profile_file", "run_root", "ray_address")
     @classmethod
     def one_line(cls, value: str | None, info: ValidationInfo) -> str | None:
@@ -162,7 +176,7 @@ class RunRequest(BaseModel):
     @classmethod
     def safe_run_name(cls, name: str | None) -> str | None:
         if name is not None and not re.fullmatch(RUN_NAME, name):
-            raise ValueError(f"run name {name!r} must be letters, digits, '.', '_' or '-' (it names a directory)")
+            raise ValueError(f"--run-name {name!r} must be letters, digits, '.', '_' or '-' (it names a directory)")
         return name
 
 

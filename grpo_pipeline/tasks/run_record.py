@@ -24,6 +24,7 @@ from prefect.logging import get_logger
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.ray_cluster import stop_ray_job
+from grpo_pipeline.common.tracking import FAILED, KILLED
 from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import RunProfile
@@ -31,6 +32,7 @@ from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.stages.device import DeviceInfo
 from grpo_pipeline.stages.environment import RuntimeEnv
 from grpo_pipeline.stages.report import ui_report, write_report
+from grpo_pipeline.tasks.tracking import close_tracker_runs
 
 
 @dataclass
@@ -91,14 +93,17 @@ RUNS: dict[UUID, RunRecord] = {}
 
 
 def after_failure(flow, flow_run, state) -> None:
-    """Prefect `on_failure` / `on_crashed` / `on_cancellation`: `close_failed_run`."""
-    how = "was cancelled" if state.is_cancelled() or state.is_cancelling() else "failed"
-    close_failed_run(flow_run.id, how, state.message)
+    """Prefect `on_failure` / `on_crashed` / `on_cancellation`: `close_failed_run`. A run cancelled or
+    stopped (SIGTERM: crashed) ends its tracker runs KILLED, one that failed FAILED."""
+    cancelled = state.is_cancelled() or state.is_cancelling()
+    close_failed_run(flow_run.id, "was cancelled" if cancelled else "failed", state.message,
+                     KILLED if cancelled or state.is_crashed() else FAILED)
 
 
-def close_failed_run(flow_run_id: UUID, how: str, message: str | None) -> None:
+def close_failed_run(flow_run_id: UUID, how: str, message: str | None, status: str = FAILED) -> None:
     """Stop the Ray job the run started (its training workers hold devices), and write where the run
-    stopped into the report, next to what it did produce; publish that report to Prefect's UI too."""
+    stopped into the report, next to what it did produce; publish that report to Prefect's UI too;
+    end the tracker runs with `status`."""
     record = RUNS.pop(flow_run_id, None)
     logger = get_logger("grpo_pipeline")
     stopped = []
@@ -111,9 +116,13 @@ def close_failed_run(flow_run_id: UUID, how: str, message: str | None) -> None:
     if record is None:
         return  # the device could not be decided: no run directory; Prefect's state message says why
     failure = record.failure or f"Stage `{record.stage}`: {scrub(message or '')}"
-    try:
+
+    def report() -> tuple[Path, str]:
         write_json_atomic(record.run_dir / "timings.json", record.timings)
-        path, markdown = write_run_report(record, failure=failure, stopped=stopped)
+        return write_run_report(record, failure=failure, stopped=stopped)
+
+    try:  # the tracker runs end with the run's status, and the report names steps a tracker missed
+        path, markdown = close_tracker_runs(record.profile, record.run_dir, record.result, status, report, logger.warning)
     except OSError as exc:  # the run's folder itself may be what failed
         logger.error("the run %s in stage %s; no report (%s)", how, record.stage, exc.strerror or exc)
         return
@@ -123,13 +132,6 @@ def close_failed_run(flow_run_id: UUID, how: str, message: str | None) -> None:
     except Exception as exc:  # the API may be what went away; the file is written
         logger.warning("the report could not be published to Prefect's API (%s); it is in %s", exc, path)
     logger.error("the run %s in stage %s; report: %s", how, record.stage, path)
-    if record.profile and record.result.get("tracking"):
-        from grpo_pipeline.tasks.tracking import finish_tracker_run, report_files
-
-        try:  # the tracker run ends failed, with the failure's report
-            finish_tracker_run(record.profile, record.run_dir, record.result, report_files(record.run_dir), False)
-        except Exception as exc:  # the tracker may be what went away; the report is written
-            logger.warning("the tracker run could not be closed (%s)", scrub(str(exc)))
 
 
 def close_cancelled_run(flow_run_id: UUID) -> bool:
@@ -146,7 +148,7 @@ def close_cancelled_run(flow_run_id: UUID) -> bool:
         state = client.read_flow_run(flow_run_id).state
         if state is None or not (state.is_cancelling() or state.is_cancelled()):
             return False
-        close_failed_run(flow_run_id, "was cancelled", "cancelled from the UI or the API")
+        close_failed_run(flow_run_id, "was cancelled", "cancelled from the UI or the API", KILLED)
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         for task_run in runs:
             if task_run.state and not task_run.state.is_completed() and not task_run.state.is_cancelled():

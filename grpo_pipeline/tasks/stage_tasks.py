@@ -20,16 +20,16 @@ from grpo_pipeline.backends.base import TrainResult
 from grpo_pipeline.backends.metrics import METRICS, StepMetrics
 from grpo_pipeline.common.files import write_json_atomic, write_text_atomic
 from grpo_pipeline.common.progress import Bar
-from grpo_pipeline.common.ray_cluster import cluster_address
+from grpo_pipeline.common.ray_address import cluster_address
 from grpo_pipeline.stages.plan import check_plan, check_run_dir, profile_for
 from grpo_pipeline.stages.request import RunRequest
 from grpo_pipeline.tasks.run_record import RunRecord, write_run_report
 from grpo_pipeline.tasks.policy import CACHED_ACROSS_RUNS, StepTable, progress_artifact, stage_task
-from grpo_pipeline.tasks.tracking import StepTracking, finish_tracker_run, report_files
+from grpo_pipeline.common.tracking import FINISHED
+from grpo_pipeline.tasks.tracking import StepTracking, close_tracker_runs
 from grpo_pipeline.generation.engines import engine_label
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import ModelArchitecture, RunProfile
-from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_device
 from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
@@ -132,9 +132,11 @@ class StepLog:
         if resumed_from:
             self.logger.info("resuming from checkpoint global_step_%d of %d", resumed_from, max_steps)
         self.bar = Bar(total=max_steps, initial=resumed_from or 0, desc="GRPO steps", unit="step")
+        self.bar.set_postfix_str("starting: the workers load the model", refresh=True)
         self.table.show()
 
     def step(self, metrics: StepMetrics) -> None:
+        self.bar.set_postfix_str(f"reward {metrics.reward_mean:.3f}", refresh=False)
         self.bar.update(metrics.step - self.bar.n)
         self.logger.info(metrics.log_line(self.max_steps))
         self.table.show()
@@ -223,12 +225,11 @@ def evaluate_task(
 
 @stage_task("report")
 def report_task(record: RunRecord) -> Path:
-    path, markdown = write_run_report(record)
+    logger = get_run_logger()
+    path, markdown = close_tracker_runs(record.profile, record.run_dir, record.result, FINISHED,
+                                        lambda: write_run_report(record), logger.warning)
     create_markdown_artifact(key="run-report", markdown=markdown, description=f"Report of run {record.run_dir.name}")
-    get_run_logger().info("report: %s", path)
-    try:  # the report is written whatever the tracker answers
-        if finish_tracker_run(record.profile, record.run_dir, record.result, report_files(record.run_dir), True):
-            get_run_logger().info("tracker runs: %s", "; ".join(f"{k}: {v}" for k, v in record.result["tracking"].items()))
-    except Exception as exc:  # each tool raises its own types
-        get_run_logger().warning("tracking: the evaluation and report did not reach the tracker runs (%s)", scrub(str(exc)))
+    logger.info("report: %s", path)
+    if record.result.get("tracking"):
+        logger.info("tracker runs: %s", "; ".join(f"{k}: {v}" for k, v in record.result["tracking"].items()))
     return path

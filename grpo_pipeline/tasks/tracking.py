@@ -6,18 +6,25 @@ Once the run is planned: the tracker run is opened (or found again, for a retrie
 the resolved profile (secrets redacted, as in profile.yaml) and the environment as parameters, and tags
 naming the Prefect flow run (its id; its URL when a Prefect server is used), the model, the device and
 the backend. During training: each step's metrics, for a backend whose job does not log them itself
-(`Backend.logs_to_trackers`). At the end: the base and trained evaluation on each benchmark with its
-intervals, each saved step's at its step (eval.checkpoints=all|best: the curve) and the best checkpoint's
-name, and the report, its plots and the run's records as files. The report links the tracker runs.
+(`Backend.logs_to_trackers`), each once, from metrics.jsonl when a tracker did not answer
+(common/tracker_session.py). At the end, whichever way the run ends: every tracker filled up to the
+last step, the report (which links the tracker runs and names steps one missed), the base and trained
+evaluation on each benchmark with its intervals, each saved step's at its step (eval.checkpoints=all|best:
+the curve) and the best checkpoint's name, the report, its plots and the run's records as files, and the
+tracker runs closed with the run's status (FINISHED, FAILED, KILLED).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from uuid import UUID
 
-from grpo_pipeline.backends.metrics import METRICS, StepMetrics
-from grpo_pipeline.common.tracking import TrackingState, start_tracking, tracking_session
+from grpo_pipeline.backends import backend_for
+from grpo_pipeline.backends.metrics import METRICS, StepMetrics, read_metrics
+from grpo_pipeline.common.tracker_session import StepSource, tracking_session
+from grpo_pipeline.common.tracking import TrackingState, read_state, start_tracking
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.stages.device import DeviceInfo
@@ -84,30 +91,34 @@ def step_values(metrics: StepMetrics) -> dict[str, float]:
     return {key: float(value) for key, value in values.items() if value is not None}
 
 
+def metrics_steps(run_dir: Path) -> StepSource:
+    """The steps of the run's metrics.jsonl, as trackers get them (the last record of a step wins: a
+    resumed attempt's)."""
+    path = Path(run_dir) / METRICS
+
+    def steps(after: int, upto: int) -> list[tuple[int, dict[str, float]]]:
+        by_step = {record.step: record for record in read_metrics(path) if after < record.step <= upto}
+        return [(step, step_values(by_step[step])) for step in sorted(by_step)]
+    return steps
+
+
 class StepTracking:
     """Training's steps to the trackers, for a backend whose job does not log them itself. A tracker
-    that goes away once training runs costs its steps a warning, never the training (reaching it is
-    checked at the start); the steps stay in metrics.jsonl and the report."""
+    that goes away once training runs costs a warning and at most a few seconds every RETRY_S, never
+    the training; its steps are sent when it answers, or at the end (common/tracker_session.py)."""
 
     def __init__(self, profile: RunProfile, run_dir: Path, logs_itself: bool, warn):
-        self.warn, self._context, self.session = warn, None, None
+        self._context, self.session = None, None
         if logs_itself:
             return
-        self._context = tracking_session(profile.tracking, run_dir, Path(run_dir).name)
-        try:
-            self.session = self._context.__enter__()
-        except Exception as exc:  # each tool raises its own types
-            self._context = None
-            warn(f"tracking: the tracker runs could not be reopened for training's steps ({scrub(str(exc))[:200]}); "
-                 "training goes on, its steps are in metrics.jsonl")
+        self._context = tracking_session(profile.tracking, run_dir, Path(run_dir).name, metrics_steps(run_dir), warn)
+        self.session = self._context.__enter__()
+        if self.session is not None:
+            self.session.catch_up()  # a rerun: steps that earlier attempts, or workers a killed flow left, trained
 
     def step(self, metrics: StepMetrics) -> None:
-        if self.session is None:
-            return
-        try:
+        if self.session is not None:
             self.session.log_step(metrics.step, step_values(metrics))
-        except Exception as exc:
-            self.warn(f"tracking: step {metrics.step} was not logged ({scrub(str(exc))[:200]}); training goes on")
 
     def close(self) -> None:
         if self._context is not None:
@@ -115,12 +126,26 @@ class StepTracking:
             self._context = self.session = None
 
 
-def finish_tracker_run(profile: RunProfile, run_dir: Path, result: dict, files: list[Path], finished: bool) -> bool:
-    """The evaluation (at the training step it evaluated; each saved step's at its own step: the curve), the
-    best checkpoint's name, and the report's files, then the run's end."""
-    with tracking_session(profile.tracking, run_dir, Path(run_dir).name) as session:
+Report = TypeVar("Report")
+
+
+def close_tracker_runs(profile: RunProfile | None, run_dir: Path, result: dict, status: str,
+                       write_report: Callable[[], Report], warn=None) -> Report:
+    """The run's end for its tracker runs, whichever way it ended: every tracker filled up to the last
+    step of metrics.jsonl (`result["tracking"]` then names the steps one still missed), `write_report`,
+    then the evaluation (at the training step it evaluated; each saved step's at its own step: the curve),
+    the best checkpoint's name, the report's files, and the runs closed with `status`. A tracker's fault costs a warning; the report is written whatever they answer."""
+    if profile is None or not result.get("tracking"):
+        return write_report()
+    logs_itself = backend_for(profile.backend).logs_to_trackers
+    with tracking_session(profile.tracking, run_dir, Path(run_dir).name, metrics_steps(run_dir), warn) as session:
+        if session is not None and not logs_itself:
+            session.catch_up()
+            session.missed()
+        result["tracking"] = tracking_lines(read_state(run_dir))
+        written = write_report()
         if session is None:
-            return False
+            return written
         if evaluation := result.get("eval"):
             step = (result.get("train") or {}).get("steps_done") or session.state.last_step
             for at, values in sorted(evaluation_values(evaluation, step).items()):
@@ -128,10 +153,9 @@ def finish_tracker_run(profile: RunProfile, run_dir: Path, result: dict, files: 
             if best := evaluation.get("best"):
                 session.log_tags({"best_checkpoint": best["name"], "best_checkpoint_path": best["path"],
                                   "best_checkpoint_metric": f"{best['benchmark']}/{best['metric']}"})
-        session.log_files(files)
-        session.close(finished)
-        session.trackers = []  # closed with the run's outcome above
-    return True
+        session.log_files(report_files(run_dir))
+        session.close(status)
+    return written
 
 
 def _key(metric: str) -> str:
@@ -179,7 +203,21 @@ def report_files(run_dir: Path) -> list[Path]:
 
 
 def tracking_lines(state: TrackingState | None) -> dict[str, str]:
-    """Per tracker, where the run is (for the report): a URL or the folder and command that shows it."""
+    """Per tracker, where the run is (for the report): a URL or the folder and command that shows it;
+    and the training steps a tracker missed (it did not answer when they were sent, nor at the end)."""
     if state is None:
         return {}
-    return dict(state.links) | {name: f"left out: {why}" for name, why in state.skipped.items()}
+    missed = {f"{name} missed": f"training steps {_ranges(steps)} (it did not answer; they are in metrics.jsonl)"
+              for name, steps in state.missed.items() if steps}
+    return dict(state.links) | {name: f"left out: {why}" for name, why in state.skipped.items()} | missed
+
+
+def _ranges(steps: list[int]) -> str:
+    """1, 2, 3, 7 as `1-3, 7`."""
+    spans: list[list[int]] = []
+    for step in sorted(steps):
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)

@@ -23,7 +23,7 @@ REFUSED = {
     "bad-profile": ({"overrides": "trainer.total_training_steps=-3", "stages": ["resolve_profile"]},
                     "error: invalid profile: trainer.total_training_steps=-3"),
     "unknown-model": ({"model": "no-such-recipe", "stages": ["resolve_profile"]}, "error: unknown model 'no-such-recipe'"),
-    "form-rule": ({"overrides": "env.HF_TOKEN=made-up-9f3e"}, "error: overrides, line 1: a secret-named env entry"),
+    "form-rule": ({"overrides": "env.HF_TOKEN=made-up-9f3e"}, "error: overrides, line 1: a secret-named key holds"),
     "nul-in-run-root": ({"run_root": "runs\x00x"}, "error: run_root: printable characters on one line"),
     "bad-ray-address": ({"ray_address": "head", "stages": ["resolve_profile"]}, "error: ray_address: "),
 }
@@ -58,10 +58,13 @@ def test_a_refused_form_run_fails_with_one_line_and_logs_no_traceback(prefect_ap
 PROBES = {  # the issue's probes that the form stored before, as a client of the API sends them
     "overrides": ["trainer.total_training_steps=2\x0benv.HF_TOKEN=made-up-9f3e", "env={HF_TOKEN: made-up-9f3e}",
                   "env.HF_TOKEN.x=made-up-9f3e", "env.HF-TOKEN=made-up-9f3e", 'env.MIRROR_AUTH="${HF_TOKEN:-made-up-9f3e}"',
-                  'data.source="https\\x3a//u:made-up-9f3e@mirror/x"', "trainer={<<: *x, a: made-up-9f3e}"],
+                  'data.source="https\\x3a//u:made-up-9f3e@mirror/x"', "trainer={<<: *x, a: made-up-9f3e}",
+                  # Issue 44: literal secrets under secret-named keys outside env (each was HTTP 201, stored).
+                  "tracking.wandb.api_key=made-up-9f3e", "tracking.mlflow.password=made-up-9f3e",
+                  "evn.HF_TOKEN=made-up-9f3e", "env_HF_TOKEN=made-up-9f3e", "hf_token=made-up-9f3e"],
     "model": ["https://u:made-up-9f3e@host/x"],
     "run_root": ["runs\x00made-up-9f3e"],
-    "ray_address": ["ray://u:made-up-9f3e@head:10001"],
+    "ray_address": ["ray://u:made-up-9f3e@head:10001", "ray://u:made-up-9f3e%40head:10001"],
     "profile_file": ["https://u:made-up-9f3e@host/p.yaml"],
 }
 

@@ -9,6 +9,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from grpo_pipeline.common.ray_cluster import FREE_PORTS
+
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.environment import PROXY_VARS, resolve_environment
 
@@ -17,7 +19,7 @@ from grpo_pipeline.stages.environment import PROXY_VARS, resolve_environment
 def two_node_cluster(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("http_proxy", "http://driver-proxy:3128")  # the messy launching shell
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head": 1}})
+    cluster = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 1, "resources": {"head": 1}})
     # Node 2: a fresh shell without the run's variables, but with a node-local proxy exported.
     for name in [n for n in os.environ if n.startswith(("HCCL_", "TASK_QUEUE", "VLLM_"))]:
         monkeypatch.delenv(name)

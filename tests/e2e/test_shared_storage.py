@@ -18,6 +18,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from grpo_pipeline.common.ray_cluster import FREE_PORTS
+
 from grpo_pipeline.profiles.schema import DataSection
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
 from grpo_pipeline.common.node_tasks import NotSharedError, check_visible_on_nodes
@@ -39,12 +41,12 @@ def cluster_with_a_blind_node(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     hidden = tmp_path / "head-only"
     hidden.mkdir()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    cluster = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 1})
     node = subprocess.Popen(
         [
             "unshare", "-m", "--propagation", "private", "sh", "-c",
             f'mount -t tmpfs tmpfs "{hidden}" && exec "{RAY_CLI}" start --address={cluster.address} '
-            "--num-cpus=1 --block",
+            "--num-cpus=1 --dashboard-agent-listen-port=0 --block",
         ],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )

@@ -25,14 +25,15 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+
+from grpo_pipeline.common.ray_cluster import FREE_PORTS
 from ray.job_submission import JobSubmissionClient
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingRun
 from grpo_pipeline.common.node_tasks import NotSharedError, check_paths_on_nodes
-from grpo_pipeline.common.ray_cluster import (
-    ClusterNotReady, check_reachable, job_api_url, parse_ray_address, wait_for_nodes,
-)
+from grpo_pipeline.common.ray_cluster import ClusterNotReady, wait_for_nodes
+from grpo_pipeline.common.ray_address import check_reachable, job_api_url, parse_ray_address
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.generation.plan import plan_generation
 from verl_cluster import ENTRYPOINT, EVENT_WAIT_S, wait_for
@@ -49,8 +50,8 @@ def head_only(monkeypatch):
     ray.shutdown()
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     client_port = _free_port()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"NPU": 1},
-                                                            "include_dashboard": True, "dashboard_port": 0,
+    cluster = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 1, "resources": {"NPU": 1},
+                                                            "include_dashboard": True,
                                                             "ray_client_server_port": client_port})
     cluster.client_server_address = f"ray://127.0.0.1:{client_port}"
     ray.init(address=cluster.address)

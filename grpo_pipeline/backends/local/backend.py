@@ -61,6 +61,8 @@ class LocalBackend(Backend):
             progress.warn(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
         rollouts = run.generation.describe()
         progress.note(f"rollouts: {rollouts}")
+        progress.note(f"starting Ray and {profile.world_size} training worker(s) (Ray Train); the first step follows "
+                      "once they have loaded the model")
         progress.started(settings.max_steps, latest_step(settings.checkpoints))
         result = train_local(settings, run.runtime_env, run.ray_address, progress.step, run_name=run.run_name)
         result = result.model_copy(update={"rollouts": rollouts})

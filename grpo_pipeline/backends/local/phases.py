@@ -3,7 +3,8 @@
     python bench/bench_grpo_step.py --device cpu --model tiny      # sets trainer.phase_timing (below)
 
 With `LocalTrainSettings.phase_timing` on, rank 0 appends one JSON line per optimizer step to
-`<run>/phases.jsonl`: seconds in each phase and the step's wall time. Phases are exclusive (a phase
+`<run>/phases.jsonl`: seconds in each phase, the step's wall time and, on a GPU, the peak memory
+allocated so far (`peak_gib`). Phases are exclusive (a phase
 inside another pauses the outer one), so they add up to the step; what no phase claims is `other`
 (`_prepare_inputs` outside the phases below: rewards, advantages, batching; TRL's and Ray Train's
 bookkeeping, checkpoints):
@@ -36,8 +37,8 @@ PHASES = ("generation", "weight_sync", "old_logprobs", "ref_logprobs", "forward_
 class StepPhases(TrainerCallback):
     """Exclusive seconds per phase of the current optimizer step, written at its end."""
 
-    def __init__(self, out: Path | None, synchronize=lambda: None):
-        self.out, self.synchronize = out, synchronize
+    def __init__(self, out: Path | None, synchronize=lambda: None, peak_memory=lambda: None):
+        self.out, self.synchronize, self.peak_memory = out, synchronize, peak_memory
         self.seconds = dict.fromkeys(PHASES + ("other",), 0.0)
         self.stack: list[list] = []  # [phase, started] of the phases running, innermost last
         self.step_started = time.perf_counter()
@@ -48,8 +49,11 @@ class StepPhases(TrainerCallback):
     def attach(cls, trainer, out: Path | None) -> StepPhases:
         import torch
 
-        sync = torch.cuda.synchronize if torch.cuda.is_available() and trainer.args.device.type == "cuda" else (lambda: None)
-        phases = cls(out, sync)
+        on_cuda = torch.cuda.is_available() and trainer.args.device.type == "cuda"
+        sync = torch.cuda.synchronize if on_cuda else (lambda: None)
+        # The step's peak, for the memory plan's prediction beside it (backends/local/train_memory.py).
+        peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if on_cuda else (lambda: None)
+        phases = cls(out, sync, peak)
         phases._wrap(trainer, "_generate_single_turn", lambda *a, **k: "generation")
         phases._wrap(trainer, "training_step", lambda *a, **k: "forward_backward")
         # Called by training_step: rewards, advantages, buffering are not the forward's.
@@ -133,6 +137,8 @@ class StepPhases(TrainerCallback):
         record = {"step": state.global_step, "wall_s": round(wall, 6),
                   **{phase: round(self.seconds[phase], 6) for phase in PHASES}}
         record["other"] = round(wall - sum(record[phase] for phase in PHASES), 6)
+        if (peak := self.peak_memory()) is not None:
+            record["peak_gib"] = round(peak, 3)
         self.records.append(record)
         if self.out is not None:
             with self.out.open("a") as file:

@@ -77,7 +77,7 @@ def check_workers_fit(p: RunProfile, devices_here: int) -> None:
         return
     raise ProfileError(
         f"cluster.devices_per_node={p.cluster.devices_per_node}: {workers} training workers but this host has "
-        f"{devices_here} {p.platform.device_noun}; set --set cluster.devices_per_node={devices_here} (or fewer)"
+        f"{devices_here} {p.platform.device_noun}; use --set cluster.devices_per_node={devices_here} or fewer"
     )
 
 

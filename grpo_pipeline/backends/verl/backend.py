@@ -50,9 +50,8 @@ from grpo_pipeline.backends.verl.rewards import job_reward_package, pipeline_rew
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.node_tasks import check_paths_on_nodes
 from grpo_pipeline.common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
-from grpo_pipeline.common.ray_cluster import (
-    ClusterLost, answer_timeout_s, cluster_address, connect_ray, disconnect_ray, parse_ray_address, wait_for_nodes,
-)
+from grpo_pipeline.common.ray_cluster import ClusterLost, answer_timeout_s, connect_ray, disconnect_ray, wait_for_nodes
+from grpo_pipeline.common.ray_address import cluster_address, parse_ray_address
 from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.planner.memory import MemoryPlan, plan_for
@@ -91,6 +90,11 @@ class VerlBackend(Backend):
 
     def node_requirements(self, profile: RunProfile, stage: str) -> dict[str, NodeRequirement]:
         return for_stage({**verl_requirements(profile), **profile.requires}, stage)
+
+    def generation_summary(self, profile, generation):
+        r = profile.rollout
+        return (f"rollouts: {r.engine} inside verl's job (rollout.tp={r.tp}); evaluation: on the cluster's nodes, "
+                f"{r.engine} where a node's image has it, else transformers")
 
     def evaluation(self, profile, settings, devices_here, ray_address, runtime_env):
         """On the run's cluster (the policy is too big for the flow's host): one engine per `rollout.tp`

@@ -3,7 +3,7 @@
     python -m grpo_pipeline --model qwen3.5-122b-a10b --device npu --ray-address head:6379
 
 The job API is the head's dashboard (http://host:port). For a GCS address its URL is read from the
-GCS over gRPC (common/ray_cluster.py `job_api_url`): Ray's own client would look it up through a Ray
+GCS over gRPC (common/ray_address.py `job_api_url`): Ray's own client would look it up through a Ray
 core client that stays in the process, and a Ray core client connected to a head that dies aborts
 its process a minute later.
 """
@@ -16,11 +16,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from grpo_pipeline.backends.verl.job import TERMINAL, JobSpec
-from grpo_pipeline.common.ray_cluster import ClusterNotReady, answer_timeout_s, cluster_address, job_api_url
+from grpo_pipeline.common.ray_cluster import RAY_CONNECT_TIMEOUT_VAR, ClusterNotReady, answer_timeout_s
+from grpo_pipeline.common.ray_address import cluster_address, job_api_url
 
 STOP_WAIT_S = 60.0
 API_SERVER_VAR = "RAY_API_SERVER_ADDRESS"
 NO_AGENT, AGENT_RETRY_S = "No available agent to submit job", 2.0
+DEFAULT_AGENT_PORT = 52365  # ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT, for a node started without one
 
 
 def job_client(address: str | None):
@@ -69,8 +71,15 @@ def submit(client, spec: JobSpec) -> bool:
         except RuntimeError as exc:
             if "already exists" in str(exc):
                 return False
-            if NO_AGENT not in str(exc) or time.monotonic() > deadline:
+            if NO_AGENT not in str(exc):
                 raise
+            if time.monotonic() > deadline:
+                # Its agent never registered: on a host with a second Ray, the agent's fixed default port was taken.
+                raise ClusterNotReady(
+                    f"the Ray cluster's job API answers '{NO_AGENT}' after {answer_timeout_s():.0f} s: the head's "
+                    "dashboard agent is not up; if another Ray runs on the head's host, it may hold the agent's port "
+                    f"({DEFAULT_AGENT_PORT} unless given): start the head with --dashboard-agent-listen-port=0, or raise "
+                    f"{RAY_CONNECT_TIMEOUT_VAR} for a slow head") from None
         time.sleep(AGENT_RETRY_S)
 
 
