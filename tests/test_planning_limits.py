@@ -12,10 +12,12 @@ QWEN = ("--model", "qwen3.5-122b-a10b", "--device", "gpu")
 
 
 def one_error_line(done) -> str:
+    """The refusal: one headline, and any further problems as indented detail lines below it, joined."""
     lines = done.stderr.splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (done.returncode, lines)
+    assert done.returncode == 2 and lines and lines[0].startswith("error: "), (done.returncode, lines)
+    assert all(line.startswith("  ") for line in lines[1:]), lines
     assert "Traceback" not in done.stdout + done.stderr
-    return lines[0]
+    return " ".join(line.strip() for line in lines)
 
 
 @pytest.mark.parametrize(("setting", "fragment"), [

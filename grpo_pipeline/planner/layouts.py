@@ -39,7 +39,7 @@ from grpo_pipeline.planner.fsdp import group_size as fsdp_group_size
 from grpo_pipeline.planner.memory import GIB, MemoryPlan, estimate
 from grpo_pipeline.planner.parallel import Layout, stage_parameters
 from grpo_pipeline.profiles.model_size import ModelSize, model_size
-from grpo_pipeline.planner.rules import FSDP_DEFAULTS, MEGATRON_DEFAULTS, UNEVEN_PIPELINE_FIELDS, batch_problems, fsdp_problems, \
+from grpo_pipeline.planner.rules import FSDP_DEFAULTS, divisors, MEGATRON_DEFAULTS, UNEVEN_PIPELINE_FIELDS, batch_problems, fsdp_problems, \
     layout_problems, rollout_problems, uneven_split
 
 if TYPE_CHECKING:
@@ -66,10 +66,6 @@ class Suggestion:
 
     def actor_gib(self) -> float:
         return round(self.plan.roles[0].total / GIB, 1)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def with_layout(p: RunProfile, lay: Layout) -> RunProfile:
@@ -184,7 +180,7 @@ def fsdp_layouts(p: RunProfile) -> list[Layout]:
         return []
     length = p.data.max_prompt_length + p.data.max_response_length
     groups = [-1] + ([per_node] if world > per_node else [])
-    sps = [sp for sp in _divisors(per_node) if sp == 1 or length / sp >= LONG_CONTEXT_CHUNK]
+    sps = [sp for sp in divisors(per_node) if sp == 1 or length / sp >= LONG_CONTEXT_CHUNK]
     out = []
     for group, sp, checkpointing in itertools.product(groups, sps, (False, True)):
         lay = Layout(1, 1, 1, 1, 1, 1, False, False, False, 1, strategy="fsdp", fsdp_size=group, ulysses_sp=sp,
@@ -199,14 +195,14 @@ def candidate_layouts(p: RunProfile) -> list[Layout]:
     are checked per layout)."""
     arch, world, per_node = p.model.architecture, p.world_size, p.cluster.devices_per_node
     out = []
-    pipelines = [pp for pp in _divisors(world) if pp <= arch.num_layers]
+    pipelines = [pp for pp in divisors(world) if pp <= arch.num_layers]
     length = p.data.max_prompt_length + p.data.max_response_length
     contexts = [cp for cp in CONTEXT_PARALLEL if cp <= 2 or length / cp >= LONG_CONTEXT_CHUNK]
-    for tp, pp, cp in itertools.product(_divisors(per_node), pipelines, contexts):
+    for tp, pp, cp in itertools.product(divisors(per_node), pipelines, contexts):
         if world % (tp * pp * cp):
             continue
         first, last = (None, None) if arch.num_layers % pp == 0 else (uneven_split(arch.num_layers, pp) or (None, None))
-        for ep in (_divisors(arch.num_experts) if arch.num_experts else [1]):
+        for ep in (divisors(arch.num_experts) if arch.num_experts else [1]):
             for etp in sorted({1, tp}) if arch.num_experts else [1]:
                 lay = Layout(tp, pp, cp, ep, etp, 1, False, False, False, 1, first, last)
                 if not layout_problems(with_layout(p, lay)):
@@ -222,7 +218,7 @@ def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
     if spec is None:
         raise ValueError(f"platform.accelerator {name!r} has no row in platform.accelerators; the cost model needs one")
     # Within a node, or over whole nodes (verl spans an engine over nodes when its TP is larger than one).
-    rollout_tps = [t for t in _divisors(p.world_size)
+    rollout_tps = [t for t in divisors(p.world_size)
                    if not rollout_problems(with_layout(p, replace(Layout.of(p), rollout_tp=t)))]
     found: list[Suggestion] = []
     layouts = candidate_layouts(p)

@@ -11,14 +11,22 @@ ranks. A backend picks the rules that apply to it (`Backend.profile_problems`); 
 
 from __future__ import annotations
 
+from math import gcd, isqrt
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from grpo_pipeline.profiles.schema import RunProfile
 
 
+def divisors(n: int) -> list[int]:
+    """n's divisors, ascending, found up to its square root: a world of 4M devices (the bounds' largest)
+    is planned in every candidate layout of the search."""
+    low = [d for d in range(1, isqrt(n) + 1) if n % d == 0]
+    return sorted({*low, *(n // d for d in low)})
+
+
 def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+    return ", ".join(map(str, divisors(n)))
 
 
 # megatron-core's TransformerConfig fields for uneven pipeline stages: first-class engine settings here.
@@ -83,8 +91,7 @@ def layout_problems(p: RunProfile) -> list[str]:
     if undivided := {field: n for field, n in heads.items() if n % e.tp}:
         # One problem and one fix for TP, whatever number of head counts it misses: the TPs that split
         # every head count and leave PP x CP a divisor of the world.
-        fitting = [tp for tp in range(1, world + 1) if all(n % tp == 0 for n in heads.values())
-                   and world % (tp * e.pp * e.cp) == 0]
+        fitting = [tp for tp in divisors(gcd(*heads.values())) if world % (tp * e.pp * e.cp) == 0]
         problems.append(
             f"engine.tp={e.tp}: the model's heads ({', '.join(f'{field} {n}' for field, n in undivided.items())}) do "
             f"not split {e.tp} ways; use engine.tp in {', '.join(map(str, fitting)) or 'none of 1..' + str(world)}")
@@ -188,7 +195,7 @@ def batch_problems(p: RunProfile, data_parallel: int) -> list[str]:
         ):
             if (prompts * n) % per_micro_round:
                 problems.append(
-                    f"{field}={prompts}: {prompts} x rollout_n {n} = {prompts * n} sequences do not split over "
+                    f"{field}={prompts}: {prompts} prompts x rollout_n {n} = {prompts * n} sequences do not split over "
                     f"{data_parallel} ranks x micro batch {a.ppo_micro_batch_size_per_gpu}; make {field} x rollout_n "
                     f"a multiple of {per_micro_round}"
                 )

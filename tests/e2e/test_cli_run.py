@@ -83,6 +83,7 @@ def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stoppe
     while not (metrics.exists() and metrics.read_text().strip()) and process.poll() is None:
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.5)
+    assert _train_workers(env["PREFECT_HOME"]), "the run's training workers are not found by their environment"
     process.send_signal(signal.SIGTERM)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM, output[-3000:]  # the shell's code for "stopped by SIGTERM"
@@ -92,14 +93,25 @@ def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stoppe
     assert "**The run failed.** Stage `train`" in report, output[-3000:]
     assert "stopped the local backend's training (its Ray job or workers)" in output
     deadline = time.monotonic() + 30
-    while _train_workers() and time.monotonic() < deadline:
+    while _train_workers(env["PREFECT_HOME"]) and time.monotonic() < deadline:
         time.sleep(1)
-    assert not _train_workers()
+    assert not _train_workers(env["PREFECT_HOME"])
 
 
-def _train_workers() -> list[str]:
+def _train_workers(prefect_home: str) -> list[str]:
+    """This run's training workers: Ray's workers inherit the run's environment, whose PREFECT_HOME is this
+    test's own (another run's workers on the machine are not this run's to end)."""
     found = subprocess.run(["pgrep", "-af", "RayTrainWorker"], capture_output=True, text=True).stdout
-    return [line for line in found.splitlines() if "pgrep" not in line]
+    mine = []
+    for line in found.splitlines():
+        pid = line.split(maxsplit=1)[0]
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if f"PREFECT_HOME={prefect_home}".encode() in environ:
+            mine.append(line)
+    return mine
 
 
 def test_the_local_api_stops_even_when_sending_the_last_logs_fails(monkeypatch, tmp_path):
