@@ -68,7 +68,7 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
     from trl import GRPOConfig, GRPOTrainer
 
-    from grpo_pipeline.common.rewards import arith_score
+    from grpo_pipeline.rewards.builtin import arith_score
 
     set_seed(settings.seed)
     tokenizer = AutoTokenizer.from_pretrained(settings.model_path)

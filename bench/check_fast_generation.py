@@ -25,7 +25,7 @@ def main() -> None:
 
     from bench_generation import model_dir_for
     from grpo_pipeline.generation.compiled import greedy_with_logprobs
-    from grpo_pipeline.common.rewards import score
+    from grpo_pipeline.rewards.builtin import score
     from grpo_pipeline.common.rl_data import arith_splits
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

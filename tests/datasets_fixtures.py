@@ -56,3 +56,52 @@ def geo3k_repo_files(rows: int = 6) -> dict[str, bytes]:
         "data/validation-00000-of-00001.parquet": parquet_bytes(geo3k_table(2)),
         "data/test-00000-of-00001.parquet": parquet_bytes(geo3k_table(3)),
     }
+
+
+# --- the math datasets, in the layouts their hub repos publish (common/math_data.py) -----------------
+
+MATH_ANSWERS = ["\\frac{1}{2}", "3\\sqrt{2}", "[2,5)", "24", "-\\frac{2}{3}", "10", "\\pi", "(1,2)"]
+
+
+def math_rows(rows: int, offset: int = 0) -> list[dict]:
+    """MATH's columns (DigitalLearningGmbH/MATH-lighteval): the answer only inside the solution's \\boxed{}."""
+    return [{"problem": f"Problem {n + offset}: compute the value.", "level": f"Level {1 + n % 5}",
+             "solution": f"Work it out step by step, so the value is $\\boxed{{{MATH_ANSWERS[(n + offset) % len(MATH_ANSWERS)]}}}$.",
+             "type": ["Algebra", "Geometry", "Prealgebra"][n % 3]} for n in range(rows)]
+
+
+def math_repo_files(train: int = 16, test: int = 6) -> dict[str, bytes]:
+    return {"data/train-00000-of-00001.parquet": parquet_bytes(pa.Table.from_pylist(math_rows(train))),
+            "data/test-00000-of-00001.parquet": parquet_bytes(pa.Table.from_pylist(math_rows(test, offset=1000))),
+            "README.md": b"# MATH-lighteval\n"}
+
+
+def math500_rows(rows: int = 8) -> list[dict]:
+    """HuggingFaceH4/MATH-500's test.jsonl: problem, solution, answer, subject, level, unique_id."""
+    return [{"problem": f"MATH-500 problem {n}: find the value.", "answer": MATH_ANSWERS[n % len(MATH_ANSWERS)],
+             "solution": f"Hence $\\boxed{{{MATH_ANSWERS[n % len(MATH_ANSWERS)]}}}$.", "subject": "Algebra",
+             "level": 1 + n % 5, "unique_id": f"test/algebra/{n}.json"} for n in range(rows)]
+
+
+def math500_repo_files(rows: int = 8) -> dict[str, bytes]:
+    import json
+
+    return {"test.jsonl": "".join(json.dumps(row) + "\n" for row in math500_rows(rows)).encode(), "README.md": b"# MATH-500\n"}
+
+
+def aime_repo_files(year: int, rows: int = 6) -> dict[str, bytes]:
+    """HuggingFaceH4/aime_2024 and yentinglin/aime_2025: id, problem, solution, answer, url, year."""
+    table = pa.Table.from_pylist([{"id": n, "problem": f"AIME {year} problem {n}.", "solution": f"... so {100 + n}.",
+                                   "answer": str(100 + n), "url": f"https://example.org/{year}/{n}", "year": str(year)}
+                                  for n in range(rows)])
+    return {"data/train-00000-of-00001.parquet": parquet_bytes(table)}
+
+
+def dapo_repo_files(unique: int = 12, copies: int = 3) -> dict[str, bytes]:
+    """BytedTsinghua-SIA/DAPO-Math-17k's one file: verl's schema already, each prompt repeated."""
+    instruction = ("Solve the following math problem step by step. The last line of your response should be of the form "
+                   "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
+    rows = [{"data_source": "math_dapo", "prompt": [{"content": f"{instruction}What is {n} + {n}?", "role": "user"}],
+             "ability": "MATH", "reward_model": {"ground_truth": str(2 * n), "style": "rule-lighteval/MATH_v2"},
+             "extra_info": {"index": f"uuid-{n}"}} for n in range(unique) for _ in range(copies)]
+    return {"data/dapo-math-17k.parquet": parquet_bytes(pa.Table.from_pylist(rows))}

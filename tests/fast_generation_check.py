@@ -23,7 +23,7 @@ def main(model_dir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from grpo_pipeline.generation.compiled import greedy_with_logprobs
-    from grpo_pipeline.common.rewards import score
+    from grpo_pipeline.rewards.builtin import score
     from grpo_pipeline.generation.engines import transformers_generate
     from grpo_pipeline.generation.plan import GenerationPlan
     from grpo_pipeline.stages.evaluate import EvalSettings

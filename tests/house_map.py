@@ -25,14 +25,15 @@ TOP = "grpo_pipeline"
 PACKAGE = ROOT / TOP
 # Lowest first: a package imports only from the floors below it. The package's own modules
 # (`__main__.py`: the command line) stand above them all.
-FLOORS = ("profiles", "planner", "common", "generation", "backends", "stages", "tasks", "flows")
+FLOORS = ("profiles", "planner", "rewards", "common", "generation", "backends", "stages", "tasks", "flows")
 # The ground floor: modules of common/ that import nothing of the project, so that every floor can
 # raise the project's errors and read what a user brings within bounds.
 GROUND = ("grpo_pipeline.common.errors", "grpo_pipeline.common.bounded_read")
 ROLES = {
     "profiles": "the profile: schema, layers, loading, validation, the device table, the table of backends",
     "planner": "verl's planning: layout rules, device memory per role (Megatron, FSDP), --suggest-layout",
-    "common": "what the stages, backends and generation share: store, hub, Ray, checkpoints, rewards",
+    "rewards": "what scores completions: the built-in rewards, the ones users bring (verl, TRL, a server), their checks",
+    "common": "what the stages, backends and generation share: store, hub, Ray, checkpoints, RL data",
     "generation": "rollouts' and evaluation's generation: the plan, the protocol, engines, the decoder",
     "backends": "training engines behind one interface: local (TRL on Ray Train), verl (a Ray job)",
     "stages": "one module per stage: plain functions, no Prefect; the run request and its plan",

@@ -10,7 +10,11 @@ the pages it links (docs/**/*.md) has a check here, and a line no check covers f
   an extra named in `pip install -e '.[x]'` is pyproject's; a bench script reading a stored result runs,
   a measuring one shows its options in `--help`;
 - lines for the lent GPU machine (`bash bench/h200.sh <what>`, `python3 bench/...`) name a script and a case
-  that exist.
+  that exist;
+- the project's tools (`.venv/bin/python tools/...`) as bench scripts: one with options shows them in `--help`
+  (a tool that runs the pipeline takes minutes), one without runs as written;
+- a reference harness in a venv of its own (`python3 -m venv /tmp/x`, `/tmp/x/bin/python tools/...`): the
+  scripts it names exist and what it installs is pinned (the install itself is the harness's, not this host's).
 
 Also: the sample profile file of docs/configuration.md loads, and the dry run's resolved profile loads back
 as a profile file and plans the same run.
@@ -171,7 +175,7 @@ def kind_of(line: str) -> str:
         return "make"
     if program in ("python3", "bash") and any(w.startswith("bench/") for w in words):
         return "gpu-machine"
-    if program == ".venv/bin/python" and len(words) > 1 and words[1].startswith("bench/"):
+    if program == ".venv/bin/python" and len(words) > 1 and words[1].startswith(("bench/", "tools/")):
         return "bench"
     if program == ".venv/bin/python" and words[1:3] == ["-m", "grpo_pipeline"]:
         if PLACEHOLDER.search(command):
@@ -183,6 +187,8 @@ def kind_of(line: str) -> str:
         return "module"
     if program.startswith(".venv/bin/") and program.removeprefix(".venv/bin/") in VENV_TOOLS:
         return "venv-tool"
+    if words[:3] == ["python3", "-m", "venv"] or re.fullmatch(r"/tmp/[^/]+/bin/python", program):
+        return "own-venv"
     return "unknown"
 
 
@@ -213,9 +219,10 @@ def test_each_documented_command_runs_as_written_or_as_far_as_this_host_allows(c
             case = words[words.index(script) + 1]
             assert f"\n  {case})" in (ROOT / script).read_text(), f"bench/h200.sh has no case {case!r}"
     elif kind == "bench":
-        # A stored result's table runs as written; a measurement (minutes, bench/'s business, never a pass/fail
-        # test's) only shows that its options are the script's.
-        run = words if "bench/results-" in command else [*words[:2], "--help"]
+        # A stored result's table (or a tool without options) runs as written; a measurement or a whole run
+        # (minutes, bench/'s business, never a pass/fail test's) only shows that its options are the script's.
+        measures = "bench/results-" not in command and "argparse" in (ROOT / words[1]).read_text()
+        run = [*words[:2], "--help"] if measures else words
         done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
         assert done.returncode == 0 and done.stdout.strip(), (command, done.stderr[-2000:])
         if run is not words:
@@ -251,3 +258,8 @@ def test_each_documented_command_runs_as_written_or_as_far_as_this_host_allows(c
             done = subprocess.run([str(ROOT / ".venv" / "bin" / tool), *subcommand, "--help"], cwd=ROOT,
                                   capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, (command, done.stderr[-2000:])
+    elif kind == "own-venv":
+        scripts = [w for w in words if w.startswith("tools/")]
+        assert all((ROOT / w).is_file() for w in scripts), scripts
+        installs = words[words.index("install") + 1:] if "install" in words else []
+        assert all("==" in requirement for requirement in installs), installs

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import math
 import pickle
-import time
-from pathlib import Path
 
 import numpy as np
 import orjson

@@ -106,3 +106,14 @@ def test_wandb_online_without_a_key_is_refused_before_the_flow(cli, tmp_path, mo
     assert headline == ("error: tracking: W&B (online) needs WANDB_API_KEY, which is not set here (nor `wandb login`); "
                         "export it, or --set tracking.wandb.mode=offline") and details == []
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_benchmark_the_store_lacks_is_refused_offline_at_planning(cli, tmp_path):
+    """eval.benchmarks are fetched from the hub too: the evaluate stage's benchmark is asked for at planning."""
+    done = cli("--model", "tiny", "--device", "cpu", "--stages", "evaluate", "--set", "eval.benchmarks=[heldout,math500]",
+               "--set", f"data.root={tmp_path}", "--run-dir", str(tmp_path / "runs"), env={"HF_HUB_OFFLINE": "1"})
+    headline, details = refusal(done)
+    assert headline.startswith("error: cannot fetch benchmark math500 (") and "HF_HUB_OFFLINE is set" in headline
+    assert headline.endswith("unset it, or use eval.benchmarks without it")
+    assert details[0].startswith(f"  the store's place for it: {tmp_path / 'math500'}/")
+    assert not (tmp_path / "runs").exists()

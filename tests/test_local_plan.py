@@ -100,7 +100,7 @@ def test_a_dataset_without_the_reward_columns_is_refused(tmp_path):
     other = tmp_path / "math.parquet"
     table = arith_splits(4, 2, seed=0)["train"]
     pq.write_table(table.set_column(0, "data_source", pa.array(["lighteval/MATH"] * 4)), other)
-    with pytest.raises(UserError, match="no reward function for data_source lighteval/MATH"):
+    with pytest.raises(UserError, match="no built-in reward for data_source lighteval/MATH"):
         plan(tmp_path, str(other))
 
 

@@ -79,7 +79,8 @@ def test_each_mismatch_is_named_with_what_was_found(change, expected):
 def test_fsdp_needs_neither_megatron_core_nor_a_bridge_and_flash_attn_only_when_chosen():
     profile = resolve_profile("smollm2-135m", "gpu", "verl")
     train = backend_for("verl").node_requirements(profile, "train")
-    assert {"torch", "nvidia-driver", "devices", "vllm", "verl", "TransferQueue"} == set(train)
+    # arith has no scorer in verl: the pipeline's reward runs in verl's reward workers (math-verify, pydantic)
+    assert {"torch", "nvidia-driver", "devices", "vllm", "verl", "TransferQueue", "math-verify", "pydantic"} == set(train)
     assert train["TransferQueue"].imports == ["transfer_queue"] and "use_v1" in train["TransferQueue"].why
     flash = resolve_profile("smollm2-135m", "gpu", "verl", overrides=["engine.attn_implementation=flash_attention_2"])
     needs = backend_for("verl").node_requirements(flash, "train")

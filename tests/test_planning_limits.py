@@ -58,9 +58,10 @@ def test_a_profile_file_that_is_a_pipe_is_refused_without_opening_it(cli, tmp_pa
 
 def test_a_custom_reward_training_could_not_load_is_refused_when_the_run_is_planned(cli, tmp_path):
     reward = tmp_path / "reward.py"
-    reward.write_text("import math\n\ndef exact(response, ground_truth):\n    return float(response == ground_truth)\n")
+    reward.write_text("import math\n\ndef exact(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float(solution_str == ground_truth)\n")
     broken = tmp_path / "broken.py"
-    broken.write_text("def exact(response, ground_truth:\n")
+    broken.write_text("def exact(data_source, solution_str:\n")
     planned = ("--model", "tiny", "--device", "cpu", "--dry-run", "--set")
     cases = {
         f"{tmp_path}/missing.py:exact": "missing.py is not a file; give the path of a Python file",
@@ -69,9 +70,10 @@ def test_a_custom_reward_training_could_not_load_is_refused_when_the_run_is_plan
         f"{reward}:not-a-name": "expected /path/to/file.py:function",
     }
     for spec, fragment in cases.items():
-        assert fragment in one_error_line(cli(*planned, f"algorithm.reward_function={spec}")), spec
-    for name in ("exact", "math"):  # a function it defines, or any top-level name (imported, assigned)
-        assert cli(*planned, f"algorithm.reward_function={reward}:{name}").returncode == 0
+        assert fragment in one_error_line(cli(*planned, f"reward.functions=[{spec}]")), spec
+    assert cli(*planned, f"reward.functions=[{reward}:exact]").returncode == 0
+    # a top-level name that is no function (an imported module) is no reward
+    assert f"{reward} defines no function 'math'" in one_error_line(cli(*planned, f"reward.functions=[{reward}:math]"))
 
 
 @pytest.mark.parametrize(("settings", "fragment"), [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.rewards import arith_score, boxed_content, geo3k_score, gsm8k_score, score
+from grpo_pipeline.rewards.builtin import arith_score, boxed_content, geo3k_score, gsm8k_score, score
 
 
 @pytest.mark.parametrize(
@@ -68,13 +68,41 @@ def test_arith(response, truth, reward):
     assert arith_score(response, truth).reward == pytest.approx(reward)
 
 
-def test_the_data_source_picks_the_reward_and_an_unknown_one_is_refused(tmp_path):
+def test_the_data_source_picks_the_reward_and_an_unknown_one_is_refused():
     assert score("openai/gsm8k", "#### 3", "3").reward == 1.0
     assert score("arith", "3", "3").reward == 1.0
+    assert score("HuggingFaceH4/MATH-500", "so \\boxed{\\frac{1}{2}}", "0.5").reward == 1.0
     with pytest.raises(UserError, match="no reward function for data_source 'lighteval/MATH'"):
         score("lighteval/MATH", "3", "3")
-    custom = tmp_path / "reward.py"
-    custom.write_text("def half(response, ground_truth):\n    return 0.5\n")
-    assert score("anything", "x", "y", f"{custom}:half").reward == 0.5
-    with pytest.raises(UserError, match="has no function 'whole'"):
-        score("anything", "x", "y", f"{custom}:whole")
+
+
+GSM8K_RESPONSES = [case[:2] for case in test_gsm8k_strict.pytestmark[0].args[1]]
+GEO3K_RESPONSES = [case[:2] for case in test_geo3k_accuracy_and_format.pytestmark[0].args[1]]
+
+
+def test_gsm8k_and_geo3k_keep_verls_own_scores_on_the_same_responses():
+    """verl 0.9.1's own scorers (the wheel `make setup` installs), on every response above."""
+    from verl.utils.reward_score import geo3k, gsm8k
+
+    for response, truth in GSM8K_RESPONSES:
+        assert gsm8k_score(response, truth).reward == gsm8k.compute_score(response, truth), response
+    for response, truth in GEO3K_RESPONSES:
+        assert geo3k_score(response, truth).reward == pytest.approx(geo3k.compute_score(response, truth)), response
+
+
+@pytest.mark.parametrize(
+    "response, truth, correct",
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True),
+        ("The answer is 0.5", "\\frac12", True),  # graded, not string-compared
+        ("Answer: 42", "42", True),  # DAPO's answer line
+        ("$\\boxed{\\dfrac{\\sqrt{3}}{2}}$", "\\frac{\\sqrt3}{2}", True),
+        ("x \\in \\boxed{[2,5)}", "[2,5)", True),
+        ("\\boxed{3}", "4", False),
+        ("no answer at all", "7", False),
+        ("", "7", False),
+    ],
+)
+def test_math_answers_are_graded_by_math_verify(response, truth, correct):
+    result = score("HuggingFaceH4/MATH-500", response, truth)
+    assert (result.correct, result.reward) == (correct, float(correct))

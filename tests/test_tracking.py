@@ -17,18 +17,21 @@ import time
 from pathlib import Path
 from uuid import uuid4
 
+import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
 from grpo_pipeline.backends.base import TrainingInputs
 from grpo_pipeline.backends.metrics import StepMetrics
 from grpo_pipeline.backends.verl.command import verl_command
-from grpo_pipeline.backends.verl.job import job_spec
+from grpo_pipeline.backends.verl.job import JOB_DIR, job_spec
+from grpo_pipeline.backends.verl.rewards import reward_modules
 from grpo_pipeline.common.tracker_session import tracking_session
 from grpo_pipeline.common.tracking import FINISHED, read_state
 from grpo_pipeline.tasks.tracking import StepTracking, close_tracker_runs, open_tracker_run, tracking_lines
 from mlflow_server import free_port, mlflow_server
 from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.common.rl_data import arith_splits
 from grpo_pipeline.profiles.loader import resolve_profile
 from grpo_pipeline.stages.device import DeviceInfo
 from grpo_pipeline.stages.environment import resolve_environment
@@ -172,6 +175,8 @@ def test_the_verl_job_continues_the_tracker_runs_through_verls_own_tracking_laye
     run_dir.mkdir()
     device = DeviceInfo(kind="npu", decided_by="requested", reason="test")
     state = open_tracker_run(profile, device, resolve_environment(profile).redacted(), run_dir, uuid4(), pytest.fail)
+    # arith has no scorer in verl: the stand-in scores the training rows with the carried reward, as verl would
+    pq.write_table(arith_splits(8, 4, seed=0)["train"], tmp_path / "train.parquet")
     inputs = TrainingInputs(model_path=str(tmp_path / "model"), train_files=[str(tmp_path / "train.parquet")],
                             val_files=[str(tmp_path / "test.parquet")], checkpoint_dir=str(run_dir / "checkpoints"))
     spec = job_spec(profile, inputs, run_dir, run_dir.name, {"env_vars": {}}, "abc123", 1)
@@ -184,7 +189,10 @@ def test_the_verl_job_continues_the_tracker_runs_through_verls_own_tracking_laye
     assert "trainer.logger=[console,mlflow,wandb,tensorboard,file]" in overrides
     assert "trainer.project_name=grpo-verl" in overrides
 
-    job = (f"import sys; sys.path[:0] = [{str(ROOT / 'tests')!r}]\n"
+    # what Ray's py_modules puts on the job's path: the project and the run's reward plan (written at submission)
+    carried = [str(Path(p).parent) for p in reward_modules(profile, run_dir / JOB_DIR, write=True)]
+    assert carried == [str(Path(p).parent) for p in spec.runtime_env["py_modules"]]
+    job = (f"import sys; sys.path[:0] = [{str(ROOT / 'tests')!r}, *{carried!r}]\n"
            "from verl_config import compose_verl\nimport verl_stand_in\n"
            f"config = compose_verl({overrides!r})\n"
            "tracking = verl_stand_in._Tracking([n for n in config['trainer']['logger'] if n not in ('console', 'file')],"

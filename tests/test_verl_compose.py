@@ -270,3 +270,28 @@ def test_lora_command_composes_with_verls_fsdp_lora_keys(targets):
 def test_lora_settings_verl_cannot_run_are_refused_at_planning(extra, message):
     with pytest.raises(ProfileError, match=re.escape(message)):
         resolve_profile("smollm2-135m", "gpu", "verl", overrides=["lora.rank=16", *extra])
+
+
+def test_the_runs_reward_is_verls_own_custom_reward_keys_and_travels_with_the_job(tmp_path):
+    """verl 0.9.1's `reward.custom_reward_function.{path,name}` (trainer/config/reward/reward.yaml), composed
+    through its Hydra config; the job carries the project's package and the reward files (py_modules)."""
+    from reward_files import TRL_STYLE, VERL_STYLE, write
+
+    from grpo_pipeline.backends.verl.rewards import job_reward_package
+
+    verl_file, trl_file = write(tmp_path, "v.py", VERL_STYLE), write(tmp_path, "t.py", TRL_STYLE)
+    functions = f"reward.functions=[{{path: '{verl_file}:compute_score', weight: 0.5}}, '{trl_file}:digit_share']"
+    profile, _, settings, overrides, spec = render("tiny", "gpu", ["backend=verl", functions])
+    composed = compose_verl(overrides)
+    assert select(composed, "reward.custom_reward_function") == {
+        "path": "pkg://grpo_pipeline.rewards.verl_entry", "name": "compute_score"}
+    carried = spec.runtime_env["py_modules"]
+    assert carried[0].endswith("grpo_pipeline") and carried[1].endswith("verl/grpo_job_rewards")
+    package = job_reward_package(profile, tmp_path / "verl")
+    assert sorted(p.name for p in package.iterdir()) == ["__init__.py", "plan.json", "reward_0_v.py", "reward_1_t.py"]
+    assert (package / "reward_0_v.py").read_text() == VERL_STYLE  # the file, unchanged
+
+    # gsm8k with no reward of the user's keeps verl's own scorer (the same as the built-in: test_rewards.py).
+    _, _, plain, overrides, spec = render("tiny", "gpu", ["backend=verl", "data.dataset=gsm8k"])
+    assert not any(key.startswith("reward.") for key in plain) and "py_modules" not in spec.runtime_env
+    assert select(compose_verl(overrides), "reward.custom_reward_function.path") is None

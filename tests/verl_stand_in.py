@@ -290,9 +290,47 @@ def _validate(config: dict, step: int) -> dict:
     return {f"val-core/{source}/reward/mean@{n}": 0.1 + 0.01 * step for source in sources}
 
 
+def _custom_scores(config: dict, step: int) -> list[float] | None:
+    """With `reward.custom_reward_function.path` set, the step's rewards as verl computes them: the function
+    loaded by verl's own `get_custom_reward_fn` (trainer/ppo/reward.py, reward_kwargs merged), called as
+    `NaiveRewardManager.run_single` calls it (experimental/reward_loop/reward_manager/naive.py: keyword
+    arguments, awaited when async, all of a worker's samples gathered on one loop; a dict's `score` is the
+    reward). The stand-in generates nothing: of each prompt's `rollout.n` responses, the even ones state the
+    ground truth (`\\boxed{...}`) and the odd ones do not."""
+    import asyncio
+
+    import pyarrow.parquet as pq
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.reward import get_custom_reward_fn
+
+    if not config["reward"]["custom_reward_function"]["path"]:
+        return None
+    compute_score = get_custom_reward_fn(OmegaConf.create(config))
+    files = config["data"]["train_files"]
+    rows = [row for path in ([files] if isinstance(files, str) else files)
+            for row in pq.read_table(path, columns=["data_source", "reward_model", "extra_info"]).to_pylist()]
+    size, n = config["data"]["train_batch_size"], config["actor_rollout_ref"]["rollout"]["n"]
+    start = ((step - 1) * size) % max(1, len(rows) - size + 1)
+    samples = [(row, f"The answer is \\boxed{{{row['reward_model']['ground_truth']}}}." if j % 2 == 0 else "I am not sure.")
+               for row in rows[start:start + size] for j in range(n)]
+
+    async def score_all():
+        async def one(row, text):
+            kwargs = dict(data_source=row["data_source"], solution_str=text,
+                          ground_truth=row["reward_model"]["ground_truth"], extra_info=dict(row["extra_info"] or {}))
+            result = compute_score(**kwargs)
+            result = await result if asyncio.iscoroutine(result) else result
+            return result["score"] if isinstance(result, dict) else result
+        return await asyncio.gather(*(one(row, text) for row, text in samples))
+
+    return [float(score) for score in asyncio.run(score_all())]
+
+
 def _step_metrics(step: int, epoch: int, seconds: float, config: dict) -> dict:
-    """verl's key names and types (trainer/ppo/metric_utils.py, reduced to np.float64), a reward that rises."""
-    reward = np.float64(1.0 - math.exp(-step / 4))
+    """verl's key names and types (trainer/ppo/metric_utils.py, reduced to np.float64), a reward that rises (or,
+    with a custom reward, the reward verl's own loader gives: `_custom_scores`)."""
+    scores = _custom_scores(config, step)
+    reward = np.float64(np.mean(scores) if scores else 1.0 - math.exp(-step / 4))
     constant = os.environ.get("STAND_IN_CONSTANT_REWARD")
     nan = str(step) == os.environ.get("STAND_IN_NAN_AT_STEP")
     stale_from = int(os.environ.get("STAND_IN_STALE_ROLLOUT_FROM_STEP", "0"))

@@ -39,6 +39,9 @@ class StepMetrics(BaseModel):
     zero_advantage_share: float | None = Field(
         None, description="Share of the step's groups whose rewards are all equal (their advantage is zero).")
     resumed_from: int | None = Field(None, description="Step the attempt that wrote this record resumed from.")
+    rewards: dict[str, float] = Field(
+        default_factory=dict, description="Each reward part's mean (`rewards/<name>/mean`) and a verl reward's numeric "
+        "extras (`reward_extras/<key>/mean`), when the run's reward has parts or extras (rewards/plan.py).")
     time: float = Field(..., description="Unix time the step ended.")
 
     def log_line(self, max_steps: int) -> str:

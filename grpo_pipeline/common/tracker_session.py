@@ -81,6 +81,11 @@ class TrackingSession:
         return all([self._attempt(tracker, lambda t=tracker: t.log_metrics(values, step), now=True)
                     for tracker in self.trackers])
 
+    def log_tags(self, tags: dict[str, str]) -> None:
+        """Tags on every tracker's run (the best checkpoint, once chosen)."""
+        for tracker in self.trackers:
+            self._attempt(tracker, lambda t=tracker: t.log_params({}, tags), now=True)
+
     def log_files(self, paths: list[Path]) -> None:
         for path in (Path(p) for p in paths):
             if path.is_file():

@@ -235,7 +235,8 @@ class TensorboardTracker(Tracker):
     def log_params(self, params, tags):
         # TensorBoard has no parameters: the profile and the tags are text, shown in its TEXT tab.
         self.writer.add_text("tags", "\n".join(f"- {k}: {v}" for k, v in tags.items()))
-        self.writer.add_text("profile", "\n".join(f"    {k}: {v}" for k, v in params.items()))
+        if params:
+            self.writer.add_text("profile", "\n".join(f"    {k}: {v}" for k, v in params.items()))
 
     def log_metrics(self, metrics, step):
         for key, value in metrics.items():

@@ -200,8 +200,11 @@ def print_run_summary(result: dict) -> None:
     if evaluation := result.get("eval"):
         from grpo_pipeline.stages.evaluate import EvalReport
 
-        for metrics in EvalReport.model_validate(evaluation).models:
+        report = EvalReport.model_validate(evaluation)
+        for metrics in report.models:
             print(f"eval {metrics.summary_line()}")
+        if report.best is not None:
+            print(report.best.line())
     if report := result.get("report"):
         print(f"report: {report}")
 

@@ -40,7 +40,7 @@ from grpo_pipeline.tasks.policy import filter_run_logs, reuse_only_if_intact
 from grpo_pipeline.common.tracking import FINISHED
 from grpo_pipeline.tasks.tracking import close_tracker_runs, open_tracker_run, tracking_lines
 from grpo_pipeline.generation.plan import plan_generation
-from grpo_pipeline.stages.dataset import DataSpec, dataset_dir
+from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, benchmark_specs, dataset_dir
 from grpo_pipeline.stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
 
 
@@ -112,15 +112,21 @@ def _run_planning_and_stages(request: RunRequest, plan: RunPlan | None, flow_run
 def _run_stages(request: RunRequest, record: RunRecord) -> None:
     profile, env, run_dir, result = record.profile, record.env, record.run_dir, record.result
     data = model = policy = None
+    benchmarks: dict[str, DatasetFiles] = {}
     if "fetch_dataset" in request.stages:
         with record.step("fetch_dataset"):
             spec = DataSpec.from_profile(profile.data)
-            fetch, checked = reuse_only_if_intact(fetch_dataset_task, dataset_dir(spec), in_store=True)
-        data = record.run("fetch_dataset", fetch, spec, checked=checked)
+        data = _fetch(record, spec)
         with record.step("fetch_dataset: check that every Ray node sees data.root"):
             _log_shared(check_shared(data.path, "data.root", request.ray_address, env.ray_runtime_env()), data.path)
         record.write("data/dataset.json", data.model_dump(mode="json"))
         result["dataset"] = data.model_dump(mode="json")
+        if "evaluate" in request.stages:  # each benchmark's data, in the same store (data.root)
+            with record.step("fetch_dataset: the benchmarks' data"):
+                specs = benchmark_specs(profile)
+            benchmarks = {name: _fetch(record, spec) for name, spec in specs.items()}
+            if benchmarks:
+                record.write("data/benchmarks.json", {name: files.model_dump(mode="json") for name, files in benchmarks.items()})
     if "prepare_checkpoint" in request.stages:
         with record.step("prepare_checkpoint"):
             spec = ModelSpec.from_profile(profile.model)
@@ -145,16 +151,24 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
                            record.generation)
         result["train"] = train.model_dump(mode="json")
         if "export_checkpoint" in request.stages:
-            policy = record.run("export_checkpoint", export_checkpoint_task, train, run_dir)
+            policy = record.run("export_checkpoint", export_checkpoint_task, train, run_dir,
+                                profile.eval.checkpoints != "last")
             result["policy"] = policy.model_dump(mode="json")
     if "evaluate" in request.stages:
         evaluation = record.run("evaluate", evaluate_task, profile, record.device, data, model, policy, run_dir,
-                                record.generation, request.ray_address, env.ray_runtime_env())
+                                record.generation, request.ray_address, env.ray_runtime_env(), benchmarks)
         result["eval"] = evaluation.model_dump(mode="json")
     if "report" in request.stages:
         result["report"] = str(record.run("report", report_task, record))
     elif result.get("tracking"):  # planning alone: no report, but the tracker runs it opened end too
         close_tracker_runs(profile, run_dir, result, FINISHED, lambda: None, get_run_logger().warning)
+
+
+def _fetch(record: RunRecord, spec: DataSpec) -> DatasetFiles:
+    """A dataset from the store (an earlier run's cached result, while the entry is intact) or fetched."""
+    with record.step("fetch_dataset"):
+        fetch, checked = reuse_only_if_intact(fetch_dataset_task, dataset_dir(spec), in_store=True)
+    return record.run("fetch_dataset", fetch, spec, checked=checked)
 
 
 def _log_shared(nodes: int | None, path: str) -> None:

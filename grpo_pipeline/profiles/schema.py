@@ -14,11 +14,14 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, BackendName
+from grpo_pipeline.profiles.datasets import DataColumns, DatasetName
+from grpo_pipeline.profiles.evaluation import EvalSection
 from grpo_pipeline.profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
 from grpo_pipeline.profiles.guards import GuardsSection
 from grpo_pipeline.profiles.lora import LoraSection
 from grpo_pipeline.profiles.platform import DeviceKind, Platform
 from grpo_pipeline.profiles.requirements import NodeRequirement
+from grpo_pipeline.profiles.rewards import RewardSection
 from grpo_pipeline.profiles.section import (
     MAX_DEVICES_PER_NODE, MAX_EXPERTS, MAX_HEADS, MAX_LAYERS, MAX_NODES, MAX_SEQUENCES, MAX_TOKENS, MAX_VOCAB, MAX_WIDTH,
     Section,
@@ -147,11 +150,14 @@ class ClusterSection(Section):
 
 
 class DataSection(Section):
-    dataset: Literal["arith", "gsm8k", "geo3k"] = Field(
+    dataset: DatasetName = Field(
         "arith",
-        description="Dataset, which also picks the converter and the reward: `arith` (generated, no "
-        "network), `gsm8k`, `geo3k`.",
+        description="Dataset, which also picks the converter and the reward: `arith` (generated, no network), "
+        "`gsm8k`, `geo3k`, `math` (MATH, 7.5k training problems), `math500`, `dapo17k` (DAPO-Math-17k), `aime24`, "
+        "`aime25`, or `mapped`: any hub or local dataset by `data.columns` (profiles/datasets.py).",
     )
+    columns: DataColumns = Field(default_factory=DataColumns, description="`data.dataset=mapped`: the columns that "
+                                 "make the prompt and the answer.")
     source: str | None = Field(
         None,
         description="Hub dataset repo id (e.g. `tyzhu/geo3k`) or a local directory of parquet files; "
@@ -204,11 +210,6 @@ class AlgorithmSection(Section):
         "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = Field("token-mean", description="How per-token losses are aggregated.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature of rollouts.")
-    reward_function: str | None = Field(
-        None,
-        description="A custom reward `/path/file.py:function` taking (response, ground_truth) and returning a "
-        "float, used for every row instead of the data_source's built-in reward (local backend and evaluation).",
-    )
 
 
 class ActorSection(Section):
@@ -229,28 +230,6 @@ class ActorSection(Section):
     checkpoint_strict: bool = Field(
         True, description="Fail when a checkpoint does not match the model exactly."
     )
-
-
-class EvalSection(Section):
-    models: list[str] = Field(
-        default_factory=list,
-        description="HF model directories to evaluate with `--stages evaluate`; empty: the base model and "
-        "the trained policy of this run.",
-    )
-    samples_per_prompt: int = Field(
-        1, gt=0, le=MAX_HEADS, description="Responses per validation prompt; pass@k is reported for k = this number."
-    )
-    temperature: float = Field(
-        0.0, ge=0, description="Sampling temperature; 0 is greedy (only with one sample per prompt)."
-    )
-    max_new_tokens: int | None = Field(
-        None, gt=0, le=MAX_TOKENS, description="Longest response; empty: data.max_response_length."
-    )
-    batch_size: int = Field(32, gt=0, le=MAX_SEQUENCES, description="Prompts generated together (transformers engine).")
-    max_prompts: int | None = Field(
-        None, gt=0, description="Evaluate on the first N validation prompts only; empty: all."
-    )
-    seed: int = Field(0, description="Seed of sampling and of the bootstrap.")
 
 
 class TrainerSection(Section):
@@ -310,6 +289,9 @@ class RunProfile(Section):
     cluster: ClusterSection = Field(default_factory=ClusterSection)
     data: DataSection = Field(default_factory=DataSection)
     algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection)
+    reward: RewardSection = Field(
+        default_factory=RewardSection, description="The rewards users bring: verl- or TRL-style functions, a reward "
+        "server; empty: the dataset's built-in reward (profiles/rewards.py).")
     actor: ActorSection = Field(default_factory=ActorSection)
     lora: LoraSection = Field(default_factory=LoraSection, description="A LoRA adapter instead of full fine-tuning "
                               "(profiles/lora.py).")

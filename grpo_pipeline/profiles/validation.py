@@ -1,5 +1,7 @@
 """Rules that involve several fields of a profile and hold for any backend, checked before anything
-expensive starts: lengths, the dist checkpoint's converter, generation settings, a custom reward file.
+expensive starts: lengths, the dist checkpoint's converter, generation settings, the rewards a user
+brings (the `reward` section, profiles/rewards.py: each file read and parsed, never run), the evaluation
+asked for (profiles/evaluation.py).
 
 The layout rules (Megatron's and vLLM's parallel layouts, batches over data-parallel ranks) are the
 planner's (planner/rules.py); each backend picks those that apply to it (`Backend.profile_problems`),
@@ -14,7 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from grpo_pipeline.common.errors import ProfileError, headline_and_details
-from grpo_pipeline.profiles.secrets import is_secret
+from grpo_pipeline.profiles.datasets import mapping_problems
+from grpo_pipeline.profiles.evaluation import eval_problems
+from grpo_pipeline.profiles.rewards import RewardSection
+from grpo_pipeline.profiles.secrets import is_secret, parse_reference
 
 if TYPE_CHECKING:
     from grpo_pipeline.profiles.schema import RunProfile
@@ -108,34 +113,44 @@ def conversion_problems(p: RunProfile) -> list[str]:
 MAX_REWARD_FILE_BYTES = 1 << 20
 
 
-def reward_problems(p: RunProfile) -> list[str]:
-    """A custom reward that training would fail to load minutes in: the file is read and parsed (never
-    run: planning executes no user code) and must define the function at its top level."""
-    spec = p.algorithm.reward_function
-    if not spec:
-        return []
-    where = f"algorithm.reward_function={spec!r}"
+def reward_problems(section: RewardSection) -> list[str]:
+    """What in the profile's `reward` section (profiles/rewards.py) training would fail on minutes in, found
+    without running it: each file is read (bounded) and parsed, never run; planning executes no user code
+    here (rewards/check.py runs it in a child process, once the data is there)."""
+    problems = [problem for function in section.functions if (problem := _file_problem(function.path))]
+    if section.url is not None and not section.url.startswith(("http://", "https://")):
+        problems.append(f"reward.url={section.url!r}: a reward server is reached over http:// or https://")
+    if section.token is not None and parse_reference(section.token) is None:
+        problems.append("reward.token: only a reference `${NAME}` to a variable of the environment is taken (the value "
+                        "would be stored in the run's profile); export the token and set reward.token='${NAME}'")
+    if section.token is not None and section.url is None:
+        problems.append("reward.token is set without reward.url; set the server's URL or drop the token")
+    return problems
+
+
+def _file_problem(spec: str) -> str | None:
+    where = f"reward function {spec!r}"
     path, _, name = spec.rpartition(":")
     if not path or not name.isidentifier():
-        return [f"{where}: expected /path/to/file.py:function"]
+        return f"{where}: expected /path/to/file.py:function"
     file = Path(path).expanduser()
     try:
         if not file.is_file():
-            return [f"{where}: {path} is not a file; give the path of a Python file that every node can read"]
+            return f"{where}: {path} is not a file; give the path of a Python file that every node can read"
         with open(file, "rb") as handle:
             source = handle.read(MAX_REWARD_FILE_BYTES + 1)
     except OSError as exc:
-        return [f"{where}: cannot read {path} ({exc.strerror or exc})"]
+        return f"{where}: cannot read {path} ({exc.strerror or exc})"
     if len(source) > MAX_REWARD_FILE_BYTES:
-        return [f"{where}: {path} is larger than {MAX_REWARD_FILE_BYTES >> 10} KiB; a reward file is a small Python module"]
+        return f"{where}: {path} is larger than {MAX_REWARD_FILE_BYTES >> 10} KiB; a reward file is a small Python module"
     try:
         tree = ast.parse(source, filename=path)
     except (SyntaxError, ValueError) as exc:
         line = f" line {exc.lineno}" if getattr(exc, "lineno", None) else ""
-        return [f"{where}: {path}{line} is not valid Python ({getattr(exc, 'msg', exc)}); fix it"]
+        return f"{where}: {path}{line} is not valid Python ({getattr(exc, 'msg', exc)}); fix it"
     if name not in _top_level_names(tree):
-        return [f"{where}: {path} defines no {name!r} at its top level; name a function of (response, ground_truth) it defines"]
-    return []
+        return f"{where}: {path} defines no {name!r} at its top level; name the reward function it defines"
+    return None
 
 
 def _top_level_names(tree: ast.Module) -> set[str]:
@@ -165,8 +180,9 @@ def public_env_problems(p: RunProfile) -> list[str]:
 
 def profile_problems(p: RunProfile) -> list[str]:
     """Every rule of this module: the ones that hold for any backend."""
-    return [*public_env_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p), *reward_problems(p),
-            *position_problems(p), *head_problems(p), *sampling_problems(p)]
+    return [*public_env_problems(p), *length_problems(p), *conversion_problems(p), *generation_problems(p),
+            *reward_problems(p.reward), *mapping_problems(p.data), *eval_problems(p.eval), *position_problems(p),
+            *head_problems(p), *sampling_problems(p)]
 
 
 def refuse(problems: list[str]) -> None:

@@ -22,30 +22,36 @@ from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.profiles.yaml_files import path_kind
 from grpo_pipeline.profiles.schema import DataSection
 from grpo_pipeline.common.store import Built, Store
+from grpo_pipeline.profiles.evaluation import HELDOUT
+from grpo_pipeline.profiles.datasets import EVALUATION_ONLY, SOURCES, DataColumns, DatasetName, data_source_of
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+    from grpo_pipeline.profiles.schema import RunProfile
 
 # pyarrow and huggingface_hub are imported where files are made, so planning a run (a dry run
 # renders paths of this stage) stays fast.
 ARITH = "arith"
 # Bumped whenever a converter's output (common/rl_data.py) changes, so cached datasets are rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 SPLITS = ("train", "test")
 # Where each dataset comes from when `data.source` is empty, and which files of it are wanted.
-DEFAULT_SOURCES = {"gsm8k": "openai/gsm8k", "geo3k": "hiyouga/geometry3k"}
-DEFAULT_FILES = {"openai/gsm8k": ["main/*.parquet"], "hiyouga/geometry3k": ["data/*.parquet"]}
-ANY_PARQUET = ["*.parquet"]
+DEFAULT_SOURCES = {name: repo for name, (repo, _) in SOURCES.items()}
+DEFAULT_FILES = {repo: files for repo, files in SOURCES.values()}
+ANY_PARQUET = ["*.parquet", "*.jsonl"]
 # The validation split is the test split where there is one, as in verl's examples.
 _SPLIT_OF_FILE = re.compile(r"(?:^|[/_-])(train|test|validation|valid|val|dev)(?:[-_.]|$)")
+# A source's file with no split in its name (DAPO-Math-17k's one file) is its training split.
+_DATA_FILES = (".parquet", ".jsonl")
 _SPLIT_NAMES = {"train": "train", "test": "test", "validation": "validation", "valid": "validation", "val": "validation", "dev": "validation"}
 
 
 class DataSpec(BaseModel):
     """What data a run asks for (the dataset part of the profile)."""
 
-    dataset: Literal["arith", "gsm8k", "geo3k"]
+    dataset: DatasetName
     source_kind: Literal["builtin", "hub", "local"]
     source: str = Field(..., description="Repo id, local directory, or `arith`.")
     revision: str = Field("main", description="Hub revision; unused for local and built-in data.")
@@ -53,6 +59,8 @@ class DataSpec(BaseModel):
     root: Path = Field(..., description="Store root (shared by all nodes on a cluster).")
     seed: int = 0
     arith_rows: dict[str, int] = Field(default_factory=dict)
+    columns: DataColumns | None = Field(None, description="`mapped`: the columns that make the rows.")
+    data_source: str = Field("", description="The data_source the converted rows carry.")
 
     @classmethod
     def from_profile(cls, data: DataSection) -> DataSpec:
@@ -64,6 +72,8 @@ class DataSpec(BaseModel):
             )
         if data.dataset == ARITH:
             raise UserError(f"data.source={data.source!r}: arith data is generated; leave data.source empty")
+        if data.dataset == "mapped" and not data.source:
+            raise UserError("data.dataset=mapped: set data.source to a hub dataset repo id or a local directory")
         source = data.source or DEFAULT_SOURCES[data.dataset]
         local = Path(source).expanduser()
         is_dir = path_kind(local, "data.source") == "dir"
@@ -73,12 +83,15 @@ class DataSpec(BaseModel):
         files = data.files or DEFAULT_FILES.get(source, ANY_PARQUET)
         return cls(
             dataset=data.dataset, source_kind=kind, source=str(local.resolve()) if kind == "local" else source,
-            revision=data.revision, files=files, root=root,
+            revision=data.revision, files=files, root=root, data_source=data_source_of(data),
+            columns=data.columns if data.dataset == "mapped" else None,
         )
 
     def identity(self) -> dict[str, Any]:
         """What the content depends on; the store key hashes it."""
         identity: dict[str, Any] = {"dataset": self.dataset, "source": self.source, "version": CONVERTER_VERSION}
+        if self.columns is not None:
+            identity |= {"columns": self.columns.model_dump(), "data_source": self.data_source}
         if self.source_kind == "builtin":
             identity |= {"seed": self.seed, "rows": self.arith_rows}
         elif self.source_kind == "hub":
@@ -115,6 +128,15 @@ def dataset_problems(d: DataSection) -> list[str]:
 
     problem = arith_rows_problem(d.arith_train_rows, d.arith_test_rows, d.seed)
     return [problem] if problem else []
+
+
+def benchmark_specs(profile: RunProfile) -> dict[str, DataSpec]:
+    """The data of each benchmark of `eval.benchmarks` but `heldout` (the run's own validation split): a
+    built-in dataset from its default source, into the run's `data.root` (arith: the run's generator settings)."""
+    d = profile.data
+    return {name: DataSpec.from_profile(DataSection(dataset=name, root=d.root, seed=d.seed, arith_train_rows=d.arith_train_rows,
+                                                    arith_test_rows=d.arith_test_rows))
+            for name in profile.eval.benchmarks if name != HELDOUT}
 
 
 def dataset_dir(spec: DataSpec) -> Path:
@@ -164,7 +186,7 @@ def _build(spec: DataSpec, scratch: Path, out: Path) -> Built:
 
 def _matching_files(directory: Path, patterns: list[str]) -> list[Path]:
     return sorted(
-        p for p in directory.rglob("*.parquet")
+        p for p in directory.rglob("*") if p.suffix in _DATA_FILES and p.is_file()
         if not any(part.startswith(".") for part in p.relative_to(directory).parts)
         and any(p.relative_to(directory).match(pattern) for pattern in patterns)
     )
@@ -173,36 +195,46 @@ def _matching_files(directory: Path, patterns: list[str]) -> list[Path]:
 def _read_splits(directory: Path, patterns: list[str], source: str) -> dict[str, pa.Table]:
     """The source's files grouped by split (file name), shards concatenated."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     from grpo_pipeline.common.rl_data import DatasetFormatError
 
     shards: dict[str, list[Path]] = {}
     for path in _matching_files(directory, patterns):
         found = _SPLIT_OF_FILE.search(path.relative_to(directory).as_posix())
-        if found:
-            shards.setdefault(_SPLIT_NAMES[found.group(1)], []).append(path)
+        shards.setdefault(_SPLIT_NAMES[found.group(1)] if found else "train", []).append(path)
     if "test" not in shards and "validation" in shards:
         shards["test"] = shards.pop("validation")
-    missing = [split for split in SPLITS if split not in shards]
-    if missing:
+    if not {"train", "test"} & set(shards):
         raise DatasetFormatError(
-            f"{source}: no {' or '.join(missing)} split among the files matching {patterns}; name files "
-            "train*.parquet and test*.parquet (or set data.files)"
+            f"{source}: no data file among the files matching {patterns}; name files train*.parquet and "
+            "test*.parquet (or .jsonl), or set data.files"
         )
     try:
-        return {split: pa.concat_tables([pq.read_table(p) for p in shards[split]], promote_options="default") for split in SPLITS}
+        return {split: pa.concat_tables([_read_table(p) for p in shards[split]], promote_options="default")
+                for split in SPLITS if split in shards}
     except (OSError, pa.ArrowInvalid) as exc:
-        raise DatasetFormatError(f"{source}: unreadable parquet file ({exc})") from exc
+        raise DatasetFormatError(f"{source}: unreadable data file ({exc})") from exc
+
+
+def _read_table(path: Path) -> pa.Table:
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    return pj.read_json(path) if path.suffix == ".jsonl" else pq.read_table(path)
 
 
 def _convert(spec: DataSpec, raw: dict[str, pa.Table]) -> dict[str, pa.Table]:
+    from grpo_pipeline.common.mapped_data import convert_mapped
+    from grpo_pipeline.common.math_data import CONVERTERS, complete_splits
     from grpo_pipeline.common.rl_data import DatasetFormatError, convert_geo3k, convert_gsm8k, is_rl_table, rl_schema_problems
 
-    converters = {"gsm8k": convert_gsm8k, "geo3k": convert_geo3k}
+    converters = {"gsm8k": convert_gsm8k, "geo3k": convert_geo3k,
+                  "mapped": lambda table, split: convert_mapped(table, split, spec.columns, spec.data_source),
+                  **CONVERTERS}
+    raw = complete_splits(raw, spec.dataset in EVALUATION_ONLY, spec.source)
     converted = {}
     for split, table in raw.items():
-        if is_rl_table(table):
+        if is_rl_table(table) and spec.dataset != "dapo17k":
             problems = rl_schema_problems(table)
             if problems:
                 raise DatasetFormatError(f"{spec.source} {split}: not in verl's RL schema: {'; '.join(problems)}")

@@ -29,7 +29,9 @@ from grpo_pipeline.planner.lora import describe_adapter, lora_problems
 from grpo_pipeline.planner.memory import MemoryPlan
 from grpo_pipeline.profiles.requirements import NodeRequirement
 from grpo_pipeline.profiles.schema import RunProfile
-from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, dataset_dir, dataset_problems
+from grpo_pipeline.rewards.check import check_rewards
+from grpo_pipeline.rewards.plan import RewardPlan
+from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, benchmark_specs, dataset_dir, dataset_problems
 from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_device
 from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
 from grpo_pipeline.stages.model import ModelCheckpoint, ModelSpec, model_dir
@@ -161,7 +163,9 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
             raise ProfileError(memory.refusal())
         log.warning("%s", memory.warning())  # planner.enforce=false: the dry run and the report show it too
     if {"fetch_dataset", "train", "evaluate"} & set(stages):
-        DataSpec.from_profile(profile.data)
+        spec = DataSpec.from_profile(profile.data)
+        if {"train", "evaluate"} & set(stages):
+            check_planned_reward(profile, spec)
     if {"prepare_checkpoint", "train", "evaluate"} & set(stages):
         ModelSpec.from_profile(profile.model)
     if problem := store_problem(profile.tracking, write=not dry_run):
@@ -171,6 +175,16 @@ def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry
         if parsed := parse_ray_address(address, origin):
             check_reachable(parsed, origin)
     return memory
+
+
+def check_planned_reward(profile: RunProfile, data: DataSpec) -> None:
+    """The rewards a user brings import, with an accepted signature, in a child process (rewards/check.py); with
+    the dataset already in the store, the columns they ask for are there and a call on two rows gives numbers
+    (otherwise the train and evaluate stages check that before anything starts)."""
+    train_file = dataset_dir(data) / "train.parquet"
+    plan = RewardPlan.from_section(profile.reward)
+    for line in check_rewards(plan, str(train_file) if train_file.is_file() else None, profile.reward.check_timeout_s):
+        log.info("%s", line)
 
 
 def check_hub_sources(stages: list[str], profile: RunProfile, environ: dict[str, str]) -> None:
@@ -186,6 +200,10 @@ def check_hub_sources(stages: list[str], profile: RunProfile, environ: dict[str,
         model = ModelSpec.from_profile(profile.model)
         if model.source_kind == "hub" and read_manifest(model_dir(model)) is None:
             missing.append((f"model {model.source}", model_dir(model), "a local copy (--set model.path=<its folder>)"))
+    if "evaluate" in stages:
+        missing += [(f"benchmark {name} ({spec.source})", dataset_dir(spec), "eval.benchmarks without it")
+                    for name, spec in benchmark_specs(profile).items()
+                    if spec.source_kind == "hub" and read_manifest(dataset_dir(spec)) is None]
     if not missing:
         return
     what, entry, local_copy = missing[0]

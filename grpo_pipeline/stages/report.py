@@ -2,10 +2,10 @@
 
     python -m grpo_pipeline --model tiny --device cpu --run-name try1   # ends with the report's path
 
-It puts together what the stages wrote: the base vs trained table (deltas, bootstrap intervals),
-the reward curve over training steps and the evaluation comparison (PNG, matplotlib), the guards'
-panel (stages/guard_panel.py), the device,
-the environment (redacted), the resolved profile, how long each stage took, and links to every file.
+It puts together what the stages wrote: the evaluation (stages/benchmark_report.py: a table per benchmark,
+base vs trained with deltas and 95% intervals, the curve over saved steps and the best one, their plots),
+the reward curve over training steps (PNG, matplotlib), the guards' panel (stages/guard_panel.py), the device,
+the environment (redacted), the settings that differ from the defaults, how long each stage took, and links to every file.
 A failed run gets a report too, saying which stage failed and why.
 """
 
@@ -20,22 +20,15 @@ import yaml
 
 from grpo_pipeline.backends.metrics import METRICS, read_metrics
 from grpo_pipeline.common.files import write_text_atomic
-from grpo_pipeline.common.rewards import BUILTIN_REWARD_RANGE
 from grpo_pipeline.common.preflight import PREFLIGHT_FILE, Preflight
 from grpo_pipeline.planner.memory import MemoryPlan, memory_table
 from grpo_pipeline.stages import guard_panel
+from grpo_pipeline.rewards.builtin import BUILTIN_REWARD_RANGE
+from grpo_pipeline.stages.benchmark_report import (CURVE_PLOT, EVAL_PLOT, benchmark_tables, benchmarks_of,
+                                                   plot_benchmarks, plot_checkpoint_curve, pyplot)
 
 REPORT = "report.md"
 REWARD_CURVE = "reward_curve.png"
-EVAL_PLOT = "eval_comparison.png"
-TABLE_METRICS = (
-    ("mean_reward", "mean reward"),
-    ("accuracy", "accuracy"),
-    ("format_rate", "format rate"),
-    ("pass_at_k", "pass@k"),
-    ("response_length_mean", "response length"),
-    ("truncation_rate", "truncated"),
-)
 
 
 def plot_reward_curve(metrics_file: Path, out: Path, reward_range: tuple[float, float] | None = None) -> bool:
@@ -44,11 +37,7 @@ def plot_reward_curve(metrics_file: Path, out: Path, reward_range: tuple[float, 
     records = read_metrics(metrics_file)
     if not records:
         return False
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display on a cluster node or in CI
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     steps = [r.step for r in records]
     mean = [r.reward_mean for r in records]
     std = [r.reward_std or 0.0 for r in records]
@@ -66,65 +55,6 @@ def plot_reward_curve(metrics_file: Path, out: Path, reward_range: tuple[float, 
     figure.savefig(out)
     plt.close(figure)
     return True
-
-
-def plot_eval(models: list[dict], out: Path) -> bool:
-    if not models:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = ("mean_reward", "accuracy", "format_rate")
-    figure, axis = plt.subplots(figsize=(7, 3.5), dpi=100)
-    width = 0.8 / len(models)
-    for index, model in enumerate(models):
-        xs = [i + index * width for i in range(len(names))]
-        values = [model[n] for n in names]
-        low, high = model["reward_ci95"]
-        axis.bar(xs, values, width, label=model["name"])
-        # The interval is the mean reward's (bootstrap); the other bars have none, so no zero-height bar.
-        axis.errorbar(xs[0], model["mean_reward"], yerr=[[model["mean_reward"] - low], [high - model["mean_reward"]]],
-                      fmt="none", ecolor="black", capsize=4)
-    axis.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], ["mean reward (95% CI)", "accuracy", "format rate"])
-    axis.set_ylim(0, 1.05)
-    axis.set_title("Evaluation on the validation split")
-    axis.legend()
-    axis.grid(axis="y", alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(out)
-    plt.close(figure)
-    return True
-
-
-def metrics_table(models: list[dict]) -> str:
-    """Models side by side, with the last minus the first: the report's table and the Prefect
-    artifact `evaluation`."""
-    header = "| metric | " + " | ".join(m["name"] for m in models) + (" | Δ (last - first) |" if len(models) > 1 else " |")
-    lines = [header, "|---" * (len(models) + 1 + (len(models) > 1)) + "|"]
-    for key, label in TABLE_METRICS:
-        cells = []
-        for m in models:
-            cell = f"{m[key]:.3f}" if isinstance(m[key], float) else str(m[key])
-            if key == "mean_reward":
-                cell += f" [{m['reward_ci95'][0]:.3f}, {m['reward_ci95'][1]:.3f}]"
-            cells.append(cell)
-        delta = f" {models[-1][key] - models[0][key]:+.3f} |" if len(models) > 1 else ""
-        lines.append(f"| {label} | " + " | ".join(cells) + " |" + delta)
-    return "\n".join(lines)
-
-
-def _verdict(models: list[dict]) -> str:
-    if len(models) < 2:
-        return ""
-    first, last = models[0], models[-1]
-    if last["reward_ci95"][0] > first["reward_ci95"][1]:
-        return f"**{last['name']}** beats **{first['name']}**: the 95% intervals of the mean reward do not overlap."
-    if last["reward_ci95"][1] < first["reward_ci95"][0]:
-        return f"**{last['name']}** is worse than **{first['name']}**: the 95% intervals of the mean reward do not overlap."
-    return (f"The 95% intervals of the mean reward overlap: the difference between **{first['name']}** and "
-            f"**{last['name']}** may be noise.")
 
 
 STEP_ROWS = 20  # a longer run's table shows this many steps, evenly spaced, the last included
@@ -241,10 +171,12 @@ def _preflight(run_dir: Path) -> Preflight | None:
 def write_report(run_dir: Path, **parts: Any) -> Path:
     """Write report.md (and its plots) from what the run produced; every part may be missing (see `render`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    models = (parts.get("evaluation") or {}).get("models") or []
-    plot_eval(models, run_dir / EVAL_PLOT)
+    evaluation = parts.get("evaluation") or {}
+    plot_benchmarks(evaluation, run_dir / EVAL_PLOT)
+    plot_checkpoint_curve(evaluation, run_dir / CURVE_PLOT)
     if parts.get("train"):
-        custom = ((parts.get("profile") or {}).get("algorithm") or {}).get("reward_function")
+        rewards = (parts.get("profile") or {}).get("reward") or {}
+        custom = rewards.get("functions") or rewards.get("url")  # a reward users bring has a range of its own
         plot_reward_curve(Path(parts["train"]["metrics_file"]), run_dir / REWARD_CURVE,
                           None if custom else BUILTIN_REWARD_RANGE)
     guard_panel.draw(run_dir, read_metrics(run_dir / METRICS), parts.get("profile"))
@@ -287,12 +219,19 @@ def render(
     models = (evaluation or {}).get("models") or []
     if models:
         engine = f" Generated with {evaluation['engine']}." if evaluation.get("engine") else ""
-        parts += ["## Evaluation", "", f"{models[0]['prompts']} validation prompts, {models[0]['k']} response(s) each, "
-                  f"scored with the training reward.{engine}", "", metrics_table(models), "", _verdict(models), ""]
+        names, n = benchmarks_of(evaluation), models[0].get("n", models[0]["k"])
+        what = (f"{models[0]['prompts']} validation prompts, {n} response(s) each, scored with the training reward"
+                if names == ["heldout"] else f"{n} response(s) to each prompt of {', '.join(names)}, each benchmark "
+                "scored with its built-in reward (`heldout`, the validation split: with the training reward)")
+        parts += ["## Evaluation", "", f"{what}; 95% intervals over prompts (bootstrap), pass@k by the unbiased "
+                  f"estimator.{engine}", "", benchmark_tables(evaluation), ""]
         parts += [f"Generation time: {evaluation['generation']}.", ""] if evaluation.get("generation") else []
-        if (run_dir / EVAL_PLOT).is_file():
-            parts += [media.image(EVAL_PLOT, "evaluation"), ""]
-        parts += ["Per-sample results: " + ", ".join(media.file(m["samples_file"], m["name"]) for m in models), ""]
+        for plot, alt in ((EVAL_PLOT, "evaluation"), (CURVE_PLOT, "checkpoints")):
+            if (run_dir / plot).is_file():
+                parts += [media.image(plot, alt), ""]
+        parts += ["Per-sample results: " + ", ".join(
+            media.file(m["samples_file"], m["name"] if m.get("benchmark", "heldout") == "heldout"
+                       else f"{m['benchmark']}/{m['name']}") for m in models), ""]
     if train:
         parts += ["## Training", ""]
         if train.get("already_complete"):

@@ -34,10 +34,11 @@ from grpo_pipeline.profiles.schema import ModelArchitecture, RunProfile
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, fetch_dataset
 from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_device
 from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
-from grpo_pipeline.stages.evaluate import EvalReport, EvalSettings, evaluate
-from grpo_pipeline.stages.export import ExportedPolicy, export_checkpoint
+from grpo_pipeline.profiles.evaluation import HELDOUT
+from grpo_pipeline.stages.evaluate import EvalReport, EvalSettings, checkpoint_name, evaluate
+from grpo_pipeline.stages.export import ExportedPolicy, export_checkpoint, mark_best
 from grpo_pipeline.stages.model import DistCheckpoint, ModelCheckpoint, ModelSpec, prepare_dist_checkpoint, prepare_model
-from grpo_pipeline.stages.report import metrics_table
+from grpo_pipeline.stages.benchmark_report import benchmark_tables
 from grpo_pipeline.stages.train import train
 
 
@@ -184,9 +185,11 @@ def train_task(
 
 
 @stage_task("export_checkpoint")
-def export_checkpoint_task(train: TrainResult, run_dir: Path) -> ExportedPolicy:
-    policy = export_checkpoint(train)
+def export_checkpoint_task(train: TrainResult, run_dir: Path, every_step: bool = False) -> ExportedPolicy:
+    policy = export_checkpoint(train, every_step)
     get_run_logger().info("trained policy (step %d) verified: %s", policy.step, policy.path)
+    if len(policy.steps) > 1:
+        get_run_logger().info("saved steps %s exported and verified for the evaluation", sorted(policy.steps))
     write_json_atomic(run_dir / "policy.json", policy.model_dump(mode="json"))
     return policy
 
@@ -195,28 +198,35 @@ def export_checkpoint_task(train: TrainResult, run_dir: Path) -> ExportedPolicy:
 def evaluate_task(
     profile: RunProfile, device: DeviceInfo, data: DatasetFiles, model: ModelCheckpoint,
     policy: ExportedPolicy | None, run_dir: Path, generation: GenerationPlan, ray_address: str | None = None,
-    runtime_env: dict | None = None,
+    runtime_env: dict | None = None, benchmarks: dict[str, DatasetFiles] | None = None,
 ) -> EvalReport:
     """Where the models generate is the backend's choice (`Backend.evaluation`): a verl run's policy
     is too big for this host and is evaluated on its cluster; any other run here, on this host's devices."""
     logger = get_run_logger()
-    if profile.eval.models:
-        models = {Path(path).name: Path(path).expanduser() for path in profile.eval.models}
+    section = profile.eval
+    checkpoints = {step: Path(path) for step, path in policy.steps.items()} if policy and section.checkpoints != "last" else {}
+    if section.models:
+        models = {Path(path).name: Path(path).expanduser() for path in section.models}
     else:
-        models = {"base": Path(model.path)} | ({"trained": Path(policy.path)} if policy else {})
+        models = {"base": Path(model.path)} | ({"trained": Path(policy.path)} if policy and not checkpoints else {})
+    files = {name: Path((benchmarks or {})[name].val_files[0] if name != HELDOUT else data.val_files[0])
+             for name in section.benchmarks}
     settings, engine = backend_for(profile.backend).evaluation(
         profile, EvalSettings.from_profile(profile, generation), device.count, ray_address, runtime_env or {})
-    with progress_artifact("evaluate", f"evaluate {', '.join(models)}"):
+    with progress_artifact("evaluate", f"evaluate {', '.join([*models, *map(checkpoint_name, checkpoints)])} on "
+                                       f"{', '.join(files)}"):
         logger.info("generation: %s", engine_label(engine, settings))
-        report = evaluate(models, Path(data.val_files[0]), settings, run_dir / "eval", engine)
+        report = evaluate(models, files, settings, run_dir / "eval", engine, checkpoints, section.checkpoints,
+                          section.selection(), logger.info)
         logger.info("generated with: %s", report.engine)
     for metrics in report.models:
         logger.info(metrics.summary_line())
     write_json_atomic(run_dir / "eval" / "eval.json", report.model_dump(mode="json"))
-    create_markdown_artifact(
-        key="evaluation", markdown=metrics_table(report.model_dump(mode="json")["models"]) + "\n",
-        description=f"Evaluation on {report.models[0].prompts} validation prompts",
-    )
+    if report.best is not None:
+        mark_best(run_dir, report.best)
+        logger.info(report.best.line())
+    create_markdown_artifact(key="evaluation", markdown=benchmark_tables(report.model_dump(mode="json")) + "\n",
+                             description=f"Evaluation on {', '.join(files)}")
     return report
 
 

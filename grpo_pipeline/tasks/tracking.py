@@ -6,12 +6,12 @@ Once the run is planned: the tracker run is opened (or found again, for a retrie
 the resolved profile (secrets redacted, as in profile.yaml) and the environment as parameters, and tags
 naming the Prefect flow run (its id; its URL when a Prefect server is used), the model, the device and
 the backend. During training: each step's metrics, for a backend whose job does not log them itself
-(`Backend.logs_to_trackers`), the guards' numbers among them, each once, from metrics.jsonl when a
-tracker did not answer (common/tracker_session.py); a guard that stops the run, at its step. At the end,
-whichever way the run ends: every tracker filled up to the last step, the report (which links the
-tracker runs and names steps one missed), the base and trained evaluation with its intervals, the
-report, its plots and the run's records as files, and the tracker runs closed with the run's status
-(FINISHED, FAILED, KILLED).
+(`Backend.logs_to_trackers`), the guards' numbers among them, each once, from metrics.jsonl when a tracker did not answer
+(common/tracker_session.py); a guard that stops the run, at its step. At the end, whichever way the run ends: every tracker filled up to the
+last step, the report (which links the tracker runs and names steps one missed), the base and trained
+evaluation on each benchmark with its intervals, each saved step's at its step (eval.checkpoints=all|best:
+the curve) and the best checkpoint's name, the report, its plots and the run's records as files, and the
+tracker runs closed with the run's status (FINISHED, FAILED, KILLED).
 """
 
 from __future__ import annotations
@@ -30,7 +30,11 @@ from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.stages.device import DeviceInfo
 from grpo_pipeline.stages.guard_panel import GUARDS_PLOT
-from grpo_pipeline.stages.report import EVAL_PLOT, REPORT, REWARD_CURVE
+from grpo_pipeline.profiles.evaluation import HELDOUT
+from grpo_pipeline.stages.benchmark_report import CURVE_PLOT, EVAL_PLOT
+from grpo_pipeline.stages.eval_metrics import metric_value
+from grpo_pipeline.stages.export import BEST
+from grpo_pipeline.stages.report import REPORT, REWARD_CURVE
 
 # What the steps of every backend's `StepMetrics` are called in a tracker.
 _STEP_FIELDS = ("reward_mean", "reward_std", "kl", "loss", "entropy", "response_length", "tokens_per_s",
@@ -85,6 +89,7 @@ def open_tracker_run(profile: RunProfile, device: DeviceInfo, env: dict | None, 
 
 def step_values(metrics: StepMetrics) -> dict[str, float]:
     values = {f"train/{name}": getattr(metrics, name) for name in _STEP_FIELDS}
+    values |= {f"train/{name}": value for name, value in metrics.rewards.items()}  # each reward part, its extras
     return {key: float(value) for key, value in values.items() if value is not None}
 
 
@@ -139,8 +144,8 @@ def close_tracker_runs(profile: RunProfile | None, run_dir: Path, result: dict, 
                        write_report: Callable[[], Report], warn=None) -> Report:
     """The run's end for its tracker runs, whichever way it ended: every tracker filled up to the last
     step of metrics.jsonl (`result["tracking"]` then names the steps one still missed), `write_report`,
-    then the evaluation (at the training step it evaluated), the report's files, and the runs closed
-    with `status`. A tracker's fault costs a warning; the report is written whatever they answer."""
+    then the evaluation (at the training step it evaluated; each saved step's at its own step: the curve),
+    the best checkpoint's name, the report's files, and the runs closed with `status`. A tracker's fault costs a warning; the report is written whatever they answer."""
     if profile is None or not result.get("tracking"):
         return write_report()
     logs_itself = backend_for(profile.backend).logs_to_trackers
@@ -154,24 +159,58 @@ def close_tracker_runs(profile: RunProfile | None, run_dir: Path, result: dict, 
             return written
         if evaluation := result.get("eval"):
             step = (result.get("train") or {}).get("steps_done") or session.state.last_step
-            values = {}
-            for model in evaluation["models"]:
-                for name in _EVAL_FIELDS:
-                    values[f"eval/{model['name']}/{name}"] = float(model[name])
-                low, high = model["reward_ci95"]
-                values[f"eval/{model['name']}/mean_reward_ci95_low"] = float(low)
-                values[f"eval/{model['name']}/mean_reward_ci95_high"] = float(high)
-            session.log_evaluation(step, values)
+            for at, values in sorted(evaluation_values(evaluation, step).items()):
+                session.log_evaluation(at, values)
+            if best := evaluation.get("best"):
+                session.log_tags({"best_checkpoint": best["name"], "best_checkpoint_path": best["path"],
+                                  "best_checkpoint_metric": f"{best['benchmark']}/{best['metric']}"})
         session.log_files(report_files(run_dir))
         session.close(status)
     return written
 
 
+def _key(metric: str) -> str:
+    """A metric's name as every tracker takes it (MLflow refuses `@`)."""
+    return metric.replace("@", "_at_")
+
+
+def model_values(model: dict) -> dict[str, float]:
+    """One model's result on one benchmark, with the intervals, under `eval/<model>[/<benchmark>]/`."""
+    prefix = f"eval/{model['name']}" + ("" if model.get("benchmark", HELDOUT) == HELDOUT else f"/{model['benchmark']}")
+    values = {f"{prefix}/{name}": float(model[name]) for name in _EVAL_FIELDS}
+    intervals = {"mean_reward": model["reward_ci95"], **(model.get("ci95") or {})}
+    if model.get("pass_at"):
+        values[f"{prefix}/avg_at_n"] = float(model["avg_at_n"])
+        values |= {f"{prefix}/{_key(name)}": float(value) for name, value in model["pass_at"].items()}
+    for name, (low, high) in intervals.items():
+        values[f"{prefix}/{_key(name)}_ci95_low"] = float(low)
+        values[f"{prefix}/{_key(name)}_ci95_high"] = float(high)
+    return values
+
+
+def evaluation_values(evaluation: dict, step: int) -> dict[int, dict[str, float]]:
+    """What the trackers get, by training step: the fixed models (base, trained) at the run's step; each saved
+    step's results at that step, and its chosen metric as `eval/checkpoints/<benchmark>/<metric>` (the curve)."""
+    by_step: dict[int, dict[str, float]] = {}
+    metric = (evaluation.get("best") or {}).get("metric", "pass@1")
+    for model in evaluation["models"]:
+        at = model.get("step") or step
+        values = by_step.setdefault(at, {})
+        values |= model_values(model)
+        if model.get("step") is not None and model.get("pass_at"):
+            value, (low, high) = metric_value(model, metric)
+            curve = f"eval/checkpoints/{model.get('benchmark', HELDOUT)}/{_key(metric)}"
+            values |= {curve: value, f"{curve}_ci95_low": low, f"{curve}_ci95_high": high}
+    if best := evaluation.get("best"):
+        by_step.setdefault(step, {})["eval/best_step"] = float(best["step"])
+    return by_step
+
+
 def report_files(run_dir: Path) -> list[Path]:
     """What the tracker run keeps as files: the report and its plots, and the run's own records."""
     run_dir = Path(run_dir)
-    return [run_dir / name for name in (REPORT, REWARD_CURVE, EVAL_PLOT, GUARDS_PLOT, METRICS, "profile.yaml",
-                                        "eval/eval.json")]
+    return [run_dir / name for name in (REPORT, REWARD_CURVE, EVAL_PLOT, CURVE_PLOT, GUARDS_PLOT, METRICS, "profile.yaml",
+                                        "eval/eval.json", f"{BEST}.json")]
 
 
 def tracking_lines(state: TrackingState | None) -> dict[str, str]:

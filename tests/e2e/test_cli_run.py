@@ -34,7 +34,7 @@ def test_a_bad_dataset_fails_the_flow_with_one_line_and_exit_2(tmp_path):
                    tmp_path=tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert error.startswith(f"error: {unsplit}: no train or test split")
+    assert error.startswith(f"error: {unsplit}: 4 rows and no test split; give a test")
     assert "Traceback" not in done.stderr + done.stdout
     assert not (tmp_path / "data" / "gsm8k").exists()
 

@@ -31,7 +31,7 @@ def settings_for(tmp_path: Path, steps: int, save_freq: int, run: str):
     overrides = [
         "cluster.devices_per_node=2", f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
         f"trainer.total_training_steps={steps}", f"trainer.save_freq={save_freq}",
-        f"algorithm.reward_function={LEARNABLE}", "algorithm.lr=0.005",
+        f"reward.functions=[{LEARNABLE}]", "algorithm.lr=0.005",
     ]
     profile = resolve_profile("tiny", "cpu", overrides=overrides)
     data = fetch_dataset(DataSpec.from_profile(profile.data))

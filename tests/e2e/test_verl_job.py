@@ -178,10 +178,11 @@ def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluste
 def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefect_api, cluster, jobs, tmp_path):
     """`model.dist_checkpoint`: prepare_checkpoint converts the base model into the store, both roles
     load it, the step saved as a dist checkpoint is exported back to HF, and the evaluation runs as
-    Ray tasks on the cluster's NPU nodes (the HF engine standing in for vLLM there: no vLLM here)."""
+    Ray tasks on the cluster's NPU nodes (the HF engine standing in for vLLM there: no vLLM here), every saved
+    step of them (eval.checkpoints=all), each step exported from its dist checkpoint."""
     stages = ("fetch_dataset", "prepare_checkpoint", "train", "export_checkpoint", "evaluate", "report")
     state = _flow(cluster, tmp_path, "dist", "model.dist_checkpoint=true", "eval.max_prompts=6", "eval.max_new_tokens=6",
-                  stages=stages)
+                  "eval.checkpoints=all", stages=stages)
     assert state.is_completed(), state.message
     result, run_dir = state.result(), tmp_path / "dist"
     dist = result["model"]["dist_checkpoint"]["path"]
@@ -198,10 +199,13 @@ def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefe
     evaluation = result["eval"]
     assert evaluation["engine"].startswith(f"transformers (cpu) on {socket.gethostname()} (2 Ray tasks on the cluster)")
     by_name = {m["name"]: m for m in evaluation["models"]}
-    assert by_name["base"]["prompts"] == by_name["trained"]["prompts"] == 6
+    assert list(by_name) == ["base", "step_2", "step_4", "step_6"] and all(m["prompts"] == 6 for m in by_name.values())
+    assert result["policy"]["steps"] == {str(step): str(run_dir / "checkpoints" / f"global_step_{step}" / "actor" /
+                                               "huggingface-export") for step in (2, 4, 6)}
     assert f"Generated with {evaluation['engine']}." in (run_dir / "report.md").read_text()
-    # the stand-in does not train: the same weights, greedy, give the same responses
-    assert Path(by_name["trained"]["samples_file"]).read_text() == Path(by_name["base"]["samples_file"]).read_text()
+    # the stand-in does not train: the same weights, greedy, give the same responses, and a tie goes to the earliest step
+    assert {Path(m["samples_file"]).read_text() for m in by_name.values()} == {Path(by_name["base"]["samples_file"]).read_text()}
+    assert evaluation["best"]["name"] == "step_2" and (run_dir / "best").resolve() == Path(result["policy"]["steps"]["2"])
 
     # Again: the conversion is a cache hit, checked against the store's manifest.
     again = _flow(cluster, tmp_path, "dist-again", "model.dist_checkpoint=true", stages=stages[:3])

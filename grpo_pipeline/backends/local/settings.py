@@ -2,12 +2,14 @@
 
     python -m grpo_pipeline --model tiny --device cpu --set cluster.devices_per_node=4   # refused on 2 cores
 
-Checks: the worker count against the host's devices, the dataset's reward columns, a reward for
-every data_source, prompt lengths against data.max_prompt_length, and that the run has a step.
+Checks: the worker count against the host's devices, the dataset's reward columns, the run's reward
+(rewards/check.py: a built-in one for every data_source, or the user's imported and called on two rows),
+prompt lengths against data.max_prompt_length, and that the run has a step.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,12 @@ from grpo_pipeline.profiles.guards import GuardsSection
 from grpo_pipeline.profiles.lora import LoraSection
 from grpo_pipeline.profiles.platform import Platform
 from grpo_pipeline.profiles.schema import RunProfile
+from grpo_pipeline.rewards.check import check_rewards
+from grpo_pipeline.rewards.plan import RewardPlan
 
 
 PHASES_FILE = "phases.jsonl"
+log = logging.getLogger(__name__)
 
 
 class LocalTrainSettings(BaseModel):
@@ -46,7 +51,7 @@ class LocalTrainSettings(BaseModel):
     seed: int
     max_prompt_length: int
     filter_overlong_prompts: bool
-    reward_function: str | None = None
+    reward: RewardPlan = Field(default_factory=RewardPlan, description="What scores the completions (rewards/plan.py).")
     grpo: dict[str, Any] = Field(..., description="GRPOConfig fields derived from the profile.")
     generation: GenerationPlan = Field(..., description="How rollouts are generated (generation/plan.py, resolved at "
                                        "planning): the engine in `grpo`, the decoder and compiling here.")
@@ -91,7 +96,10 @@ def plan_local_training(
     workers, platform = profile.world_size, profile.platform
     check_workers_fit(profile, devices_here)
     grpo, updates_per_step = grpo_fields(profile, workers, generation)
-    check_reward_columns(data_train_files, profile.algorithm.reward_function)
+    check_reward_columns(data_train_files)
+    reward = RewardPlan.from_section(profile.reward)
+    for line in check_rewards(reward, data_train_files[0], profile.reward.check_timeout_s):
+        log.info("%s", line)
     steps = profile.trainer.total_training_steps or profile.trainer.total_epochs * (
         _rows(data_train_files) // profile.data.train_batch_size
     )
@@ -112,7 +120,7 @@ def plan_local_training(
         seed=profile.data.seed,
         max_prompt_length=profile.data.max_prompt_length,
         filter_overlong_prompts=profile.data.filter_overlong_prompts,
-        reward_function=profile.algorithm.reward_function,
+        reward=reward,
         grpo=grpo,
         generation=generation,
         compile_cache_dir=str(compile_cache_dir(profile.model.root)),
@@ -128,11 +136,10 @@ def _rows(files: list[str]) -> int:
     return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
 
 
-def check_reward_columns(files: list[str], reward_function: str | None) -> None:
-    """The columns the reward reads, and a reward function for every data_source in the data."""
+def check_reward_columns(files: list[str]) -> None:
+    """The columns every reward reads (verl's RL schema); what each reward needs beyond them is
+    rewards/check.py's."""
     import pyarrow.parquet as pq
-
-    from grpo_pipeline.common.rewards import REWARDS, custom_reward
 
     for path in files:
         columns = pq.ParquetFile(path).schema_arrow.names
@@ -140,14 +147,6 @@ def check_reward_columns(files: list[str], reward_function: str | None) -> None:
         if missing:
             raise UserError(f"{path}: no {', '.join(missing)} column(s); the reward needs prompt, data_source and "
                             "reward_model.ground_truth (verl's RL schema: let the fetch_dataset stage convert it)")
-        if reward_function:
-            custom_reward(reward_function)
-            continue
-        sources = set(pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist())
-        unknown = sorted(str(s) for s in sources - set(REWARDS))
-        if unknown:
-            raise UserError(f"{path}: no reward function for data_source {', '.join(unknown)}; known: "
-                            f"{', '.join(REWARDS)} (or set algorithm.reward_function=/path/file.py:function)")
 
 
 def prompt_length(tokenizer, messages: list[dict]) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from grpo_pipeline.backends.guards import GuardTripped, StepGuards
 from grpo_pipeline.backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
 from grpo_pipeline.backends.local.data_order import ResumableDataOrder
 from grpo_pipeline.backends.local.probe import MISMATCH, RolloutProbe
+from grpo_pipeline.backends.local.rewards import trl_rewards
 from grpo_pipeline.backends.local.settings import PHASES_FILE, LocalTrainSettings, prompt_length
 from grpo_pipeline.backends.metrics import StepMetrics, append_metrics
 from grpo_pipeline.generation.compiled import compiled_decoding
@@ -52,6 +52,7 @@ def worker_loop(config: dict[str, Any]) -> None:
                                                  attn_implementation=plan.attn_implementation)
     timer = GenerationTimer(model)
     train = training_rows(settings, tokenizer, datasets)
+    reward_funcs, reward_weights = trl_rewards(settings.reward)
     args = GRPOConfig(
         output_dir=str(settings.checkpoints / TRAINER_DIR),
         max_steps=settings.max_steps,
@@ -67,6 +68,7 @@ def worker_loop(config: dict[str, Any]) -> None:
         # transformers replaces a NaN or infinite loss in its log by the mean of the logged ones: the log
         # (and the non_finite guard) would never see it.
         logging_nan_inf_filter=False,
+        reward_weights=reward_weights,
         **settings.grpo,
     )
     trainer_class, options = GRPOTrainer, {}
@@ -91,7 +93,7 @@ def worker_loop(config: dict[str, Any]) -> None:
         options["peft_config"] = peft_config(settings.lora)
     trainer = trainer_class(
         model=model,
-        reward_funcs=_reward_function(settings.reward_function),
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=train,
         processing_class=tokenizer,
@@ -139,32 +141,26 @@ class GenerationTimer:
 
 
 def training_rows(settings: LocalTrainSettings, tokenizer, datasets_module):
-    """The train split as TRL reads it: `prompt` (chat messages) plus what the reward needs, without
-    the prompts longer than data.max_prompt_length when data.filter_overlong_prompts is set (the
-    driver refused the run already if some are too long and filtering is off)."""
+    """The train split as TRL reads it: `prompt` (chat messages) and the columns TRL hands the rewards
+    (`data_source`, `ground_truth`, `extra_info` and each of its fields), without the prompts longer than
+    data.max_prompt_length when data.filter_overlong_prompts is set (the driver refused the run already
+    if some are too long and filtering is off)."""
     rows = datasets_module.load_dataset("parquet", data_files=settings.train_files, split="train")
+    kept = ("prompt", "data_source", "ability", "reward_model", "extra_info")
     rows = rows.map(
-        lambda row: {"ground_truth": row["reward_model"]["ground_truth"]},
-        remove_columns=[c for c in rows.column_names if c not in ("prompt", "data_source", "reward_model")],
-    ).remove_columns(["reward_model"])
+        lambda row: {"ground_truth": row["reward_model"]["ground_truth"],
+                     **{key: value for key, value in (row.get("extra_info") or {}).items() if key not in kept}},
+        remove_columns=[c for c in rows.column_names if c not in kept],
+    )
     if settings.filter_overlong_prompts:
         rows = rows.filter(lambda row: prompt_length(tokenizer, row["prompt"]) <= settings.max_prompt_length)
     return rows
 
 
-def _reward_function(custom: str | None) -> Callable:
-    from grpo_pipeline.common.rewards import score
-
-    def reward(prompts, completions, data_source, ground_truth, **_) -> list[float]:
-        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return [score(source, text, truth, custom).reward for source, text, truth in zip(data_source, texts, ground_truth)]
-
-    reward.__name__ = "reward"
-    return reward
-
-
-# What TRL logs once per generation round (a round serves generation.steps_per_generation steps).
+# What TRL logs once per generation round (a round serves generation.steps_per_generation steps): the
+# summed reward, each reward part's (`rewards/<name>/mean`) and a verl reward's extras (`reward_extras/...`).
 ROUND_KEYS = ("reward", "reward_std", "completions/mean_length", "frac_reward_zero_std", MISMATCH)
+ROUND_PREFIXES = ("rewards/", "reward_extras/")
 
 
 class _MetricsWriter(TrainerCallback):
@@ -187,7 +183,8 @@ class _MetricsWriter(TrainerCallback):
         # TRL logs the rewards of a generation round on its first step only; the round's other steps
         # (generation.steps_per_generation > 1) train on the same responses: their record says so.
         if "reward" in logs:
-            self.round = {key: logs[key] for key in ROUND_KEYS if key in logs}
+            self.round = {key: value for key, value in logs.items()
+                          if key in ROUND_KEYS or key.startswith(ROUND_PREFIXES)}
         if not self.round:
             return
         logs = {**self.round, **logs}
@@ -209,6 +206,7 @@ class _MetricsWriter(TrainerCallback):
             mismatch=logs.get(MISMATCH),
             zero_advantage_share=logs.get("frac_reward_zero_std"),
             resumed_from=self.resumed_from,
+            rewards={key: value for key, value in self.round.items() if key.startswith(ROUND_PREFIXES)},
             time=time.time(),
         )
         if self.rank == 0:

@@ -48,6 +48,7 @@ from grpo_pipeline.backends.verl.job import JOB_DIR, LOST, TERMINAL, JobRecord, 
 from grpo_pipeline.backends.verl.job_api import job_client, job_status, stop_job, submit
 from grpo_pipeline.backends.verl.lora import lora_problems, merged_policy, verl_adapter
 from grpo_pipeline.backends.verl.requirements import verl_requirements
+from grpo_pipeline.backends.verl.rewards import job_reward_package, pipeline_reward
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.node_tasks import check_paths_on_nodes
 from grpo_pipeline.common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
@@ -59,6 +60,8 @@ from grpo_pipeline.planner.memory import MemoryPlan, plan_for
 from grpo_pipeline.profiles.model_size import size_problems
 from grpo_pipeline.profiles.requirements import NodeRequirement, for_stage
 from grpo_pipeline.profiles.schema import RunProfile
+from grpo_pipeline.rewards.check import check_rewards
+from grpo_pipeline.rewards.plan import RewardPlan
 from grpo_pipeline.planner.rules import batch_problems, fsdp_problems, layout_problems, megatron_problems, rollout_problems
 
 POLL_S = 1.0
@@ -213,6 +216,11 @@ class VerlBackend(Backend):
                       "model.root": [inputs.model_path, *filter(None, [inputs.dist_checkpoint_path])]},
             writable={"--run-dir": [inputs.checkpoint_dir, str(run_dir / JOB_DIR)]},
         )
+        for line in check_rewards(RewardPlan.from_section(profile.reward), inputs.train_files[0],
+                                  profile.reward.check_timeout_s):
+            progress.note(line)
+        if pipeline_reward(profile):
+            job_reward_package(profile, run_dir / JOB_DIR)
         attempt, token = (record.attempt + 1, record.token) if record else (1, new_token())
         spec = job_spec(profile, inputs, run_dir, run.run_name, run.runtime_env, token, attempt)
         record = JobRecord(token=token, attempt=attempt, submission_id=spec.submission_id, address=client.get_address(),

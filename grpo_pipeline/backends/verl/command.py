@@ -12,6 +12,7 @@ Rules the rendering keeps:
   (actor and reference), so turning KL on can never build a reference with other settings;
 - each key appears once (settings are collected in a dict before they become arguments);
 - no dead settings (`actor_rollout_ref.nccl_timeout` is read by no code in verl);
+- the run's reward is verl's own keys (`reward.custom_reward_function`: backends/verl/rewards.py);
 - verl's `file` logger is always on: the flow follows a run's metrics through it (backends/verl/follow.py);
 - no environment variables: the run's environment reaches every Ray worker on every node through the
   Ray job's `runtime_env` (backends/verl/job.py). Rendering them also as
@@ -27,6 +28,7 @@ from typing import Any
 
 from grpo_pipeline.backends.base import TrainingInputs
 from grpo_pipeline.backends.verl.lora import lora_settings
+from grpo_pipeline.backends.verl.rewards import reward_settings
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.planner.rules import UNEVEN_PIPELINE_FIELDS
 
@@ -189,6 +191,7 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
         vllm_kwargs = {"max_model_len": r.max_model_len, **vllm_kwargs}
     for name, value in vllm_kwargs.items():
         settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.rollout.engine_kwargs.vllm.{name}"] = value
+    settings.update(reward_settings(p))
     settings.update(
         {
             "trainer.logger": tracked_loggers(t.logger, p.tracking.trackers),

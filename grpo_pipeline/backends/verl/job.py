@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from grpo_pipeline.backends.base import TrainingInputs
 from grpo_pipeline.backends.verl.command import verl_command
+from grpo_pipeline.backends.verl.rewards import reward_modules
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.tracking import job_env
 from grpo_pipeline.profiles.schema import RunProfile
@@ -121,10 +122,12 @@ def job_spec(
     # verl's loggers continue the run's tracker runs (common/tracking.py) from the variables they read.
     env_vars = {**runtime_env.get("env_vars", {}), **job_env(profile.tracking, run_dir),
                 FILE_LOGGER_PATH_VAR: metrics_file}
+    # The reward's code and files travel with the job (backends/verl/rewards.py): no node needs them on its disk.
+    carried = reward_modules(profile, Path(run_dir) / JOB_DIR, write=False)
     return JobSpec(
         submission_id=sid,
         entrypoint=shlex.join(verl_command(profile, inputs)),
-        runtime_env={**runtime_env, "env_vars": env_vars},
+        runtime_env={**runtime_env, "env_vars": env_vars, **({"py_modules": carried} if carried else {})},
         metadata={"run_name": run_name, "run_dir": str(Path(run_dir).resolve()), "attempt": str(attempt),
                   "profile_hash": profile_hash(profile), "submitted_by": "grpo-pipeline"},
         metrics_file=metrics_file,

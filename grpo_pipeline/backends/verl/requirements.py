@@ -58,9 +58,27 @@ def verl_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
             why=f"verl {VERL_VERSION}'s trainer (trainer.use_v1=true, its default) imports transfer_queue",
             fix=f"pip install 'verl[verl-core]=={VERL_VERSION}' (or 'TransferQueue>=0.1.10') in the image"),
     }
+    needs |= _reward_requirements(profile)
     if profile.engine.strategy == "fsdp":
         return needs | _fsdp_requirements(profile)
     return needs | _megatron_requirements(profile)
+
+
+def _reward_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
+    """The pipeline's reward in verl's reward workers (backends/verl/rewards.py): math-verify grades math
+    answers, httpx reaches a reward server, pydantic reads the carried plan."""
+    from grpo_pipeline.backends.verl.rewards import pipeline_reward
+
+    if not pipeline_reward(profile):
+        return {}
+    why = "the job scores with the pipeline's reward (grpo_pipeline.rewards.verl_entry), which imports it"
+    needs = {name: NodeRequirement(stages=["train"], imports=[module], why=why, fix=f"pip install '{spec}' in the image")
+             for name, module, spec in (("math-verify", "math_verify", "math-verify[antlr4_9_3]>=0.9"),
+                                        ("pydantic", "pydantic", "pydantic>=2.7"))}
+    if profile.reward.url:
+        needs["httpx"] = NodeRequirement(stages=["train"], imports=["httpx"], why="reward.url: the job asks the reward "
+                                         "server over HTTP", fix="pip install httpx in the image")
+    return needs
 
 
 def _fsdp_requirements(profile: RunProfile) -> dict[str, NodeRequirement]:
