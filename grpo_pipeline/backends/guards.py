@@ -125,7 +125,7 @@ class StepGuards:
         if record.step == steps and all(r.reward_mean == 0 for r in self.records[:steps]):
             return _trip("reward_collapse", record.step,
                          f"step {record.step}: the mean reward was exactly 0 in each of the first {steps} steps: the "
-                         "reward never scores a response (its data_source, the answer format, algorithm.reward_function?)",
+                         "reward never scores a response (its data_source, the answer format, reward.functions?)",
                          "guards.reward_collapse_steps")
         last = self.records[-steps:]
         if all(r.zero_advantage_share == 1.0 for r in last):

@@ -64,7 +64,7 @@ def _trip(run_dir: Path) -> dict:
 def test_a_weight_sync_that_leaves_the_rollouts_on_old_weights_is_stopped(tmp_path):
     """The native decoder's copy of q/k/v and gate/up is made once and never refreshed: from the second
     round the rollouts come from a policy the trainer left behind."""
-    settings = ["generation.decoder=native", f"algorithm.reward_function={LEARNABLE}", "algorithm.lr=0.005",
+    settings = ["generation.decoder=native", f"reward.functions=[{LEARNABLE}]", "algorithm.lr=0.005",
                 "trainer.total_training_steps=6", "trainer.save_freq=2", "tracking.trackers=[tensorboard]"]
     stopped = _run(tmp_path, "stale", settings, FAULT_STALE_ROLLOUT_WEIGHTS=1)
     assert stopped.returncode == 1, stopped.stderr[-3000:]
@@ -89,7 +89,7 @@ def test_a_weight_sync_that_leaves_the_rollouts_on_old_weights_is_stopped(tmp_pa
 
 
 def test_a_reward_that_returns_a_constant_is_stopped(tmp_path):
-    constant = [f"algorithm.reward_function={TESTS / 'constant_reward.py'}:always_one", "trainer.total_training_steps=6",
+    constant = [f"reward.functions=[{TESTS / 'constant_reward.py'}:always_one]", "trainer.total_training_steps=6",
                 "guards.reward_collapse_steps=3"]
     stopped = _run(tmp_path, "constant", constant)
     assert stopped.returncode == 1, stopped.stderr[-3000:]
