@@ -135,8 +135,10 @@ def test_a_run_from_the_form_shows_live_metrics_then_a_report_that_renders(ui, p
     page.on("response", lambda response: failed_requests.append(response.url) if response.status >= 400 else None)
     page.goto(f"{ui['base']}/artifacts/artifact/{artifacts['run-report'].id}", wait_until="networkidle")
     page.get_by_text("Evaluation", exact=True).first.wait_for()
-    images = page.evaluate("Array.from(document.images).filter(i => i.src.startsWith('data:')).map(i => i.naturalWidth)")
-    assert len(images) == 2 and all(width > 0 for width in images)  # the reward curve and the evaluation plot
+    images = page.evaluate("Array.from(document.images).filter(i => i.src.startsWith('data:')).map(i => [i.alt, i.naturalWidth])")
+    # The reward curve, the evaluation plot and the guards' panel, each drawn (a broken image has no width).
+    assert len(images) == 3 and all(width > 0 for _, width in images), images
+    assert "guards" in [alt for alt, _ in images], images
     assert failed_requests == []
     text = page.inner_text("body")
     assert str(tmp_path / "runs" / "from-the-browser") in text and "beats" in text or "overlap" in text
