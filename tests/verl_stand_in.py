@@ -311,7 +311,9 @@ def _custom_scores(config: dict, step: int) -> list[float] | None:
             for row in pq.read_table(path, columns=["data_source", "reward_model", "extra_info"]).to_pylist()]
     size, n = config["data"]["train_batch_size"], config["actor_rollout_ref"]["rollout"]["n"]
     start = ((step - 1) * size) % max(1, len(rows) - size + 1)
-    samples = [(row, f"The answer is \\boxed{{{row['reward_model']['ground_truth']}}}." if j % 2 == 0 else "I am not sure.")
+    # More responses state the truth as training goes (step 1: the even ones), so the reward rises as a run's would.
+    samples = [(row, f"The answer is \\boxed{{{row['reward_model']['ground_truth']}}}." if j % 2 == 0 or j < step - 1
+                else "I am not sure.")
                for row in rows[start:start + size] for j in range(n)]
 
     async def score_all():

@@ -29,8 +29,9 @@ from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
 from grpo_pipeline.backends.metrics import read_metrics
 from grpo_pipeline.backends.verl.backend import JobStopped
-from grpo_pipeline.backends.verl.job import JobRecord, job_spec, read_record, write_record
+from grpo_pipeline.backends.verl.job import JOB_DIR, JobRecord, job_spec, read_record, write_record
 from grpo_pipeline.backends.verl.job_api import submit
+from grpo_pipeline.backends.verl.rewards import job_reward_package, pipeline_reward
 from grpo_pipeline.common.hf_shards import HFTensors
 from grpo_pipeline.flows.pipeline import grpo_pipeline
 from grpo_pipeline.stages.plan import plan_run
@@ -282,6 +283,8 @@ def test_a_step_that_never_ends_stops_the_job_and_is_retried(cluster, jobs, data
 def test_a_repeated_submit_follows_the_job_already_there(cluster, jobs, dataset, tiny_model_dir, tmp_path):
     """The flow died right after submitting: the next train call follows that job, starts no second one."""
     profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "again", "env.STAND_IN_STEP_S=0.5")
+    if pipeline_reward(profile):  # what the backend writes before it submits: the job carries the run's reward
+        job_reward_package(profile, Path(run.run_dir) / JOB_DIR)
     spec = job_spec(profile, run.inputs, Path(run.run_dir), run.run_name, run.runtime_env, "cafe01", 1)
     write_record(Path(run.run_dir), JobRecord(token="cafe01", attempt=1, submission_id=spec.submission_id,
                                               address=jobs.get_address(), metrics_file=spec.metrics_file, status="SUBMITTED"))
