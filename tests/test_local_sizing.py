@@ -13,19 +13,15 @@ from grpo_pipeline.backends.local.sizing import micro_batch_candidates
 from grpo_pipeline.backends.local.train_memory import HEADROOM, step_memory
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.profiles.loader import given_settings
-from test_local_train_memory import SHAPES, QWEN3, host_with, planned
+from test_local_train_memory import SHAPES, host_with, planned, write_configs
 
 H100_USABLE = 79.6 * 2**30 * (1 - HEADROOM)
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    """Model directories of Qwen3-0.6B's and Qwen3-8B's config.json (all the planner reads)."""
-    root = tmp_path_factory.mktemp("configs")
-    for name, shape in SHAPES.items():
-        (root / name).mkdir()
-        (root / name / "config.json").write_text(json.dumps({**QWEN3, **shape}))
-    return {name: root / name for name in SHAPES}
+    """Model directories of Qwen3-0.6B's and Qwen3-8B's config.json."""
+    return write_configs(tmp_path_factory.mktemp("configs"))
 
 
 def fits(profile, micro: int, checkpointing: bool) -> bool:

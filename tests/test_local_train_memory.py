@@ -30,13 +30,17 @@ LONG_CONTEXT = ["data.max_response_length=16384", "data.train_batch_size=2", "ac
                 "actor.ppo_micro_batch_size_per_gpu=2", "generation.steps_per_generation=1"]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("configs")
+def write_configs(root: Path) -> dict[str, Path]:
+    """A model directory per shape, holding its config.json (all the planner reads)."""
     for name, shape in SHAPES.items():
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps({**QWEN3, **shape}))
     return {name: root / name for name in SHAPES}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return write_configs(tmp_path_factory.mktemp("configs"))
 
 
 def host_with(gpus: int, name: str = "NVIDIA H100 80GB HBM3", gib: float = 79.6):
