@@ -3,8 +3,9 @@
     python -m grpo_pipeline --model tiny --device cpu --set guards.reward_collapse_steps=off
 
 `StepGuards` reads every training step's record (`StepMetrics`, the same for both engines) as the train
-stage passes it on (stages/train.py), and the local backend's workers run its `non_finite` check
-before a step's checkpoint is written (backends/local/worker.py). A tripped guard raises
+stage passes it on (stages/train.py). The local backend's workers run the same guards themselves
+(backends/local/worker.py): `non_finite` before a step's checkpoint is written, the others before the
+next step's rollout, so a run stops at the step that tripped however far the stage has read. A tripped guard raises
 `GuardTripped`: the stage stops the engine through `Backend.stop_for_guard` (the verl job through Ray's
 job API, the local backend's workers), the failure hooks write the report, the trackers are told, and
 the train stage's retry never runs it again (the same data and weights would trip it again).

@@ -5,8 +5,10 @@
 Imported by the driver only when it starts training, and by the workers: transformers, TRL and
 torch load here, never when the flow is imported. A worker never calls Prefect: rank 0 appends a
 `StepMetrics` record per optimizer step to metrics.jsonl and publishes checkpoints; the driver
-follows both. Every rank checks its step for non-finite values before the step's checkpoint is written
-(the values are the same on all ranks: gathered or all-reduced), so a poisoned step is never saved.
+follows both. Every rank runs the guards on each step (the values are the same on all ranks: gathered or
+all-reduced): a non-finite step stops before its checkpoint is written, so a poisoned step is never
+saved; any other guard stops the run after the step's checkpoint and before the next rollout, so the
+run ends at the step that tripped whatever the driver has read of the records by then.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from grpo_pipeline.backends.guards import GuardTripped, StepGuards
+from grpo_pipeline.backends.guards import GuardTrip, GuardTripped, StepGuards
 from grpo_pipeline.backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
 from grpo_pipeline.backends.local.data_order import ResumableDataOrder
 from grpo_pipeline.backends.local.probe import MISMATCH, RolloutProbe
 from grpo_pipeline.backends.local.rewards import trl_rewards
 from grpo_pipeline.backends.local.settings import PHASES_FILE, LocalTrainSettings, prompt_length
-from grpo_pipeline.backends.metrics import StepMetrics, append_metrics
+from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, read_metrics
 from grpo_pipeline.generation.compiled import compiled_decoding
 
 
@@ -164,17 +166,24 @@ ROUND_PREFIXES = ("rewards/", "reward_extras/")
 
 
 class _MetricsWriter(TrainerCallback):
-    """Rank 0 appends one JSON line per optimizer step; the driver follows the file. Every rank stops on
-    a non-finite step here, before the step's checkpoint (transformers logs a step, then saves it)."""
+    """Rank 0 appends one JSON line per optimizer step; the driver follows the file. Every rank runs the
+    guards here: a non-finite step stops before its checkpoint (transformers logs a step, then saves it),
+    another trip at the next step's start, once the tripping step is saved."""
 
     def __init__(self, settings: LocalTrainSettings, rank: int, resumed_from: int | None, timer: GenerationTimer):
         self.settings, self.rank, self.resumed_from, self.timer = settings, rank, resumed_from, timer
+        # The driver cut the records back to the checkpoint resumed from before starting the workers: what
+        # is left is the history the windowed guards look back over (empty on a node that cannot read it).
+        self.guards = StepGuards(settings.guards, read_metrics(settings.metrics_file), resumed_from)
+        self.tripped: GuardTrip | None = None
         self.round: dict[str, float] = {}
         self.step_started = time.perf_counter()
         grpo = settings.grpo
         self.completions_per_step = grpo["per_device_train_batch_size"] * settings.workers * grpo["gradient_accumulation_steps"]
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.tripped:  # the step that tripped is saved; no rollout of the next one
+            raise GuardTripped(self.tripped)
         self.step_started = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -211,8 +220,10 @@ class _MetricsWriter(TrainerCallback):
         )
         if self.rank == 0:
             append_metrics(self.settings.metrics_file, record)
-        if trip := StepGuards(self.settings.guards).non_finite(record):
-            raise GuardTripped(trip)
+        if trip := self.guards.check(record):
+            if trip.guard == "non_finite":
+                raise GuardTripped(trip)
+            self.tripped = trip
 
 
 class _CheckpointPublisher(TrainerCallback):
