@@ -39,8 +39,8 @@ def cells(floor: dict, models: set[str] | None) -> list[dict]:
 
 
 def model_dir(shape: str, vocab: int, root: Path, tokenizer, device: str) -> Path:
-    """The cell's model as an HF folder vLLM loads (bench_decode_floor.build_model: same shape, same seed)."""
-    from bench_decode_floor import build_model
+    """The cell's model as an HF folder vLLM loads (decode_models.build_model: same shape, same seed)."""
+    from decode_models import build_model
 
     path = root / f"{shape}-{vocab}"
     if not (path / "config.json").is_file():
@@ -78,7 +78,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help="on the CPU: everything but vLLM (tiny shape, fake timings)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-    from bench_decode_floor import chat_prompts
+    from decode_models import chat_prompts
     from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(512, seed=0)

@@ -53,11 +53,11 @@ def _cut(row: list[int], eos: int) -> list[int]:
 
 
 def hf_rollouts(model, tokenizer, prompts, new_tokens: int, fast: bool, greedy: bool):
-    """transformers' `generate` with TRL's rollout config (bench_decode_floor.trl_generation_config):
+    """transformers' `generate` with TRL's rollout config (decode_models.trl_generation_config):
     completions (cut after end-of-sequence) and per-token log-probs of its processed scores."""
     import torch
 
-    from bench_decode_floor import trl_generation_config
+    from decode_models import trl_generation_config
 
     ids, mask = _left_padded(prompts, tokenizer.pad_token_id, model.device)
     config = trl_generation_config(tokenizer, new_tokens, fast)
@@ -104,7 +104,7 @@ def gap_stats(engine: list[list[float]], trainer: list[list[float]]) -> dict:
 def correctness(shape: str, vocab: int, device: str, tokenizer, batch: int, new_tokens: int) -> dict:
     import torch
 
-    from bench_decode_floor import build_model, chat_prompts
+    from decode_models import build_model, chat_prompts
     from grpo_pipeline.generation.decoding import NativeDecoder, Sampling
 
     model = build_model(shape, vocab, device, tokenizer)
@@ -161,7 +161,7 @@ def compile_cache_probe(shape: str, vocab: int, device: str, batch: int) -> dict
 def probe(shape: str, vocab: int, device: str, batch: int) -> dict:
     import torch  # noqa: F401
 
-    from bench_decode_floor import build_model, chat_prompts
+    from decode_models import build_model, chat_prompts
     from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
     from grpo_pipeline.generation.decoding import NativeDecoder, Sampling
 

@@ -22,7 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_floor import PROMPT_ROOM, build_model, ceilings, chat_prompts, floor, write  # noqa: E402
+from bench_decode_floor import PROMPT_ROOM, ceilings, floor, write  # noqa: E402
+from decode_models import build_model, chat_prompts  # noqa: E402
 
 from grpo_pipeline.generation.decode_step import Splits  # noqa: E402
 
