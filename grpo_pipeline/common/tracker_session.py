@@ -10,8 +10,8 @@ up after a few seconds without retries (`Tracker.bounded`, profiles/trackers/), 
 the tracker is tried again at most every RETRY_S while its steps wait; when it answers, the steps it
 missed go first. At the end (and when a rerun starts training) every tracker is filled up to the last
 step of metrics.jsonl, which also covers steps trained by workers that outlived a killed flow; the
-steps a tracker still lacks then are `missed`, which the report names. Every way a run ends closes the tracker
-runs with its status: FINISHED, FAILED, or KILLED (cancelled or stopped).
+steps a tracker still lacks then are `missed`, which the report names. Every way a run ends closes
+the tracker runs with its status: FINISHED, FAILED, or KILLED (cancelled or stopped).
 """
 
 from __future__ import annotations

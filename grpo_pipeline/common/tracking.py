@@ -22,7 +22,7 @@ from pydantic import BaseModel, Field
 from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.profiles.secrets import scrub
-from grpo_pipeline.profiles.trackers import (
+from grpo_pipeline.profiles.trackers import (  # noqa: F401  (the run's end statuses: the flow imports them from here)
     FAILED,
     FINISHED,
     KILLED,
@@ -30,8 +30,6 @@ from grpo_pipeline.profiles.trackers import (
     tracker_for,
 )
 from grpo_pipeline.profiles.tracking import TrackingSection
-
-__all__ = ["FAILED", "FINISHED", "KILLED"]  # the statuses a run's end gives its tracker runs, kept importable here
 
 STATE_FILE = "tracking.json"
 # How long opening a tracker's run may take: a yes/no at the start (a step's bound: `Tracker.bounded`).

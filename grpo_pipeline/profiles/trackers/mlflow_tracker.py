@@ -15,7 +15,6 @@ from pydantic import Field
 from grpo_pipeline.profiles.section import Section
 from grpo_pipeline.profiles.trackers.base import STEP_TIMEOUT_S, Tracker
 
-
 # A URI's `user:password@` (%-escaped `@` too). Not profiles/secrets.py's pattern: that module reads the
 # schema, which this module is part of.
 _CREDENTIALS = re.compile(r"://[^/@\s]+(?:@|%40)")
