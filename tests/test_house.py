@@ -1,7 +1,7 @@
 """The house rules DESIGN.md states, kept by a test: modules about one thing stay small, only
 backends/ knows a backend by its name, every package imports only from the floors below it, no
-modules import each other around a loop, nothing below tasks/ imports Prefect, and docs/layout.md is
-the map the modules make (tests/house_map.py). Paths are relative to grpo_pipeline/."""
+modules import each other around a loop, nothing below tasks/ imports Prefect, only the tracker classes
+name a tracker, and docs/layout.md is the map the modules make (tests/house_map.py). Paths are relative to grpo_pipeline/."""
 
 from __future__ import annotations
 
@@ -87,6 +87,20 @@ def test_a_runs_generation_path_is_decided_in_one_place():
     read = [f"{house_map.shown(p)}:{i}" for p in modules(*PACKAGES) if p.parts[-2:] != ("generation", "plan.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if section.search(line)]
     assert read == []
+
+
+def test_only_the_tracker_classes_name_a_tracker():
+    """Each experiment tracker is one class of profiles/trackers/ that owns its name, label, package, settings,
+    folder, link and verl logger; everything else asks the registry. A tracker's name as a string anywhere
+    else (a table keyed by it, a `name == "mlflow"` branch) is the second place a new tracker must be added.
+    Words in prose (docstrings, messages) are not names: only a string that is exactly one counts."""
+    from grpo_pipeline.profiles.trackers import TRACKERS
+
+    names = {*TRACKERS, "swanlab", "clearml", "comet", "neptune", "aim"}  # and those a tracker may be named next
+    found = [f"{house_map.shown(p)}:{node.lineno} {node.value!r}" for p in modules(*PACKAGES)
+             if p.parent.name != "trackers" for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() in names]
+    assert found == []
 
 
 def test_the_ground_floor_imports_nothing_of_the_project():

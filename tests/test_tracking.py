@@ -256,3 +256,21 @@ def test_a_tracker_that_goes_away_during_training_costs_warnings_not_the_trainin
         steps.step(_step(step))
     steps.close()
     assert warned and all(line.startswith("tracking: ") and "\n" not in line for line in warned)
+
+
+def test_a_tracker_is_one_class_that_the_profile_the_preflight_and_the_verl_command_ask():
+    """Each registered class says everything about its tool; the profile's section, the node requirements
+    and verl's loggers are made from the registry (so a new tracker is one class: docs/tracking.md)."""
+    from typing import get_args
+
+    from grpo_pipeline.backends.verl.command import tracked_loggers
+    from grpo_pipeline.profiles.trackers import TRACKERS
+    from grpo_pipeline.profiles.tracking import TrackingSection, tracker_requirements
+
+    assert get_args(get_args(TrackingSection.model_fields["trackers"].annotation)[0]) == tuple(TRACKERS)
+    for name, tracker in TRACKERS.items():
+        assert tracker.name == name and tracker.label and tracker.package and tracker.imports and tracker.verl_logger
+        assert TrackingSection.model_fields[name].annotation is tracker.settings_class
+    everything = TrackingSection(trackers=list(TRACKERS))
+    assert list(tracker_requirements(everything)) == [t.package for t in TRACKERS.values()]
+    assert tracked_loggers(["console"], everything.trackers) == ["console", *(t.verl_logger for t in TRACKERS.values()), "file"]

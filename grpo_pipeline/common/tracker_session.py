@@ -6,12 +6,12 @@ report's files, and the run's end.
 Each tracker gets every training step once and in order: `tracking.json` keeps, per tracker, the last
 step it has (`logged_to`), and the steps after it are read back from metrics.jsonl, where the training
 side wrote them. So a tracker that stops answering never holds training up for long: a request gives
-up after a few seconds without retries (common/tracking.py `bounded`), and once one failed, the tracker
-is tried again at most every RETRY_S while its steps wait; when it answers, the steps it missed go
-first. At the end (and when a rerun starts training) every tracker is filled up to the last step of
-metrics.jsonl, which also covers steps trained by workers that outlived a killed flow; the steps a
-tracker still lacks then are `missed`, which the report names. Every way a run ends closes the tracker
-runs with its status: FINISHED, FAILED, or KILLED (cancelled or stopped).
+up after a few seconds without retries (`Tracker.bounded`, profiles/trackers/), and once one failed,
+the tracker is tried again at most every RETRY_S while its steps wait; when it answers, the steps it
+missed go first. At the end (and when a rerun starts training) every tracker is filled up to the last
+step of metrics.jsonl, which also covers steps trained by workers that outlived a killed flow; the
+steps a tracker still lacks then are `missed`, which the report names. Every way a run ends closes
+the tracker runs with its status: FINISHED, FAILED, or KILLED (cancelled or stopped).
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from grpo_pipeline.common.tracking import (
-    DESCRIBED,
-    TRACKER_CLASSES,
-    Tracker,
     TrackingState,
     one_line,
     read_state,
     write_state,
 )
+from grpo_pipeline.profiles.trackers import Tracker, tracker_for
 from grpo_pipeline.profiles.tracking import TrackingSection
 
 # A tracker that did not answer is asked again after this long, not at every step.
@@ -50,7 +48,7 @@ class TrackingSession:
         self._opened: set[str] = set()
         self._failed_at: dict[str, float] = {}  # a tracker that did not answer: when it last failed
         for name in state.runs:
-            self.trackers.append(TRACKER_CLASSES[name](settings, run_dir))
+            self.trackers.append(tracker_for(name, settings, run_dir))
 
     def log_step(self, step: int, values: dict[str, float] | None = None, now: bool = False) -> None:
         """Every tracker gets the steps it lacks up to `step` (`values`: step's own, when the file may lag);
@@ -134,12 +132,12 @@ class TrackingSession:
                 work()
         except Exception as exc:  # each tool raises its own types (connection, auth, timeouts)
             if name not in self._failed_at:
-                self.warn(f"tracking: {DESCRIBED[name]} did not answer ({one_line(exc)}); training goes on, its steps "
+                self.warn(f"tracking: {tracker.label} did not answer ({one_line(exc)}); training goes on, its steps "
                           f"wait in metrics.jsonl and are sent when it answers (asked again every {RETRY_S:.0f} s)")
             self._failed_at[name] = time.monotonic()
             return False
         if self._failed_at.pop(name, None) is not None:
-            self.warn(f"tracking: {DESCRIBED[name]} answers again; it has every step up to {self.state.logged(name)}")
+            self.warn(f"tracking: {tracker.label} answers again; it has every step up to {self.state.logged(name)}")
         return True
 
     def _save(self) -> None:

@@ -18,7 +18,6 @@ from pydantic import BaseModel, Field
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingRun
 from grpo_pipeline.common.file_faults import run_folder_problem
-from grpo_pipeline.common.tracker_stores import store_problem
 from grpo_pipeline.stages import run_lock
 from grpo_pipeline.stages.request import RERUN_COMMAND, RunRequest
 from grpo_pipeline.common.errors import ProfileError, UserError
@@ -39,7 +38,7 @@ from grpo_pipeline.stages.train import training_inputs
 from grpo_pipeline.common.hub_reach import hub_endpoint, hub_offline, reach_problem, unreachable
 from grpo_pipeline.common.ray_address import check_reachable, cluster_address, parse_ray_address
 from grpo_pipeline.common.store import read_manifest
-from grpo_pipeline.common.tracking import missing_credentials
+from grpo_pipeline.common.tracking import missing_credentials, store_problem
 
 log = logging.getLogger(__name__)
 

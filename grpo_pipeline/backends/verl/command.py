@@ -30,6 +30,7 @@ from grpo_pipeline.backends.base import TrainingInputs
 from grpo_pipeline.backends.verl.lora import lora_settings
 from grpo_pipeline.backends.verl.rewards import reward_settings
 from grpo_pipeline.profiles.schema import RunProfile
+from grpo_pipeline.profiles.trackers import tracker_class
 from grpo_pipeline.planner.rules import UNEVEN_PIPELINE_FIELDS
 
 VERL_VERSION = "0.9.1"
@@ -214,13 +215,16 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
 def tracked_loggers(loggers: list[str], trackers: list[str]) -> list[str]:
     """verl's loggers: the profile's, the run's experiment trackers (verl logs each step to them itself,
     continuing the tracker run the flow opened: backends/verl/job.py), and the file logger, each once."""
-    return list(dict.fromkeys([*loggers, *trackers, FILE_LOGGER]))
+    return list(dict.fromkeys([*loggers, *(tracker_class(name).verl_logger for name in trackers), FILE_LOGGER]))
 
 
 def tracked_project(profile: RunProfile) -> str:
     """verl passes `trainer.project_name` to `wandb.init(project=...)` (and names MLflow's experiment by it
-    unless MLFLOW_RUN_ID attaches it to a run, as the tracked job does): W&B's project when W&B is tracked."""
-    return profile.tracking.wandb.project if "wandb" in profile.tracking.trackers else profile.trainer.project_name
+    unless MLFLOW_RUN_ID attaches it to a run, as the tracked job does): the project a tracked tracker
+    decides (W&B's), else the trainer's."""
+    tracking = profile.tracking
+    return next((project for name in tracking.trackers
+                 if (project := tracker_class(name).verl_project(getattr(tracking, name)))), profile.trainer.project_name)
 
 
 def format_value(value: Any) -> str:
