@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 GIB = 2**30
 PARAM_BYTES = 2  # bf16 / fp16 weights
 VLLM_OVERHEAD = 2 * GIB  # CUDA graphs, sampler and profiling buffers of one vLLM engine (approximate)
+# What the planner keeps free of a device when it sizes a run itself (backends/local/sizing.py,
+# backends/verl/sizing.py): what an estimate leaves out and a misjudged batch shape should not cost a run that a
+# smaller micro batch or the recomputation would have saved. A refusal still compares the estimate with the device.
+HEADROOM = 0.10
 
 
 @dataclass

@@ -49,6 +49,7 @@ from grpo_pipeline.backends.verl.job_api import job_client, job_status, stop_job
 from grpo_pipeline.backends.verl.lora import lora_problems, merged_policy, verl_adapter
 from grpo_pipeline.backends.verl.requirements import verl_requirements
 from grpo_pipeline.backends.verl.rewards import job_reward_package, pipeline_reward
+from grpo_pipeline.backends.verl.sizing import size_verl_run, sizing_notes
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.node_tasks import check_paths_on_nodes
 from grpo_pipeline.common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
@@ -80,9 +81,20 @@ class VerlBackend(Backend):
     name = "verl"
     logs_to_trackers = True
 
+    def detected_layer(self, profile: RunProfile, devices_here: int, generation: GenerationPlan,
+                       detected_names: list[str] | None = None, detected_gib: list[float] | None = None,
+                       given: frozenset[str] = frozenset()) -> dict | None:
+        # Micro batches, recomputation, offload, vLLM's share and concurrency, around what is given (sizing.py).
+        if detected_gib and (sizing := size_verl_run(profile, detected_names, detected_gib, given, self.profile_problems)):
+            return sizing.layer or None
+        return None
+
     def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
                     detected_gib: list[float] | None = None) -> MemoryPlan | None:
-        return plan_for(profile, detected_names, detected_gib)
+        plan = plan_for(profile, detected_names, detected_gib)
+        if plan and detected_gib and (free := size_verl_run(profile, detected_names, detected_gib, frozenset(), self.profile_problems)):
+            plan.notes += sizing_notes(profile, free)  # each sized setting beside the planner's own choice
+        return plan
 
     def memory_note(self, profile: RunProfile, generation: GenerationPlan, detected_names: list[str] | None = None,
                     detected_gib: list[float] | None = None) -> str | None:
