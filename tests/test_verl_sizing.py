@@ -95,3 +95,28 @@ def test_a_run_that_fits_nowhere_is_still_refused_with_its_fix(models):
     with pytest.raises(Exception, match="the layout does not fit in memory: actor needs"):
         planned(models["qwen3-8b"], host_with(1), *ONE_GPU)  # full training of 8B: 16 bytes a parameter
 
+
+
+def test_suggest_layout_on_one_gpu_is_verls_table_computed(cli, models):
+    """verl's hand-made table of the largest GRPO batch on one H100 (docs/perf/device_tuning.rst), computed from its
+    FSDP engine's plan at the model's lengths: the largest update micro batch, full training and LoRA."""
+    shape = [arg for item in ONE_GPU[1:] for arg in ("--set", item)] + ["--set", "platform.accelerator=H100"]
+    done = cli("--model", str(models["qwen3-8b"]), "--device", "gpu", "--backend", "verl", *shape, "--suggest-layout", "--json")
+    assert done.returncode == 0, done.stderr
+    rows = {(r["training"], r["gradient_checkpointing"]): r["largest_micro_batch"] for r in json.loads(done.stdout)["rows"]}
+    # An 8B's full training state (fp32 weights, gradients and AdamW's moments: 16 bytes a parameter) fills an H100.
+    assert rows[("full", False)] == rows[("full", True)] == 0
+    assert rows[("LoRA r16", True)] > rows[("LoRA r16", False)] > 0
+    profile = planned(models["qwen3-8b"], host_with(1), *ONE_GPU, "lora.rank=16", "log_prob.micro_batch_size_per_gpu=1")
+    largest = rows[("LoRA r16", False)]  # the boundary: it fits, one more does not
+
+    def at(micro: int):
+        return with_settings(profile, {"actor.ppo_micro_batch_size_per_gpu": micro, "model.enable_gradient_checkpointing": False})
+
+    assert trainer_fits(at(largest)) and not trainer_fits(at(largest + 1))
+    text = cli("--model", str(models["qwen3-8b"]), "--device", "gpu", "--backend", "verl", *shape, "--suggest-layout")
+    assert "# verl (fsdp): the largest micro batch of 1280-token sequences" in text.stdout
+    assert "| full | off | none fits | - |" in text.stdout
+    small = cli("--model", str(models["qwen3-8b"]), "--device", "gpu", "--backend", "verl", *shape,
+                "--set", "platform.device_memory_gib=8", "--suggest-layout")
+    assert small.returncode == 2 and "error: not one sequence of custom fits one" in small.stderr

@@ -10,7 +10,7 @@ planner/memory.py (Megatron) and planner/fsdp.py (FSDP2) fill them in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from grpo_pipeline.profiles.model_size import ModelSize, head_dim, kv_bytes_per_token, linear_state_bytes_per_sequence
 
@@ -110,6 +110,21 @@ def memory_table(summary: dict[str, Any]) -> list[str]:
                      f"| {largest} |")
     lines += [f"note: {note}" for note in s["notes"]]
     return lines + ([f"warning: {s['warning']}"] if s.get("warning") else [])
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int | None:
+    """The largest batch (any size up to `limit`) that `fits`, where what a batch needs grows with it: doubled, then
+    halved in on; None when not even one fits."""
+    if not fits(1):
+        return None
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:  # low fits, high does not (or is past the limit)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def gib(value: float | None) -> float | None:

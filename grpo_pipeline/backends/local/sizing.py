@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from grpo_pipeline.backends.local.train_memory import GIB, HEADROOM, step_memory
 from grpo_pipeline.generation.plan import GenerationPlan
+from grpo_pipeline.planner.roles import largest_fitting
 from grpo_pipeline.planner.rules import divisors
 from grpo_pipeline.profiles.schema import RunProfile
 
@@ -107,26 +108,16 @@ def size_step(p: RunProfile, generation: GenerationPlan, detected_names: list[st
     return StepSizing(candidates[0], modes[-1], False, needed, usable, candidates)
 
 
-def largest_micro_batch(p: RunProfile, generation: GenerationPlan, checkpointing: bool, memory: float,
-                        limit: int = 1 << 16) -> tuple[int, float] | None:
-    """The largest micro batch (any size, up to `limit`) whose step fits the device, and its bytes; None when not
-    even one sequence fits (the step grows with the micro batch: doubled, then halved in on)."""
+def largest_micro_batch(p: RunProfile, generation: GenerationPlan, checkpointing: bool, memory: float) -> tuple[int, float] | None:
+    """The largest micro batch whose step fits the device, and its bytes; None when not even one sequence fits."""
     usable = usable_bytes(p, memory)
 
     def needed(m: int) -> float:
         found = step_bytes(p, generation, m, checkpointing, memory)
         return float("inf") if found is None else found
 
-    if needed(1) > usable:
-        return None
-    low, high = 1, 2
-    while high <= limit and needed(high) <= usable:
-        low, high = high, high * 2
-    high = min(high, limit + 1)
-    while high - low > 1:  # needed(low) fits, needed(high) does not (or is past the limit)
-        middle = (low + high) // 2
-        low, high = (middle, high) if needed(middle) <= usable else (low, middle)
-    return low, needed(low)
+    largest = largest_fitting(lambda m: needed(m) <= usable)
+    return None if largest is None else (largest, needed(largest))
 
 
 def one_device_table(p: RunProfile, generation: GenerationPlan) -> tuple[dict, list[str]]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from grpo_pipeline.planner.memory import plan_for
-from grpo_pipeline.planner.roles import HEADROOM, MemoryPlan
+from grpo_pipeline.planner.roles import HEADROOM, MemoryPlan, largest_fitting
 from grpo_pipeline.planner.rules import divisors
 from grpo_pipeline.profiles.schema import RunProfile
 
@@ -247,3 +247,40 @@ def sizing_notes(p: RunProfile, free: RunSizing) -> list[str]:
 def _value(p: RunProfile, key: str) -> Any:
     section, name = key.split(".", 1)
     return getattr(getattr(p, section), name)
+
+
+def one_device_table(p: RunProfile) -> tuple[dict, list[str]] | None:
+    """`--suggest-layout --backend verl` for one device: the largest update micro batch that fits, full training and
+    LoRA (the profile's rank, else 16), gradient checkpointing off and on, at the profile's lengths (the log-prob
+    passes at micro batch 1); as JSON (`refusal` when not one sequence fits) and as the lines printed. None on
+    more devices: the layout search answers."""
+    if p.world_size != 1:
+        return None
+    name, memory_gib, source = p.platform.device_memory()
+    if memory_gib is None:
+        return {"refusal": f"--suggest-layout needs the device's memory ({source})"}, []
+    rank, rows = p.lora.rank or 16, []
+    for label, trained_rank in (("full", 0), (f"LoRA r{rank}", rank)):
+        trained = with_settings(p, {"lora.rank": trained_rank, "actor.use_dynamic_bsz": False,
+                                    "log_prob.micro_batch_size_per_gpu": 1})
+        search = _Search(trained, None, None, frozenset(), lambda _: [])
+        for checkpointing in (False, True):
+            def sized(m: int) -> RunProfile:
+                return with_settings(trained, {CHECKPOINTING: checkpointing, "actor.ppo_micro_batch_size_per_gpu": m})
+
+            largest = largest_fitting(lambda m: search.fits(sized(m), TRAINER_ROLES))
+            update = search.plan(sized(largest)).roles[0].total if largest else None
+            rows.append({"training": label, "gradient_checkpointing": checkpointing, "largest_micro_batch": largest or 0,
+                         "update_gib": round(update / 2**30, 1) if update else None})
+    d = p.data
+    device = f"{memory_gib:.1f} GiB {name} ({source}), {HEADROOM:.0%} kept spare"
+    summary = {"device": device, "sequence_tokens": d.max_prompt_length + d.max_response_length, "rows": rows}
+    if not any(row["largest_micro_batch"] for row in rows):
+        summary["refusal"] = (f"not one sequence of {p.model.name} fits one {name} device in verl's update, even as LoRA "
+                              "with gradient checkpointing; lower data.max_response_length, or add devices "
+                              "(--set cluster.devices_per_node=N: the layout search answers)")
+    lines = [f"# verl ({p.engine.strategy}): the largest micro batch of {summary['sequence_tokens']}-token sequences one "
+             f"device's update fits: {device}",
+             "| training | gradient checkpointing | largest micro batch | update GiB |", "|---|---|---|---|"]
+    return summary, lines + [f"| {row['training']} | {'on' if row['gradient_checkpointing'] else 'off'} | "
+                             f"{row['largest_micro_batch'] or 'none fits'} | {row['update_gib'] or '-'} |" for row in rows]
