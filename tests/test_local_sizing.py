@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.backends.local.sizing import micro_batch_candidates
+from grpo_pipeline.common.errors import ProfileError
 from grpo_pipeline.backends.local.train_memory import HEADROOM, step_memory
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.profiles.loader import given_settings
@@ -42,9 +43,12 @@ def test_the_largest_micro_batch_that_fits_without_recomputation(models, model, 
         assert 1 <= micro < candidates[-1]
 
 
-def test_a_full_8b_on_one_h100_is_told_to_train_an_adapter(models):
+def test_a_full_8b_on_one_h100_is_refused_and_told_to_train_an_adapter(models):
     h100 = host_with(1)
-    profile = planned(models["qwen3-8b"], h100)
+    with pytest.raises(ProfileError, match=r"^the training step does not fit the device: micro batch 1 needs [\d.]+ GiB of "
+                       r"67.6 GiB usable; train an adapter \(lora.rank=16\)\n"):
+        planned(models["qwen3-8b"], h100)
+    profile = planned(models["qwen3-8b"], h100, "planner.enforce=false")  # the dry run still says what would fit
     assert profile.model.enable_gradient_checkpointing is True and not fits(profile, 1, True)
     note = h100.memory_note(profile, plan_generation(profile))
     assert "no micro batch fits even with gradient checkpointing on" in note and "train an adapter (lora.rank=16)" in note
@@ -86,6 +90,11 @@ def test_the_dry_run_on_a_one_gpu_host_names_the_planners_choices(cli, models, m
                           "--dry-run", "--json").stdout)
     assert plan["profile"]["cluster"]["devices_per_node"] == 1
     assert f"micro batch {plan['profile']['actor']['ppo_micro_batch_size_per_gpu']}: the largest of" in memory
+    full = cli("--model", str(models["qwen3-8b"]), "--device", "auto", "--dry-run")  # no adapter: fits nowhere
+    assert full.returncode == 2 and full.stdout == ""
+    said = full.stderr.strip().splitlines()
+    assert said[-3].startswith("error: the training step does not fit the device: micro batch 1 needs "), full.stderr
+    assert said[-1] == "  or lower data.max_response_length or data.train_batch_size; planner.enforce=false runs it anyway"
 
 
 PROBE_ONE_H100 = {"npu": {"status": "absent", "detail": "torch_npu is not installed"},
@@ -118,3 +127,20 @@ def test_suggest_layout_on_one_gpu_is_the_largest_micro_batch_for_full_and_lora(
                "platform.device_memory_gib=8", "--suggest-layout")
     assert tiny.returncode == 2 and "error: not one sequence of custom fits one" in tiny.stderr
     assert "lower generation.steps_per_generation" in tiny.stderr
+
+
+def test_fewer_rounds_per_generation_where_their_rollouts_leave_no_room(models):
+    """The GPU profile generates 4 steps' prompts a round; at 16 x 8 with 1,024 new tokens their KV cache beside the
+    step fits no micro batch of Qwen3-0.6B on one H100: the planner halves the rounds until one fits, unless given."""
+    shape = ["data.max_prompt_length=256", "data.max_response_length=1024", "data.train_batch_size=16",
+             "actor.ppo_mini_batch_size=16", "algorithm.rollout_n=8"]
+    h100 = host_with(1)
+    profile = planned(models["qwen3-0.6b"], h100, *shape)
+    rounds = profile.generation.steps_per_generation
+    assert 1 <= rounds < 4 and plan_generation(profile).steps_per_generation == rounds
+    assert fits(profile, profile.actor.ppo_micro_batch_size_per_gpu, profile.model.enable_gradient_checkpointing)
+    if rounds > 1:  # twice as many would not have fitted
+        more = profile.model_copy(update={"generation": profile.generation.model_copy(update={"steps_per_generation": rounds * 2})})
+        assert not any(fits(more, m, True) for m in micro_batch_candidates(more))
+    with pytest.raises(ProfileError, match="the training step does not fit the device"):  # given: kept, and refused
+        planned(models["qwen3-0.6b"], h100, *shape, "generation.steps_per_generation=4")

@@ -120,7 +120,8 @@ class Backend(ABC):
                        detected_names: list[str] | None = None, detected_gib: list[float] | None = None,
                        given: frozenset[str] = frozenset()) -> dict | None:
         """Settings this engine takes from the `devices_here` found on the run's one host (their names and
-        memory when known; `generation`: the run's plan, which this layer cannot change), as a profile layer
+        memory when known; `generation`: the run's plan, of which the layer may change only the rounds,
+        `generation.steps_per_generation`), as a profile layer
         above the device profile's defaults (a recipe, a profile file or --set still wins: `given` names what
         they set, profiles/loader.py `given_settings`); None: the device profile's defaults stand."""
         return None

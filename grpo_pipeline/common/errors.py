@@ -18,6 +18,10 @@ class ProfileError(UserError):
     """A profile layer or override that does not describe a valid run."""
 
 
+class DoesNotFit(ProfileError):
+    """A run that fits the devices found at no setting the planner could choose (planner.enforce)."""
+
+
 class DeviceError(UserError):
     """A requested device kind that is unknown or not usable on this host."""
 

@@ -10,7 +10,7 @@ planner/memory.py (Megatron) and planner/fsdp.py (FSDP2) fill them in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from grpo_pipeline.profiles.model_size import ModelSize, head_dim, kv_bytes_per_token, linear_state_bytes_per_sequence
 
@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 GIB = 2**30
 PARAM_BYTES = 2  # bf16 / fp16 weights
 VLLM_OVERHEAD = 2 * GIB  # CUDA graphs, sampler and profiling buffers of one vLLM engine (approximate)
+# What the planner keeps free of a device when it sizes a run itself (backends/local/sizing.py,
+# backends/verl/sizing.py): what an estimate leaves out and a misjudged batch shape should not cost a run that a
+# smaller micro batch or the recomputation would have saved. A refusal still compares the estimate with the device.
+HEADROOM = 0.10
 
 
 @dataclass
@@ -106,6 +110,21 @@ def memory_table(summary: dict[str, Any]) -> list[str]:
                      f"| {largest} |")
     lines += [f"note: {note}" for note in s["notes"]]
     return lines + ([f"warning: {s['warning']}"] if s.get("warning") else [])
+
+
+def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int | None:
+    """The largest batch (any size up to `limit`) that `fits`, where what a batch needs grows with it: doubled, then
+    halved in on; None when not even one fits."""
+    if not fits(1):
+        return None
+    low, high = 1, 2
+    while high <= limit and fits(high):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:  # low fits, high does not (or is past the limit)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def gib(value: float | None) -> float | None:

@@ -20,7 +20,7 @@ from grpo_pipeline.backends.base import TrainingRun
 from grpo_pipeline.common.file_faults import run_folder_problem
 from grpo_pipeline.stages import run_lock
 from grpo_pipeline.stages.request import RERUN_COMMAND, RunRequest
-from grpo_pipeline.common.errors import ProfileError, UserError
+from grpo_pipeline.common.errors import DoesNotFit, ProfileError, UserError
 from grpo_pipeline.generation.plan import GenerationPlan, plan_generation
 from grpo_pipeline.profiles.loader import given_settings, resolve_run_profile
 from grpo_pipeline.profiles.validation import profile_problems, refuse
@@ -138,7 +138,8 @@ def profile_for(request: RunRequest, device: DeviceInfo) -> tuple[RunProfile, st
     if device.count > 0 and not cluster_address(request.ray_address)[0]:
         # Unvalidated first: the device profile's default layout may not fit this host's rules.
         unchecked, _ = resolve_run_profile(*args, validate=False)
-        # The layer sets neither `generation` nor `platform`: this is the plan plan_run makes of the result.
+        # The layer sets no `platform` and of `generation` only the rounds (steps_per_generation), which plan_run's
+        # plan of the result follows: the other fields of this plan are the run's.
         generation = plan_generation(unchecked)
         given = given_settings(request.model, device.kind, request.profile_file, request.overrides)
         if layer := backend_for(unchecked.backend).detected_layer(unchecked, device.count, generation,
@@ -259,6 +260,8 @@ def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
     device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
     try:
         profile, backend_reason = profile_for(request, device)
+    except DoesNotFit:  # sized for the devices found: nothing else to name
+        raise
     except ProfileError:
         # A profile refused for its batch split may be one asking for more workers than this host has:
         # that is the problem to name (the batch rules follow from it).

@@ -10,8 +10,9 @@ from grpo_pipeline.backends.local.checkpoints import CHECKPOINTS, latest_step
 from grpo_pipeline.backends.local.mapping import mapping_problems
 from grpo_pipeline.backends.local.rollout_memory import rollout_memory_problems
 from grpo_pipeline.backends.local.settings import check_prompt_lengths, check_workers_fit, plan_local_training
-from grpo_pipeline.backends.local.sizing import micro_batch_note, one_device_table, size_step
+from grpo_pipeline.backends.local.sizing import micro_batch_note, no_fit_refusal, one_device_table, size_rounds, size_step
 from grpo_pipeline.backends.local.train_memory import checkpointing_choice
+from grpo_pipeline.common.errors import DoesNotFit
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import RunProfile
 
@@ -38,9 +39,14 @@ class LocalBackend(Backend):
             layer["cluster"] = {"devices_per_node": devices_here}
             workers = profile.cluster.devices_per_node if "cluster.devices_per_node" in given else devices_here
             profile = profile.model_copy(update={"cluster": profile.cluster.model_copy(update={"devices_per_node": workers})})
-        # The micro batch and the recomputation the step needs (backends/local/sizing.py), around what is given.
-        if sizing := size_step(profile, generation, detected_names, detected_gib, given):
+        # The micro batch, the recomputation and the rounds' rollouts the step needs (sizing.py), around what is given.
+        sizing, rounds = size_rounds(profile, generation, detected_names, detected_gib, given)
+        if sizing is not None:
+            if not sizing.fits and profile.planner.enforce:
+                raise DoesNotFit(no_fit_refusal(sizing))
             layer |= sizing.layer
+        if rounds != generation.steps_per_generation:
+            layer["generation"] = {"steps_per_generation": rounds}
         return layer or None
 
     def memory_note(self, profile: RunProfile, generation: GenerationPlan, detected_names: list[str] | None = None,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from grpo_pipeline.backends.local.train_memory import GIB, HEADROOM, step_memory
 from grpo_pipeline.generation.plan import GenerationPlan
+from grpo_pipeline.planner.roles import largest_fitting
 from grpo_pipeline.planner.rules import divisors
 from grpo_pipeline.profiles.schema import RunProfile
 
@@ -107,26 +108,44 @@ def size_step(p: RunProfile, generation: GenerationPlan, detected_names: list[st
     return StepSizing(candidates[0], modes[-1], False, needed, usable, candidates)
 
 
-def largest_micro_batch(p: RunProfile, generation: GenerationPlan, checkpointing: bool, memory: float,
-                        limit: int = 1 << 16) -> tuple[int, float] | None:
-    """The largest micro batch (any size, up to `limit`) whose step fits the device, and its bytes; None when not
-    even one sequence fits (the step grows with the micro batch: doubled, then halved in on)."""
+STEPS_PER_GENERATION = "generation.steps_per_generation"
+
+
+def size_rounds(p: RunProfile, generation: GenerationPlan, detected_names: list[str] | None = None,
+                detected_gib: list[float] | None = None, given: frozenset[str] = frozenset()) -> tuple[StepSizing | None, int]:
+    """`size_step`, and the steps whose prompts one rollout round generates (their KV cache is kept beside the step):
+    the profile's, or where no micro batch fits beside that many rounds' rollouts and it is not given, the largest
+    fewer that fits (halved down to 1: every step generating its own, as verl does)."""
+    rounds = generation.steps_per_generation
+    sizing = size_step(p, generation, detected_names, detected_gib, given)
+    while sizing is not None and not sizing.fits and rounds > 1 and STEPS_PER_GENERATION not in given:
+        fewer = max(rounds // 2, 1)
+        tried = size_step(p.model_copy(update={"generation": p.generation.model_copy(update={"steps_per_generation": fewer})}),
+                          generation.model_copy(update={"steps_per_generation": fewer}), detected_names, detected_gib, given)
+        if tried is None:
+            break
+        rounds, sizing = fewer, tried
+    return sizing, rounds
+
+
+def no_fit_refusal(sizing: StepSizing) -> str:
+    """A run whose step fits the devices found at no micro batch (planner.enforce): the headline, then details."""
+    return (f"the training step does not fit the device: micro batch {sizing.micro_batch} needs {sizing.needed / GIB:.1f} "
+            f"GiB of {sizing.usable / GIB:.1f} GiB usable; train an adapter (lora.rank=16)\n"
+            "even with gradient checkpointing on and one step's prompts per generation\n"
+            "or lower data.max_response_length or data.train_batch_size; planner.enforce=false runs it anyway")
+
+
+def largest_micro_batch(p: RunProfile, generation: GenerationPlan, checkpointing: bool, memory: float) -> tuple[int, float] | None:
+    """The largest micro batch whose step fits the device, and its bytes; None when not even one sequence fits."""
     usable = usable_bytes(p, memory)
 
     def needed(m: int) -> float:
         found = step_bytes(p, generation, m, checkpointing, memory)
         return float("inf") if found is None else found
 
-    if needed(1) > usable:
-        return None
-    low, high = 1, 2
-    while high <= limit and needed(high) <= usable:
-        low, high = high, high * 2
-    high = min(high, limit + 1)
-    while high - low > 1:  # needed(low) fits, needed(high) does not (or is past the limit)
-        middle = (low + high) // 2
-        low, high = (middle, high) if needed(middle) <= usable else (low, middle)
-    return low, needed(low)
+    largest = largest_fitting(lambda m: needed(m) <= usable)
+    return None if largest is None else (largest, needed(largest))
 
 
 def one_device_table(p: RunProfile, generation: GenerationPlan) -> tuple[dict, list[str]]:

@@ -42,14 +42,12 @@ from grpo_pipeline.backends.local.rollout_memory import DTYPE_BYTES, GIB, decodi
 from grpo_pipeline.generation.decode_step import CACHE_BLOCK
 from grpo_pipeline.generation.decoding import SUPPORTED_MODEL_TYPES
 from grpo_pipeline.generation.plan import GenerationPlan
-from grpo_pipeline.planner.fsdp import activation_bytes, backward_working_bytes, hf_layer_bytes
+from grpo_pipeline.planner.fsdp import activation_bytes, backward_working_bytes
 from grpo_pipeline.planner.lora import AdapterSize
+from grpo_pipeline.planner.roles import HEADROOM
 from grpo_pipeline.profiles.model_size import head_dim, model_size, size_problems
 from grpo_pipeline.profiles.schema import RunProfile
 
-# Kept free of the estimate: what it leaves out (see the module) and a misjudged batch shape should not
-# cost a run that the recomputation would have saved.
-HEADROOM = 0.10
 # TRL 1.16's fused LM head (trl/kernels/chunked_logprob.py): TOKEN_CHUNK_SIZE tokens x the trainer's
 # _CHUNKED_LOGPROB_CHUNK_SIZE vocabulary entries per tile, in the compute dtype.
 HEAD_TILE_TOKENS, HEAD_TILE_VOCAB = 4096, 32768

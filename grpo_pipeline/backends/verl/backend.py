@@ -12,14 +12,11 @@ profile is resolved. An attempt of the train stage:
    complete (verl's tracker file at the last step, or a job of this run that ended it): a finished
    run is never submitted again; trainer.resume_mode=disable over the run's checkpoints is refused
    (only the stage's own retries resume whatever it says);
-2. follows the run's job if it is still pending or running, or ended while no flow followed it, else
-   waits until the cluster has the nodes and devices the layout needs and every node can read the
-   data and the model and write the checkpoints, and every node's image is shown able to run the job
-   (common/preflight.py: verl, megatron-core, the bridge and that it knows the model, the device's
-   runtime, the recipe's layers), then submits the next attempt (backends/verl/job.py);
-3. lets go of Ray (following needs only the job API), streams the job's log into the task's log and
-   verl's per-step metrics into the run's records (backends/verl/follow.py), and stops the job when
-   no step ends within trainer.step_timeout_s;
+2. follows the run's job if it is still pending or running, or ended while no flow followed it, else waits until
+   the cluster has the nodes and devices the layout needs, every node can read the data and the model and write
+   the checkpoints, and every node's image can run the job (common/preflight.py), then submits the next attempt;
+3. lets go of Ray (following needs only the job API), streams the job's log into the task's log and verl's
+   per-step metrics into the run's records (follow.py); stops the job when no step ends in trainer.step_timeout_s;
 4. ends on the job's status: SUCCEEDED at the tracker's step; FAILED with a config error (not
    retried, the job's own line) or another cause (`TrainingInterrupted`: the stage's retry resumes
    from the latest checkpoint with trainer.resume_mode=auto); or on the cluster itself: a job API
@@ -49,6 +46,7 @@ from grpo_pipeline.backends.verl.job_api import job_client, job_status, stop_job
 from grpo_pipeline.backends.verl.lora import lora_problems, merged_policy, verl_adapter
 from grpo_pipeline.backends.verl.requirements import verl_requirements
 from grpo_pipeline.backends.verl.rewards import job_reward_package, pipeline_reward
+from grpo_pipeline.backends.verl.sizing import one_device_table, size_verl_run, sizing_notes
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.node_tasks import check_paths_on_nodes
 from grpo_pipeline.common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
@@ -80,15 +78,29 @@ class VerlBackend(Backend):
     name = "verl"
     logs_to_trackers = True
 
+    def detected_layer(self, profile: RunProfile, devices_here: int, generation: GenerationPlan,
+                       detected_names: list[str] | None = None, detected_gib: list[float] | None = None,
+                       given: frozenset[str] = frozenset()) -> dict | None:
+        # Micro batches, recomputation, offload, vLLM's share and concurrency, around what is given (sizing.py).
+        if detected_gib and (sizing := size_verl_run(profile, detected_names, detected_gib, given, self.profile_problems)):
+            return sizing.layer or None
+        return None
+
     def memory_plan(self, profile: RunProfile, detected_names: list[str] | None = None,
                     detected_gib: list[float] | None = None) -> MemoryPlan | None:
-        return plan_for(profile, detected_names, detected_gib)
+        plan = plan_for(profile, detected_names, detected_gib)
+        if plan and detected_gib and (free := size_verl_run(profile, detected_names, detected_gib, frozenset(), self.profile_problems)):
+            plan.notes += sizing_notes(profile, free)  # each sized setting beside the planner's own choice
+        return plan
 
     def memory_note(self, profile: RunProfile, generation: GenerationPlan, detected_names: list[str] | None = None,
                     detected_gib: list[float] | None = None) -> str | None:
         if problems := size_problems(profile.model.architecture):
             return f"not estimated, {'; '.join(problems)}"
         return None
+
+    def size_table(self, profile: RunProfile, generation: GenerationPlan) -> tuple[dict, list[str]] | None:
+        return one_device_table(profile)
 
     def node_requirements(self, profile: RunProfile, stage: str) -> dict[str, NodeRequirement]:
         return for_stage({**verl_requirements(profile), **profile.requires}, stage)
