@@ -1,7 +1,11 @@
 """The planning stages as plain functions: device, profile, environment, and the training command.
 
-The Prefect flow wraps each of them in a task (tasks/stage_tasks.py); `--dry-run` calls them
-directly, so rendering a cluster's command on a laptop needs no Prefect server and no accelerator.
+    python -m grpo_pipeline --model tiny --device cpu --dry-run --json   # plan_run's plan, as plan.json holds it
+
+`plan_run(request)` makes a run's one plan: `--dry-run` prints it, the command line checks it before
+Prefect starts, and it is the flow's first task (tasks/stage_tasks.py `plan_run_task`) for every
+door, so a run from the form, a deployment or a schedule runs and stores the plan the dry run
+prints. No Prefect here: rendering a cluster's command on a laptop needs no server and no accelerator.
 """
 
 from __future__ import annotations
