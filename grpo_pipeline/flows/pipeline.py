@@ -142,7 +142,7 @@ def _run_stages(request: RunRequest, record: RunRecord, flow_run_id: UUID) -> No
             policy = result.policy = record.run("export_checkpoint", export_checkpoint_task, train, run_dir,
                                                 profile.eval.checkpoints != "last")
     if "evaluate" in request.stages:
-        result.evaluation = record.run("evaluate", evaluate_task, profile, plan.device, data, model, policy, run_dir,
+        result.eval = record.run("evaluate", evaluate_task, profile, plan.device, data, model, policy, run_dir,
                                        plan.generation, request.ray_address, env.ray_runtime_env(), benchmarks)
     if "report" in request.stages:
         result.report = str(record.run("report", report_task, record))

@@ -53,12 +53,13 @@ class RunResult(BaseModel):
     command: list[str] | None = Field(None, description="The training command, with the fetched data and model.")
     train: TrainResult | None = None
     policy: ExportedPolicy | None = None
-    evaluation: EvalReport | None = Field(None, serialization_alias="eval")
+    eval: EvalReport | None = None
     report: str | None = None
 
     def shown(self) -> dict[str, Any]:
-        """As JSON: what the flow returns, the command line prints and the report and trackers read."""
-        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        """As JSON, the stages that ran: what the flow returns, the command line prints and the report and
+        trackers read."""
+        return {stage: value for stage, value in self.model_dump(mode="json").items() if value is not None}
 
 
 @dataclass
