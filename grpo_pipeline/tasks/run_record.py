@@ -151,8 +151,11 @@ def close_failed_run(flow_run_id: UUID, how: str, message: str | None, status: s
         stopped.append("the Ray work of the flow's process")
     if stopped:
         logger.info("stopped %s", " and ".join(stopped))
-    if record is None:
-        return  # the run was refused while it was planned: no run folder; Prefect's state message says why
+    if record is None:  # refused (or stopped) while it was planned: no run folder, so the report is the UI's only
+        _publish(flow_run_id, f"> **The run {how}.** Stage `plan_run`: {scrub(message or '')}\n\nIt {how} while it was "
+                 "planned: nothing was started and no run folder was made.\n", f"Report of the run ({how} while it was "
+                 "planned)", "", logger)
+        return
     failure = record.failure or f"Stage `{record.stage}`: {scrub(message or '')}"
 
     def report() -> tuple[Path, str]:
@@ -164,12 +167,16 @@ def close_failed_run(flow_run_id: UUID, how: str, message: str | None, status: s
     except OSError as exc:  # the run's folder itself may be what failed
         logger.error("the run %s in stage %s; no report (%s)", how, record.stage, exc.strerror or exc)
         return
-    try:  # the UI shows a failed run's report as it shows a finished one's
-        MarkdownArtifact(key="run-report", markdown=markdown, description=f"Report of run {record.run_dir.name} ({how})",
-                         flow_run_id=flow_run_id).create()
-    except Exception as exc:  # the API may be what went away; the file is written
-        logger.warning("the report could not be published to Prefect's API (%s); it is in %s", exc, path)
+    _publish(flow_run_id, markdown, f"Report of run {record.run_dir.name} ({how})", f"; it is in {path}", logger)
     logger.error("the run %s in stage %s; report: %s", how, record.stage, path)
+
+
+def _publish(flow_run_id: UUID, markdown: str, description: str, where: str, logger) -> None:
+    """The UI shows a failed run's report as it shows a finished one's."""
+    try:
+        MarkdownArtifact(key="run-report", markdown=markdown, description=description, flow_run_id=flow_run_id).create()
+    except Exception as exc:  # the API may be what went away
+        logger.warning("the report could not be published to Prefect's API (%s)%s", exc, where)
 
 
 def close_cancelled_run(flow_run_id: UUID) -> bool:

@@ -251,4 +251,6 @@ def test_a_refused_deployment_run_fails_in_its_first_task_before_anything_starts
     _, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
     assert [t.name.rsplit("-", 1)[0] for t in task_runs] == ["plan_run"] and task_runs[0].state.is_failed()
     assert not (tmp_path / "nope").exists()  # no run folder: the run never started
+    (report,) = [a for a in asyncio.run(_artifacts(["run-report"])) if a.flow_run_id == state.state_details.flow_run_id]
+    assert "**The run failed.** Stage `plan_run`: " in report.data and "no such built-in model" in report.data  # the UI's
     assert not (tmp_path / "data").exists() and not (tmp_path / "models").exists()  # nothing was fetched
