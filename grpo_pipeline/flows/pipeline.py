@@ -143,7 +143,7 @@ def _run_stages(request: RunRequest, record: RunRecord, flow_run_id: UUID) -> No
                                                 profile.eval.checkpoints != "last")
     if "evaluate" in request.stages:
         result.eval = record.run("evaluate", evaluate_task, profile, plan.device, data, model, policy, run_dir,
-                                       plan.generation, request.ray_address, env.ray_runtime_env(), benchmarks)
+                                 plan.generation, request.ray_address, env.ray_runtime_env(), benchmarks)
     if "report" in request.stages:
         result.report = str(record.run("report", report_task, record))
     elif result.tracking:  # planning alone: no report, but the tracker runs it opened end too
