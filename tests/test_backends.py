@@ -103,11 +103,11 @@ def test_a_one_gpu_host_plans_one_worker_and_refuses_eight_named_ones(tmp_path):
     one_gpu = detect_device("gpu", probe={"gpu": {"status": "available", "count": 1, "names": ["NVIDIA H200"],
                                                   "memory_gib": [139.8], "detail": "CUDA sees 1 GPU(s)"}})
     request = RunRequest(model=str(model), device="gpu")
-    planned, _ = profile_for(request, one_gpu)
+    planned, _, _ = profile_for(request, one_gpu)
     assert planned.cluster.devices_per_node == 1
     check_plan(request, planned, one_gpu, dry_run=False)
     eight = RunRequest(model=str(model), device="gpu", overrides=["cluster.devices_per_node=8"])
-    profile, _ = profile_for(eight, one_gpu)
+    profile, _, _ = profile_for(eight, one_gpu)
     with pytest.raises(ProfileError, match=r"cluster.devices_per_node=8: 8 training workers but this host has 1 GPUs; "
                                            r"use --set cluster.devices_per_node=1 or fewer"):
         check_plan(eight, profile, one_gpu, dry_run=False)

@@ -77,12 +77,19 @@ def test_the_package_a_ray_job_carries_is_the_projects_one_package():
     assert (PACKAGE / "__init__.py").is_file()
 
 
+def calls_of(name: str, *packages: str) -> list[str]:
+    """`module:line` of each call of a function called `name` (plain or as an attribute)."""
+    return [f"{house_map.shown(path)}:{node.lineno}" for path in modules(*packages)
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and name in (getattr(node.func, "id", None), getattr(node.func, "attr", None))]
+
+
 def test_a_runs_generation_path_is_decided_in_one_place():
-    """generation/plan.py decides it (`plan_generation`), once per run: in the command line's plan
-    or, for a run from the form, right after the flow resolves the profile; everything else reads the
-    `GenerationPlan` it is handed, never the profile's `generation` section (docs/layout.md walks it)."""
-    decided = [house_map.shown(p) for p in modules(*PACKAGES) if "plan_generation(" in p.read_text()]
-    assert sorted(decided) == ["flows/pipeline.py", "generation/plan.py", "stages/plan.py"]
+    """generation/plan.py decides it (`plan_generation`), once per run, at one call (issue 46: there were
+    four, one of them the flow's own for a run from the form): in the planning of every run's plan;
+    everything else reads the `GenerationPlan` it is handed, never the profile's `generation` section
+    (docs/layout.md walks it)."""
+    assert len(calls_of("plan_generation", *PACKAGES)) == 1, calls_of("plan_generation", *PACKAGES)
     section = re.compile(r"\.generation\.(engine|decoder|cache|compile|attn_implementation|steps_per_generation)\b")
     read = [f"{house_map.shown(p)}:{i}" for p in modules(*PACKAGES) if p.parts[-2:] != ("generation", "plan.py")
             for i, line in enumerate(p.read_text().splitlines(), 1) if section.search(line)]
@@ -120,3 +127,28 @@ def test_no_module_uses_a_name_nothing_defines():
     found = subprocess.run([ruff, "check", "--no-cache", "--select", "F821,F822,F823,F811", "--output-format",
                             "concise", "grpo_pipeline", "bench", "tools", "tests"], cwd=root, capture_output=True, text=True)
     assert found.returncode == 0, found.stdout + found.stderr
+
+
+def test_every_door_into_a_run_plans_it_with_the_one_function_and_nothing_after_recomputes_a_part():
+    """Issue 46: a run from the form planned inside the flow, task by task (five `plan.x if plan else ...`
+    in the flow, three "planned or recompute" fallbacks in its tasks), so its plan was not the one the
+    dry run prints. Now `plan_run` makes every run's plan (the command line's, before Prefect starts, or
+    the flow's first task), the run record holds it (never None), and the tasks after it are handed
+    their part: none of them detects the device, resolves the profile or the environment again."""
+    import typing
+
+    from grpo_pipeline.stages.plan import RunPlan
+    from grpo_pipeline.tasks.run_record import RunRecord, RunResult
+
+    callers = {call.split("/")[0] for call in calls_of("plan_run", *PACKAGES)}
+    assert callers == {"flows", "tasks"}  # the command line (dry run, preflight, a run) and the flow's first task
+    assert len(calls_of("plan_run", "tasks")) == 1
+    planning = ("detect_device", "profile_for", "checked_profile", "check_plan", "resolve_environment", "run_dir_for",
+                "plan_generation")
+    assert [call for name in planning for call in calls_of(name, "flows", "tasks")] == []
+    fallbacks = [f"{house_map.shown(path)}:{node.lineno}" for path in modules("flows", "tasks")
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.IfExp)
+                 and {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)} & {"plan", "planned"}]
+    assert fallbacks == []
+    fields = typing.get_type_hints(RunRecord)
+    assert fields["plan"] is RunPlan and fields["result"] is RunResult

@@ -128,20 +128,20 @@ def test_a_model_directory_on_gpu_plans_for_the_gpus_found(tiny_model_dir):
     request = RunRequest(model=str(tiny_model_dir), device="gpu")
     for gpus in (1, 2):
         device = detect_device("gpu", probe=one_host_with(gpus))
-        profile, _ = profile_for(request, device)
+        profile, _, _ = profile_for(request, device)
         assert (profile.backend, profile.cluster.devices_per_node) == ("local", gpus)
         check_plan(request, profile, device, dry_run=True)  # the one-GPU host is not refused
     # What the user names wins over the count, and is checked against it.
     named = RunRequest(model=str(tiny_model_dir), device="gpu", overrides=["cluster.devices_per_node=2"])
-    profile, _ = profile_for(named, detect_device("gpu", probe=one_host_with(1)))
+    profile, _, _ = profile_for(named, detect_device("gpu", probe=one_host_with(1)))
     assert profile.cluster.devices_per_node == 2
     with pytest.raises(ProfileError, match="2 training workers but this host has 1"):
         check_plan(named, profile, detect_device("gpu", probe=one_host_with(1)), dry_run=True)
     # A recipe's own layout stands (smollm2-135m trains on one GPU whatever the host has).
-    recipe, _ = profile_for(RunRequest(model="smollm2-135m", device="gpu"), detect_device("gpu", probe=one_host_with(4)))
+    recipe, _, _ = profile_for(RunRequest(model="smollm2-135m", device="gpu"), detect_device("gpu", probe=one_host_with(4)))
     assert recipe.cluster.devices_per_node == 1
     # Nothing counted (a dry run that did not probe): the device profile's default.
-    unprobed, _ = profile_for(request, detect_device("gpu", dry_run=True))
+    unprobed, _, _ = profile_for(request, detect_device("gpu", dry_run=True))
     assert unprobed.cluster.devices_per_node == 8
 
 

@@ -53,7 +53,7 @@ def host_with(gpus: int, name: str = "NVIDIA H100 80GB HBM3", gib: float = 79.6)
 
 def planned(model: Path | str, device, *overrides: str):
     request = RunRequest(model=str(model), device=device.kind, overrides=list(overrides))
-    profile, _ = profile_for(request, device)
+    profile, _, _ = profile_for(request, device)
     check_plan(request, profile, device, dry_run=True)
     return profile
 

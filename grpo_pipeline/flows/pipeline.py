@@ -21,7 +21,7 @@ from prefect.exceptions import TerminationSignal
 from grpo_pipeline.common.node_tasks import check_shared
 from grpo_pipeline.flows import lease
 from grpo_pipeline.stages import run_lock
-from grpo_pipeline.stages.plan import RunPlan, run_dir_for, training_command
+from grpo_pipeline.stages.plan import RunPlan, training_command
 from grpo_pipeline.stages.request import RunRequest
 from grpo_pipeline.tasks.run_record import RUNS, RunRecord, after_failure, close_cancelled_run
 from grpo_pipeline.tasks.stage_tasks import (
@@ -31,6 +31,7 @@ from grpo_pipeline.tasks.stage_tasks import (
     export_checkpoint_task,
     fetch_dataset_task,
     prepare_checkpoint_task,
+    plan_run_task,
     prepare_environment_task,
     report_task,
     resolve_profile_task,
@@ -38,15 +39,15 @@ from grpo_pipeline.tasks.stage_tasks import (
 )
 from grpo_pipeline.tasks.policy import filter_run_logs, reuse_only_if_intact
 from grpo_pipeline.common.tracking import FINISHED
-from grpo_pipeline.tasks.tracking import close_tracker_runs, open_tracker_run, tracking_lines
-from grpo_pipeline.generation.plan import plan_generation
+from grpo_pipeline.tasks.tracking import open_tracker_run, tracking_lines
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, benchmark_specs, dataset_dir
 from grpo_pipeline.stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
 
 
-# One flow, two doors: `grpo_pipeline` takes a typed request (the command line, with the plan it
-# checked; Python callers), `run_from_form` (flows/form.py) the fields a deployment's form shows.
-# Both are the flow `grpo_pipeline` in Prefect, with the same failure hooks.
+# One flow, one plan: `grpo_pipeline` takes a typed request (the command line, with the plan it
+# checked; Python callers), `run_from_form` (flows/form.py) the fields a deployment's form shows
+# (its deployments and schedules too). Both are the flow `grpo_pipeline` in Prefect, with the same
+# failure hooks, and both start with the task `plan_run`: the plan `--dry-run` prints.
 FLOW_OPTIONS = dict(name="grpo_pipeline", log_prints=True, on_failure=[after_failure], on_crashed=[after_failure],
                     on_cancellation=[after_failure])
 
@@ -58,14 +59,15 @@ def grpo_pipeline(request: RunRequest, plan: RunPlan | None = None) -> dict:
     Args:
         request: What to run: the model recipe, the device, the backend, profile overrides, the
             stages, where the run's files go, and the Ray cluster.
-        plan: Leave empty: the flow plans the run itself (device, profile, environment). The command
-            line passes the plan it has already checked, so the flow runs exactly that plan.
+        plan: Leave empty: the flow's first task plans the run (stages/plan.py `plan_run`). The command
+            line passes the plan it made with that same function and checked before Prefect started.
     """
     return run_pipeline(request, plan)
 
 
-def run_pipeline(request: RunRequest, plan: RunPlan | None) -> dict:
-    """The flow's body (inside a flow run of either door)."""
+def run_pipeline(request: RunRequest, checked: RunPlan | None) -> dict:
+    """The flow's body (inside a flow run of either door): the plan first, then the stages, each reading
+    its part of the plan."""
     filter_run_logs()
     flow_run_id = get_run_context().flow_run.id
     database = lease.database_of_this_run()
@@ -73,7 +75,11 @@ def run_pipeline(request: RunRequest, plan: RunPlan | None) -> dict:
         lease.note_flow_run(flow_run_id)
         lease.end_leftovers(database, get_run_logger().warning)
         try:
-            record = _run_planning_and_stages(request, plan, flow_run_id)
+            started = time.perf_counter()
+            plan = plan_run_task(request, checked)  # a refusal fails the run here, with its one line
+            record = RUNS[flow_run_id] = RunRecord(plan)
+            record.timings["plan_run"] = time.perf_counter() - started
+            _run_stages(request, record, flow_run_id)
         except TerminationSignal:
             close_cancelled_run(flow_run_id)
             raise
@@ -81,46 +87,32 @@ def run_pipeline(request: RunRequest, plan: RunPlan | None) -> dict:
             if flow_run_id in RUNS:  # the folder is free for the next run of it (the failure hooks only read it)
                 run_lock.release(RUNS[flow_run_id].run_dir)
     RUNS.pop(flow_run_id, None)
-    return record.result
+    return record.result.shown()
 
 
-def _run_planning_and_stages(request: RunRequest, plan: RunPlan | None, flow_run_id: UUID) -> RunRecord:
-    started = time.perf_counter()
-    device = detect_device_task(request, plan.device if plan else None)
-    run_dir = Path(plan.run_dir) if plan else run_dir_for(request, device.kind)
-    record = RUNS[flow_run_id] = RunRecord(run_dir=run_dir, device=device)
-    record.timings["detect_device"] = time.perf_counter() - started
-    record.result.update(run_dir=str(run_dir), device=device.kind)
+def _run_stages(request: RunRequest, record: RunRecord, flow_run_id: UUID) -> None:
+    plan, run_dir, result = record.plan, record.run_dir, record.result
+    record.write("plan.json", plan.summary())  # the plan the dry run prints, whichever door the run came in by
+    record.run("detect_device", detect_device_task, plan.device)
     if "resolve_profile" in request.stages:
-        record.profile = record.run("resolve_profile", resolve_profile_task, request, device, run_dir,
-                                    plan.profile if plan else None, plan.backend_reason if plan else None)
-        # How rollouts and evaluation generate: decided once (generation/plan.py), read by both stages.
-        record.generation = plan.generation if plan else plan_generation(record.profile)
-    if "prepare_environment" in request.stages:
-        record.env = record.run("prepare_environment", prepare_environment_task, record.profile, run_dir,
-                                request.ray_address, plan.env if plan else None)
-        with record.step("open_tracker_run"):  # after planning, before anything is fetched or trained
-            tracking = open_tracker_run(record.profile, device, record.env.redacted(), run_dir, flow_run_id,
-                                        get_run_logger().warning)
-        if tracking is not None:
-            record.result["tracking"] = tracking_lines(tracking)
-        _run_stages(request, record)
-        record.write("timings.json", record.timings)
-    return record
-
-
-def _run_stages(request: RunRequest, record: RunRecord) -> None:
-    profile, env, run_dir, result = record.profile, record.env, record.run_dir, record.result
+        record.run("resolve_profile", resolve_profile_task, plan.profile, plan.backend_reason, run_dir)
+    if "prepare_environment" not in request.stages:
+        return
+    profile = plan.profile
+    env = record.run("prepare_environment", prepare_environment_task, plan.env, run_dir)
+    with record.step("open_tracker_run"):  # after planning, before anything is fetched or trained
+        tracking = open_tracker_run(profile, plan.device, env.redacted(), run_dir, flow_run_id, get_run_logger().warning)
+    if tracking is not None:
+        result.tracking = tracking_lines(tracking)
     data = model = policy = None
     benchmarks: dict[str, DatasetFiles] = {}
     if "fetch_dataset" in request.stages:
         with record.step("fetch_dataset"):
             spec = DataSpec.from_profile(profile.data)
-        data = _fetch(record, spec)
+        data = result.dataset = _fetch(record, spec)
         with record.step("fetch_dataset: check that every Ray node sees data.root"):
             _log_shared(check_shared(data.path, "data.root", request.ray_address, env.ray_runtime_env()), data.path)
         record.write("data/dataset.json", data.model_dump(mode="json"))
-        result["dataset"] = data.model_dump(mode="json")
         if "evaluate" in request.stages:  # each benchmark's data, in the same store (data.root)
             with record.step("fetch_dataset: the benchmarks' data"):
                 specs = benchmark_specs(profile)
@@ -141,27 +133,22 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
         with record.step("prepare_checkpoint: check that every Ray node sees model.root"):
             _log_shared(check_shared(model.path, "model.root", request.ray_address, env.ray_runtime_env()), model.path)
         record.write("model.json", model.model_dump(mode="json"))
-        result["model"] = model.model_dump(mode="json")
-    command = training_command(request, profile, run_dir, data, model)
-    record.write("plan.json", {"backend": profile.backend, "command": command,
-                               "generation": record.generation.model_dump(mode="json")})
-    result["command"] = command
+        result.model = model
+    result.command = training_command(request, profile, run_dir, data, model)
     if "train" in request.stages:
-        train = record.run("train", train_task, profile, record.device, env, data, model, run_dir, request.ray_address,
-                           record.generation)
-        result["train"] = train.model_dump(mode="json")
+        train = result.train = record.run("train", train_task, profile, plan.device, env, data, model, run_dir,
+                                          request.ray_address, plan.generation)
         if "export_checkpoint" in request.stages:
-            policy = record.run("export_checkpoint", export_checkpoint_task, train, run_dir,
-                                profile.eval.checkpoints != "last")
-            result["policy"] = policy.model_dump(mode="json")
+            policy = result.policy = record.run("export_checkpoint", export_checkpoint_task, train, run_dir,
+                                                profile.eval.checkpoints != "last")
     if "evaluate" in request.stages:
-        evaluation = record.run("evaluate", evaluate_task, profile, record.device, data, model, policy, run_dir,
-                                record.generation, request.ray_address, env.ray_runtime_env(), benchmarks)
-        result["eval"] = evaluation.model_dump(mode="json")
+        result.eval = record.run("evaluate", evaluate_task, profile, plan.device, data, model, policy, run_dir,
+                                 plan.generation, request.ray_address, env.ray_runtime_env(), benchmarks)
     if "report" in request.stages:
-        result["report"] = str(record.run("report", report_task, record))
-    elif result.get("tracking"):  # planning alone: no report, but the tracker runs it opened end too
-        close_tracker_runs(profile, run_dir, result, FINISHED, lambda: None, get_run_logger().warning)
+        result.report = str(record.run("report", report_task, record))
+    elif result.tracking:  # planning alone: no report, but the tracker runs it opened end too
+        record.close_trackers(FINISHED, None, get_run_logger().warning)
+    record.write("timings.json", record.timings)
 
 
 def _fetch(record: RunRecord, spec: DataSpec) -> DatasetFiles:

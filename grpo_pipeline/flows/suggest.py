@@ -22,9 +22,8 @@ from grpo_pipeline.stages.request import RunRequest
 def print_layouts(request: RunRequest, as_json: bool) -> int:
     """`--suggest-layout`: the layouts that fit, cheapest first; exit 2 when none does."""
     from grpo_pipeline.planner.layouts import suggest_layouts, suggestion_table
-    from grpo_pipeline.profiles.loader import resolve_run_profile
     from grpo_pipeline.stages.device import requested_device
-    from grpo_pipeline.stages.plan import one_device_sizes
+    from grpo_pipeline.stages.plan import layered_profile, one_device_sizes
 
     kind = requested_device(request.device)
     if kind not in ("gpu", "npu"):
@@ -32,10 +31,10 @@ def print_layouts(request: RunRequest, as_json: bool) -> int:
                         f"device {kind!r}; pass --device gpu or --device npu")
     # The profile's own layout may not be valid for this cluster size: the search does not start from it.
     backend = {"auto": layout_planner().name}.get(request.backend, request.backend)
-    profile, _ = resolve_run_profile(request.model, kind, backend, request.profile_file, request.overrides, validate=False)
+    profile, generation = layered_profile(request.model_copy(update={"backend": backend}), kind)
     if problems := size_problems(profile.model.architecture):
         raise UserError(f"--suggest-layout needs the model's size: {'; '.join(problems)}")
-    if (sized := one_device_sizes(profile)) is not None:  # a backend that sizes one device's step
+    if (sized := one_device_sizes(profile, generation)) is not None:  # a backend that sizes one device's step
         summary, lines = sized
         print(json.dumps(summary, indent=2) if as_json else "\n".join(lines))
         if summary.get("refusal"):

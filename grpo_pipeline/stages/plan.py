@@ -1,7 +1,11 @@
 """The planning stages as plain functions: device, profile, environment, and the training command.
 
-The Prefect flow wraps each of them in a task (tasks/stage_tasks.py); `--dry-run` calls them
-directly, so rendering a cluster's command on a laptop needs no Prefect server and no accelerator.
+    python -m grpo_pipeline --model tiny --device cpu --dry-run --json   # plan_run's plan, as plan.json holds it
+
+`plan_run(request)` makes a run's one plan: `--dry-run` prints it, the command line checks it before
+Prefect starts, and it is the flow's first task (tasks/stage_tasks.py `plan_run_task`) for every
+door, so a run from the form, a deployment or a schedule runs and stores the plan the dry run
+prints. No Prefect here: rendering a cluster's command on a laptop needs no server and no accelerator.
 """
 
 from __future__ import annotations
@@ -123,29 +127,38 @@ def resolve_profile(model: str, device: str, backend: str = "auto", profile_file
     return checked_profile(model, device, backend, profile_file, overrides)[0]
 
 
-def one_device_sizes(profile: RunProfile) -> tuple[dict, list[str]] | None:
+def one_device_sizes(profile: RunProfile, generation: GenerationPlan) -> tuple[dict, list[str]] | None:
     """`--suggest-layout` where the profile's backend sizes one device's step (`Backend.size_table`), with the
     generation plan the run would have; None: its layouts are searched instead."""
-    return backend_for(profile.backend).size_table(profile, plan_generation(profile))
+    return backend_for(profile.backend).size_table(profile, generation)
 
 
-def profile_for(request: RunRequest, device: DeviceInfo) -> tuple[RunProfile, str]:
-    """The run's profile, and why it has its backend (`--backend auto`: the recipe and the device decide).
-    On one host whose devices were counted, the backend may plan for them (the local backend: one worker
-    per GPU found, unless a recipe, a profile file or --set names cluster.devices_per_node; the micro batch
-    and gradient checkpointing the step needs on those GPUs: backends/local/sizing.py)."""
+def layered_profile(request: RunRequest, device_kind: str) -> tuple[RunProfile, GenerationPlan]:
+    """The profile from its layers, not checked yet (the device profile's default layout may not fit this
+    host's rules), and how the run will generate: the one place `plan_generation` is called. Neither the
+    checks nor the layer of the devices found on a host set `platform`, and of `generation` that layer sets at
+    most the rounds (`profile_for`'s plan follows them), so the plan made here is the checked profile's."""
+    unchecked, _ = resolve_run_profile(request.model, device_kind, request.backend, request.profile_file,
+                                       request.overrides, validate=False)
+    return unchecked, plan_generation(unchecked)
+
+
+def profile_for(request: RunRequest, device: DeviceInfo) -> tuple[RunProfile, str, GenerationPlan]:
+    """The run's profile, why it has its backend (`--backend auto`: the recipe and the device decide), and
+    how it generates. On one host whose devices were counted, the backend may plan for them (the local
+    backend: one worker per GPU found, unless a recipe, a profile file or --set names cluster.devices_per_node;
+    the micro batch and gradient checkpointing the step needs on those GPUs: backends/local/sizing.py)."""
     args = (request.model, device.kind, request.backend, request.profile_file, request.overrides)
+    unchecked, generation = layered_profile(request, device.kind)
+    layer = None
     if device.count > 0 and not cluster_address(request.ray_address)[0]:
-        # Unvalidated first: the device profile's default layout may not fit this host's rules.
-        unchecked, _ = resolve_run_profile(*args, validate=False)
-        # The layer sets no `platform` and of `generation` only the rounds (steps_per_generation), which plan_run's
-        # plan of the result follows: the other fields of this plan are the run's.
-        generation = plan_generation(unchecked)
         given = given_settings(request.model, device.kind, request.profile_file, request.overrides)
-        if layer := backend_for(unchecked.backend).detected_layer(unchecked, device.count, generation,
-                                                                  *device.found(unchecked), given=given):
-            return checked_profile(*args, detected=layer)
-    return checked_profile(*args)
+        layer = backend_for(unchecked.backend).detected_layer(unchecked, device.count, generation,
+                                                              *device.found(unchecked), given=given)
+    profile, reason = checked_profile(*args, detected=layer or None)
+    # The local backend's layer may set the rounds (steps_per_generation: their rollouts beside the step); the plan
+    # follows them.
+    return profile, reason, generation.model_copy(update={"steps_per_generation": profile.generation.steps_per_generation})
 
 
 def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> MemoryPlan | None:
@@ -256,10 +269,14 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
+def plan_run(request: RunRequest, dry_run: bool = False) -> RunPlan:
+    """The run's plan, checked: the first task of every flow run (flows/pipeline.py), whichever door it came
+    in by (the command line plans before Prefect starts and hands the flow this plan; the form, a deployment
+    and a schedule plan in that task), and what `--dry-run` prints. A refusal is one line (UserError),
+    before anything is fetched or started. A real run's plan holds its run folder (stages/run_lock.py)."""
     device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
     try:
-        profile, backend_reason = profile_for(request, device)
+        profile, backend_reason, generation = profile_for(request, device)
     except DoesNotFit:  # sized for the devices found: nothing else to name
         raise
     except ProfileError:
@@ -279,17 +296,21 @@ def plan_run(request: RunRequest, dry_run: bool) -> RunPlan:
         check_tracker_credentials(profile, environ)
     run_dir = run_dir_for(request, device.kind)
     check_run_dir(run_dir, dry_run)
-    generation = plan_generation(profile)  # the one decision; the stages and backends read it
-    run = TrainingRun(inputs=training_inputs(profile, run_dir), run_dir=str(run_dir), run_name=run_dir.name,
-                      devices_here=device.count, ray_address=request.ray_address, runtime_env=env.ray_runtime_env(),
-                      generation=generation)
-    backend = backend_for(profile.backend)
-    return RunPlan(
-        run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
-        generation=generation,
-        command=training_command(request, profile, run_dir), submission=backend.submission(profile, run),
-        memory=memory.summary() if memory else None,
-        # What the backend checks on the cluster's nodes, per stage it runs there.
-        node_requirements={stage: needs for stage in ("train", "evaluate")
-                           if (needs := backend.node_requirements(profile, stage))},
-    )
+    try:
+        run = TrainingRun(inputs=training_inputs(profile, run_dir), run_dir=str(run_dir), run_name=run_dir.name,
+                          devices_here=device.count, ray_address=request.ray_address,
+                          runtime_env=env.ray_runtime_env(), generation=generation)
+        backend = backend_for(profile.backend)
+        return RunPlan(
+            run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
+            generation=generation,
+            command=training_command(request, profile, run_dir), submission=backend.submission(profile, run),
+            memory=memory.summary() if memory else None,
+            # What the backend checks on the cluster's nodes, per stage it runs there.
+            node_requirements={stage: needs for stage in ("train", "evaluate")
+                               if (needs := backend.node_requirements(profile, stage))},
+        )
+    except BaseException:
+        if not dry_run:  # no plan, no run: the folder is free again (a worker's process runs many flows)
+            run_lock.release(run_dir)
+        raise

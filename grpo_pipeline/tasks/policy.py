@@ -45,7 +45,10 @@ HOUR = 3600
 # Downloads: 4 retries after 2, 4, 8, 16 s (each +-50% jitter), so a mirror's bad minute passes.
 FETCH_RETRIES = dict(retries=4, retry_delay_seconds=exponential_backoff(backoff_factor=2), retry_jitter_factor=0.5)
 STAGE_SETTINGS: dict[str, dict] = {
-    "detect_device": dict(retries=1, retry_delay_seconds=2, timeout_seconds=300),
+    # The run's plan (stages/plan.py `plan_run`): the device probe (retried once: a driver may answer
+    # late), the profile's checks (user rewards are imported in a child process with their own limit).
+    "plan_run": dict(retries=1, retry_delay_seconds=2, timeout_seconds=600),
+    "detect_device": dict(timeout_seconds=120),
     "resolve_profile": dict(timeout_seconds=120),
     "prepare_environment": dict(timeout_seconds=120),
     "fetch_dataset": dict(**FETCH_RETRIES, timeout_seconds=2 * HOUR),

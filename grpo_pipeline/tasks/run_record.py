@@ -2,7 +2,8 @@
 
     python -m grpo_pipeline --model tiny --device cpu --set trainer.step_timeout_s=1   # fails in `train`
 
-`RunRecord` keeps each stage's result and time, and the step the run is in (a stage, or the flow's
+`RunRecord` keeps the run's plan (a record is made once the plan is, so it is never without one),
+each stage's typed result (`RunResult`) and time, and the step the run is in (a stage, or the flow's
 own work between two, e.g. checking that every Ray node sees data.root). Prefect's failure hooks get
 the flow run, not its variables, so records are kept by flow-run id in `RUNS`; the hook stops what
 the run started (the backend's work, this process's Ray job) and writes the failure into report.md.
@@ -11,43 +12,80 @@ the run started (the backend's work, this process's Ray job) and writes the fail
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from uuid import UUID
+
+from pydantic import BaseModel, Field
 
 from prefect import get_run_logger
 from prefect.artifacts import MarkdownArtifact
 from prefect.logging import get_logger
 
 from grpo_pipeline.backends import backend_for
+from grpo_pipeline.backends.base import TrainResult
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.ray_cluster import stop_ray_job
 from grpo_pipeline.common.tracking import FAILED, KILLED
 from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.generation.plan import GenerationPlan
-from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.secrets import scrub
-from grpo_pipeline.stages.device import DeviceInfo
-from grpo_pipeline.stages.environment import RuntimeEnv
+from grpo_pipeline.stages.dataset import DatasetFiles
+from grpo_pipeline.stages.evaluate import EvalReport
+from grpo_pipeline.stages.export import ExportedPolicy
+from grpo_pipeline.stages.model import ModelCheckpoint
+from grpo_pipeline.stages.plan import RunPlan
 from grpo_pipeline.stages.report import ui_report, write_report
 from grpo_pipeline.tasks.tracking import close_tracker_runs
 
 
+class RunResult(BaseModel):
+    """What a flow run produced, stage by stage (the flow's return value, as `shown()`); a stage that did
+    not run leaves its field empty."""
+
+    run_dir: str
+    device: str = Field(..., description="The device kind the run planned for.")
+    tracking: dict[str, str] | None = Field(None, description="Per tracker, where the run is (tasks/tracking.py).")
+    dataset: DatasetFiles | None = None
+    model: ModelCheckpoint | None = None
+    command: list[str] | None = Field(None, description="The training command, with the fetched data and model.")
+    train: TrainResult | None = None
+    policy: ExportedPolicy | None = None
+    eval: EvalReport | None = None
+    report: str | None = None
+
+    def shown(self) -> dict[str, Any]:
+        """As JSON, the stages that ran: what the flow returns, the command line prints and the report and
+        trackers read."""
+        return {stage: value for stage, value in self.model_dump(mode="json").items() if value is not None}
+
+
 @dataclass
 class RunRecord:
-    """What a flow run has done so far; the failure hooks write the report from it."""
+    """What a flow run has done so far, from its plan on; the failure hooks write the report from it."""
 
-    run_dir: Path
-    device: DeviceInfo
-    profile: RunProfile | None = None
-    env: RuntimeEnv | None = None
-    generation: GenerationPlan | None = None
-    result: dict = field(default_factory=dict)
+    plan: RunPlan
+    result: RunResult = field(init=False)
     timings: dict[str, float] = field(default_factory=dict)
     stage: str | None = None
     failure: str | None = None
+
+    def __post_init__(self) -> None:
+        self.result = RunResult(run_dir=self.plan.run_dir, device=self.plan.device.kind)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.plan.run_dir)
+
+    def close_trackers(self, status: str, report: Callable[[], tuple[Path, str]] | None, warn) -> tuple[Path, str] | None:
+        """End the tracker runs the run opened with `status` (tasks/tracking.py `close_tracker_runs`), and
+        keep where each tracker is, with the steps one missed, for what the run returns."""
+        shown = self.result.shown()
+        closed = close_tracker_runs(self.plan.profile, self.run_dir, shown, status, report or (lambda: None), warn)
+        self.result.tracking = shown.get("tracking")
+        return closed
 
     @contextmanager
     def step(self, name: str) -> Iterator[None]:
@@ -107,14 +145,17 @@ def close_failed_run(flow_run_id: UUID, how: str, message: str | None, status: s
     record = RUNS.pop(flow_run_id, None)
     logger = get_logger("grpo_pipeline")
     stopped = []
-    if record and record.profile and backend_for(record.profile.backend).stop(record.run_dir):
-        stopped.append(f"the {record.profile.backend} backend's training (its Ray job or workers)")
+    if record and backend_for(record.plan.profile.backend).stop(record.run_dir):
+        stopped.append(f"the {record.plan.profile.backend} backend's training (its Ray job or workers)")
     if stop_ray_job():  # this process's own Ray work (a local Ray, evaluation tasks)
         stopped.append("the Ray work of the flow's process")
     if stopped:
         logger.info("stopped %s", " and ".join(stopped))
-    if record is None:
-        return  # the device could not be decided: no run directory; Prefect's state message says why
+    if record is None:  # refused (or stopped) while it was planned: no run folder, so the report is the UI's only
+        _publish(flow_run_id, f"> **The run {how}.** Stage `plan_run`: {scrub(message or '')}\n\nIt {how} while it was "
+                 "planned: nothing was started and no run folder was made.\n", f"Report of the run ({how} while it was "
+                 "planned)", "", logger)
+        return
     failure = record.failure or f"Stage `{record.stage}`: {scrub(message or '')}"
 
     def report() -> tuple[Path, str]:
@@ -122,16 +163,20 @@ def close_failed_run(flow_run_id: UUID, how: str, message: str | None, status: s
         return write_run_report(record, failure=failure, stopped=stopped)
 
     try:  # the tracker runs end with the run's status, and the report names steps a tracker missed
-        path, markdown = close_tracker_runs(record.profile, record.run_dir, record.result, status, report, logger.warning)
+        path, markdown = record.close_trackers(status, report, logger.warning)
     except OSError as exc:  # the run's folder itself may be what failed
         logger.error("the run %s in stage %s; no report (%s)", how, record.stage, exc.strerror or exc)
         return
-    try:  # the UI shows a failed run's report as it shows a finished one's
-        MarkdownArtifact(key="run-report", markdown=markdown, description=f"Report of run {record.run_dir.name} ({how})",
-                         flow_run_id=flow_run_id).create()
-    except Exception as exc:  # the API may be what went away; the file is written
-        logger.warning("the report could not be published to Prefect's API (%s); it is in %s", exc, path)
+    _publish(flow_run_id, markdown, f"Report of run {record.run_dir.name} ({how})", f"; it is in {path}", logger)
     logger.error("the run %s in stage %s; report: %s", how, record.stage, path)
+
+
+def _publish(flow_run_id: UUID, markdown: str, description: str, where: str, logger) -> None:
+    """The UI shows a failed run's report as it shows a finished one's."""
+    try:
+        MarkdownArtifact(key="run-report", markdown=markdown, description=description, flow_run_id=flow_run_id).create()
+    except Exception as exc:  # the API may be what went away
+        logger.warning("the report could not be published to Prefect's API (%s)%s", exc, where)
 
 
 def close_cancelled_run(flow_run_id: UUID) -> bool:
@@ -158,10 +203,10 @@ def close_cancelled_run(flow_run_id: UUID) -> bool:
 
 def write_run_report(record: RunRecord, failure: str | None = None, stopped: list[str] | None = None) -> tuple[Path, str]:
     """report.md from what the run did so far, and the same for Prefect's UI (stages/report.py)."""
+    plan, result = record.plan, record.result.shown()
     parts = dict(
-        profile=record.profile.model_dump(mode="json") if record.profile else None,
-        device=record.device.model_dump(mode="json"), env=record.env.redacted() if record.env else None,
-        train=record.result.get("train"), evaluation=record.result.get("eval"), timings=dict(record.timings),
-        failure=failure, stopped=stopped, tracking=record.result.get("tracking"),
+        profile=plan.profile.model_dump(mode="json"), device=plan.device.model_dump(mode="json"),
+        env=plan.env.redacted(), train=result.get("train"), evaluation=result.get("eval"), timings=dict(record.timings),
+        failure=failure, stopped=stopped, tracking=result.get("tracking"),
     )
     return write_report(record.run_dir, **parts), ui_report(record.run_dir, **parts)

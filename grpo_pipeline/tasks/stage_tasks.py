@@ -21,19 +21,18 @@ from grpo_pipeline.backends.guards import GuardTripped
 from grpo_pipeline.backends.metrics import METRICS, StepMetrics
 from grpo_pipeline.common.files import write_json_atomic, write_text_atomic
 from grpo_pipeline.common.progress import Bar
-from grpo_pipeline.common.ray_address import cluster_address
-from grpo_pipeline.stages.plan import check_plan, check_run_dir, profile_for
+from grpo_pipeline.stages.plan import RunPlan, plan_run
 from grpo_pipeline.stages.request import RunRequest
 from grpo_pipeline.tasks.run_record import RunRecord, write_run_report
 from grpo_pipeline.tasks.policy import CACHED_ACROSS_RUNS, StepTable, progress_artifact, stage_task
 from grpo_pipeline.common.tracking import FINISHED
-from grpo_pipeline.tasks.tracking import StepTracking, close_tracker_runs, tell_trackers
+from grpo_pipeline.tasks.tracking import StepTracking, tell_trackers
 from grpo_pipeline.generation.engines import engine_label
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import ModelArchitecture, RunProfile
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, fetch_dataset
-from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_device
-from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
+from grpo_pipeline.stages.device import DeviceInfo
+from grpo_pipeline.stages.environment import RuntimeEnv
 from grpo_pipeline.profiles.evaluation import HELDOUT
 from grpo_pipeline.stages.evaluate import EvalReport, EvalSettings, checkpoint_name, evaluate
 from grpo_pipeline.stages.export import ExportedPolicy, export_checkpoint, mark_best
@@ -42,29 +41,29 @@ from grpo_pipeline.stages.benchmark_report import benchmark_tables
 from grpo_pipeline.stages.train import train
 
 
+@stage_task("plan_run")
+def plan_run_task(request: RunRequest, checked: RunPlan | None = None) -> RunPlan:
+    """The flow's first task, whichever door the run came in by: `plan_run`, or the plan the command line made
+    with it and checked before Prefect started (planning again would detect the device and check the
+    rewards and the hub twice)."""
+    return checked or plan_run(request)
+
+
 @stage_task("detect_device")
-def detect_device_task(request: RunRequest, planned: DeviceInfo | None = None) -> DeviceInfo:
-    device = planned or detect_device(requested_device(request.device), cluster=cluster_address(request.ray_address)[0])
+def detect_device_task(device: DeviceInfo) -> DeviceInfo:
     get_run_logger().info("device: %s (%s)", device.kind, device.reason)
     return device
 
 
 @stage_task("resolve_profile")
-def resolve_profile_task(request: RunRequest, device: DeviceInfo, run_dir: Path,
-                         planned: RunProfile | None = None, backend_reason: str | None = None) -> RunProfile:
-    if planned is None:  # a run planned on the command line was checked there, before anything started
-        planned, backend_reason = profile_for(request, device)
-        check_plan(request, planned, device, dry_run=False)
-        check_run_dir(run_dir, dry_run=False)
-    get_run_logger().info("backend: %s (%s)", planned.backend, backend_reason)
-    write_text_atomic(run_dir / "profile.yaml", yaml.safe_dump(planned.model_dump(mode="json"), sort_keys=False))
-    return planned
+def resolve_profile_task(profile: RunProfile, backend_reason: str, run_dir: Path) -> RunProfile:
+    get_run_logger().info("backend: %s (%s)", profile.backend, backend_reason)
+    write_text_atomic(run_dir / "profile.yaml", yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
+    return profile
 
 
 @stage_task("prepare_environment")
-def prepare_environment_task(profile: RunProfile, run_dir: Path, ray_address: str | None,
-                             planned: RuntimeEnv | None = None) -> RuntimeEnv:
-    env = planned or resolve_environment(profile, ray_address=ray_address)
+def prepare_environment_task(env: RuntimeEnv, run_dir: Path) -> RuntimeEnv:
     env.check_references()
     # The driver is the process that starts Ray and the backends; they inherit it from here.
     env.apply()
@@ -233,10 +232,9 @@ def evaluate_task(
 @stage_task("report")
 def report_task(record: RunRecord) -> Path:
     logger = get_run_logger()
-    path, markdown = close_tracker_runs(record.profile, record.run_dir, record.result, FINISHED,
-                                        lambda: write_run_report(record), logger.warning)
+    path, markdown = record.close_trackers(FINISHED, lambda: write_run_report(record), logger.warning)
     create_markdown_artifact(key="run-report", markdown=markdown, description=f"Report of run {record.run_dir.name}")
     logger.info("report: %s", path)
-    if record.result.get("tracking"):
-        logger.info("tracker runs: %s", "; ".join(f"{k}: {v}" for k, v in record.result["tracking"].items()))
+    if tracking := record.result.tracking:
+        logger.info("tracker runs: %s", "; ".join(f"{k}: {v}" for k, v in tracking.items()))
     return path

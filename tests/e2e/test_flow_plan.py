@@ -58,7 +58,8 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     for written in run_dir.rglob("*"):
         assert not written.is_file() or b"hf_never_written" not in written.read_bytes(), written
     planned = json.loads((run_dir / "plan.json").read_text())
-    assert planned["backend"] == "local" and planned["generation"]["engine"] == "transformers"  # decided once, recorded
+    assert planned["backend"]["name"] == "local" and planned["generation"]["engine"] == "transformers"  # decided once, recorded
+    assert planned["env"]["HF_TOKEN"] == {"value": "***", "source": "user"}  # the dry run's plan, secrets redacted
     dataset = json.loads((run_dir / "data" / "dataset.json").read_text())
     assert dataset["rows"] == {"train": 1024, "test": 128} and dataset["path"].startswith(str(tmp_path / "data"))
     model = json.loads((run_dir / "model.json").read_text())
@@ -91,7 +92,7 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     for result_file in Path(PREFECT_LOCAL_STORAGE_PATH.value()).rglob("*"):
         assert not result_file.is_file() or b"hf_never_written" not in result_file.read_bytes()
     assert flow_run.state.is_completed()
-    assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(STAGES)
+    assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(["plan_run", *STAGES])
     assert all(t.state.is_completed() for t in task_runs)
     keys = ["fetch-dataset", "prepare-checkpoint", "train", "evaluate"]
     assert {a.key: a.data for a in asyncio.run(_artifacts(keys))} == dict.fromkeys(keys, 100.0)
@@ -162,7 +163,7 @@ def test_a_config_error_is_not_retried(prefect_api, tmp_path):
     state = grpo_pipeline(request, return_state=True)
     assert state.is_failed()
     flow_run, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
-    failed = [t for t in task_runs if t.name.startswith("resolve_profile")]
+    failed = [t for t in task_runs if t.name.startswith("plan_run")]  # the flow's first task: the plan
     assert len(failed) == 1 and failed[0].run_count == 1 and failed[0].state.is_failed()
 
 
@@ -238,13 +239,18 @@ def test_a_damaged_store_entry_is_never_served_from_the_cache(prefect_api, tmp_p
         assert _task_named(again, "prepare_checkpoint").state.name == "Cached"
 
 
-def test_a_failed_deployment_run_reports_the_stage_it_stopped_in(prefect_api, tmp_path):
+def test_a_refused_deployment_run_fails_in_its_first_task_before_anything_starts(prefect_api, tmp_path):
     """A run started from a deployment (no CLI planning before it) with a model that does not exist
-    fails in resolve_profile, and its report says so, not a later stage."""
+    fails in its first task, `plan_run`, with the line the command line prints for it, as the command
+    line refuses it: before anything is fetched, and before a run folder is made."""
     request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="nope",
                          overrides=[*stores(tmp_path), "model.path=builtin:nope"])
     state = grpo_pipeline(request, return_state=True)
     assert state.is_failed()
-    report = (tmp_path / "nope" / "report.md").read_text()
-    assert "**The run failed.** Stage `resolve_profile`: UserError: model.path='builtin:nope': no such built-in model" in report
+    assert "model.path='builtin:nope': no such built-in model" in state.message
+    _, task_runs = asyncio.run(_runs(state.state_details.flow_run_id))
+    assert [t.name.rsplit("-", 1)[0] for t in task_runs] == ["plan_run"] and task_runs[0].state.is_failed()
+    assert not (tmp_path / "nope").exists()  # no run folder: the run never started
+    (report,) = [a for a in asyncio.run(_artifacts(["run-report"])) if a.flow_run_id == state.state_details.flow_run_id]
+    assert "**The run failed.** Stage `plan_run`: " in report.data and "no such built-in model" in report.data  # the UI's
     assert not (tmp_path / "data").exists() and not (tmp_path / "models").exists()  # nothing was fetched

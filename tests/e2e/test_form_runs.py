@@ -92,3 +92,53 @@ def test_the_api_refuses_the_probes_before_storing_a_run_naming_the_field_and_ru
                                  "was expected"
                 assert "made-up-9f3e" not in detail and len(detail) < 400, detail
         assert len(client.read_flow_runs()) == before + 1  # only the accepted one
+
+
+def test_a_form_run_and_a_command_line_run_of_one_request_store_the_same_plan(prefect_api, tmp_path):
+    """Issue 46, one door: the form planned inside the flow, task by task, so its run stored another plan
+    than the command line's. Now both make it with `plan_run` (the form's run in its first task), and
+    plan.json is that plan, as `--dry-run --json` prints it. The two runs are of one request, the run's
+    folder included (`--run-dir`/`run_root`, `--run-name`/`run_name`): nothing run-specific is left to
+    differ, so nothing is excluded and the files must be equal byte for byte. The command line runs
+    first, as a person runs it (its own process and Prefect API): the form's run applies the run's
+    environment to this process, which a later process would inherit as the user's own."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from prefect.client.orchestration import get_client
+    from prefect.flow_engine import run_flow
+    from prefect.logging.loggers import flow_run_logger
+
+    root = Path(__file__).resolve().parents[2]
+    runs, stores = tmp_path / "runs", [f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}"]
+    request = ["--model", "tiny", "--device", "cpu", "--run-dir", str(runs), "--run-name", "one-request",
+               "--stages", "fetch_dataset", *[part for store in stores for part in ("--set", store)]]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    command_line = [sys.executable, "-m", "grpo_pipeline", *request]
+    done = subprocess.run(command_line, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan_file = runs / "one-request" / "plan.json"
+    by_command_line = plan_file.read_bytes()
+    dry_run = subprocess.run([*command_line, "--dry-run", "--json"], cwd=root, env=env, capture_output=True,
+                             text=True, timeout=300)
+    # The plan the dry run prints; its device is the one field a dry run leaves unprobed (`--dry-run` plans
+    # for a named device without requiring it here), so it is the one field left out of this comparison.
+    assert {**json.loads(by_command_line), "device": None} == {**json.loads(dry_run.stdout), "device": None}
+    plan_file.unlink()
+
+    parameters = {"model": "tiny", "device": "cpu", "run_root": str(runs), "run_name": "one-request",
+                  "stages": ["fetch_dataset"], "overrides": "\n".join(stores)}
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run(run_from_form, parameters=parameters)
+        run_flow(run_from_form, flow_run=client.read_flow_run(flow_run.id), error_logger=flow_run_logger(flow_run))
+        state = client.read_flow_run(flow_run.id).state
+        tasks = client.read_task_runs()
+    assert state.is_completed(), state.message
+    first = min((t for t in tasks if t.flow_run_id == flow_run.id), key=lambda t: t.expected_start_time)
+    assert first.name.startswith("plan_run-")  # the form's run planned in its first task
+    assert plan_file.read_bytes() == by_command_line
+    assert json.loads(by_command_line)["backend"]["name"] == "local"
