@@ -54,6 +54,11 @@ class GenerationPlan(BaseModel):
         """How transformers' `generate` runs, in words."""
         return f"{self.cache} cache, {'compiled' if self.compile else 'eager'} decoding, {self.attn_implementation} attention"
 
+    def with_rounds_of(self, profile: RunProfile) -> GenerationPlan:
+        """This plan with the rounds `profile` has: the one field the layer of the devices found may set (the local
+        backend's rollouts beside its step: backends/local/sizing.py)."""
+        return self.model_copy(update={"steps_per_generation": profile.generation.steps_per_generation})
+
     def describe(self) -> str:
         """The rollouts' path, as the train stage's log and the report give it."""
         return f"{self.path()}, {self.steps_per_generation} step(s)' prompts per generation"

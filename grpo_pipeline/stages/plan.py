@@ -156,9 +156,7 @@ def profile_for(request: RunRequest, device: DeviceInfo) -> tuple[RunProfile, st
         layer = backend_for(unchecked.backend).detected_layer(unchecked, device.count, generation,
                                                               *device.found(unchecked), given=given)
     profile, reason = checked_profile(*args, detected=layer or None)
-    # The local backend's layer may set the rounds (steps_per_generation: their rollouts beside the step); the plan
-    # follows them.
-    return profile, reason, generation.model_copy(update={"steps_per_generation": profile.generation.steps_per_generation})
+    return profile, reason, generation.with_rounds_of(profile)  # the rounds the layer may have set
 
 
 def check_plan(request: RunRequest, profile: RunProfile, device: DeviceInfo, dry_run: bool) -> MemoryPlan | None:
