@@ -29,6 +29,7 @@ over that many ranks, which leaves world / SP data-parallel ranks. Its roles run
 - rollout: vLLM's share of the device beside what the actor leaves resident (planner/roles.py).
 - host: per node, each device's offloaded parameters and Adam's state, and the reference's shard.
 bench/fsdp_memory_probe.py measures the update and log-prob peaks on a GPU beside these figures.
+`FsdpPlan` is FSDP2's engine plan (planner/engines.py): its layout rules, memory, step cost and layouts.
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ The cost model, seconds per training step on the fullest device, is deliberately
 - data parallel: the distributed optimizer's reduce-scatter of fp32 gradients and all-gather of bf16
   parameters, (DP-1)/DP of them, over the network when the group spans nodes;
 - offload: what each step moves to the host and back, over the host link.
-Rollout generation is taken to cost the same for every layout; only the update is ranked.
+Rollout generation is taken to cost the same for every layout; only the update is ranked. Each engine's
+part (its layouts, its cost) is its plan's (planner/engines.py): Megatron's in planner/memory.py, FSDP2's in
+planner/fsdp.py.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from grpo_pipeline.planner.rules import divisors, batch_problems, rollout_proble
 from grpo_pipeline.profiles.model_size import ModelSize, model_size
 
 if TYPE_CHECKING:
+    from grpo_pipeline.profiles.platform import Accelerator
     from grpo_pipeline.profiles.schema import RunProfile
 
 MICRO_BATCHES = (4, 2, 1)
@@ -65,7 +68,7 @@ class Suggestion:
         return layout_settings(self.layout)
 
 
-def step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec) -> dict[str, float]:
+def step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) -> dict[str, float]:
     """The cost model of the module's docstring, seconds per step by part (the layout's engine's)."""
     return plan_of(lay.strategy).step_cost(p, size, lay, spec)
 

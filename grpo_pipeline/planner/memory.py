@@ -30,6 +30,9 @@ Estimates are of the framework allocator's peak (`torch.cuda.max_memory_allocate
 `platform.reserved_memory_gib` (context, communication buffers) is kept out of what they may use.
 bench/bench_memory.py compares them with measured peaks, bench/bench_planner_reference.py with
 published runs (docs/memory-planner.md).
+
+`estimate` is the memory plan of either engine's layout, by the layout's engine plan (planner/engines.py);
+`MegatronPlan` here is Megatron's (its layout rules, step cost and layouts), planner/fsdp.py's `FsdpPlan` FSDP2's.
 """
 
 from __future__ import annotations
