@@ -203,9 +203,8 @@ def batch_problems(p: RunProfile, data_parallel: int) -> list[str]:
 
 
 def fsdp_problems(p: RunProfile) -> list[str]:
-    """FSDP2's layout as verl 0.9.1 builds it (Megatron's settings are refused by the profile's engine section,
-    profiles/engine.py). The Ulysses
-    rules, each verl's own (tests/test_verl_fsdp_rules.py finds each check in verl's source): the (dp, sp)
+    """FSDP2's layout as verl 0.9.1 builds it (a Megatron setting never reaches it: the profile's engine
+    section refuses one, profiles/engine.py). The Ulysses rules, each verl's own (tests/test_verl_fsdp_rules.py finds each check in verl's source): the (dp, sp)
     device mesh (workers/engine/fsdp/transformer_impl.py `_init_device_mesh`), attention and KV heads
     over the Ulysses ranks (models/transformers/monkey_patch.py `apply_monkey_patch`'s asserts), packed
     sequences (transformer_impl.py, workers/config/actor.py), and the batch over every device
