@@ -35,10 +35,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from grpo_pipeline.planner.engines import ENGINE_PLANS, layout_settings, plan_of, with_layout
+from grpo_pipeline.planner.engines import layout_settings, plan_of, with_layout
 from grpo_pipeline.planner.memory import GIB, MemoryPlan, estimate
 from grpo_pipeline.planner.parallel import Layout
 from grpo_pipeline.planner.rules import divisors, batch_problems, rollout_problems
+from grpo_pipeline.profiles.engine import ENGINES
 from grpo_pipeline.profiles.model_size import ModelSize, model_size
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ def step_cost(p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) ->
 def candidate_layouts(p: RunProfile) -> list[Layout]:
     """Every engine's layouts that pass its layout rules (rollout and batches are checked per layout): Megatron's
     (TP, PP with its stage split, CP, EP, ETP), then FSDP2's."""
-    return [lay for plan in ENGINE_PLANS.values() for lay in plan.layouts(p)]
+    return [lay for strategy in ENGINES for lay in plan_of(strategy).layouts(p)]  # the profile's order of engines
 
 
 def suggest_layouts(p: RunProfile) -> tuple[list[Suggestion], dict[str, float]]:
