@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, NamedTuple
 
-from grpo_pipeline.planner.memory import plan_of
+from grpo_pipeline.planner.memory import plan_of  # imported from memory.py, which registers both engines' plans
 from grpo_pipeline.planner.rules import UNEVEN_PIPELINE_FIELDS, batch_problems, rollout_problems
 from grpo_pipeline.profiles.engine import FsdpEngine, MegatronEngine, TrainingEngine
 from grpo_pipeline.profiles.requirements import NodeRequirement
