@@ -250,9 +250,10 @@ def describe_validation_error(exc: ValidationError) -> str:
     for error in exc.errors():
         field = ".".join(str(part) for part in _without_union_tags(error["loc"]))
         if error["type"] == "union_tag_invalid":  # a strategy no engine has: named as a Literal's would be
-            expected = error["ctx"]["expected_tags"].rsplit(", ", 1)
-            problems.append(f"{field}.{error['ctx']['discriminator'].strip(chr(39) + '()')}={error['ctx']['tag']!r}: input "
-                            f"should be {' or '.join(expected)}")
+            ctx = error["ctx"]
+            discriminator = ctx["discriminator"].strip("'()")  # pydantic writes `strategy()` for a callable one
+            expected = " or ".join(ctx["expected_tags"].rsplit(", ", 1))
+            problems.append(f"{field}.{discriminator}={ctx['tag']!r}: input should be {expected}")
         elif error["type"] == "missing":
             hint = " (a model given by repo id needs model.architecture.* in a profile file)" if "architecture" in field else ""
             problems.append(f"{field} is required{hint}")
