@@ -122,6 +122,11 @@ def test_local_backend_dry_run_on_cpu(cli):
         ([], {"DEVICE": "tpu"}, "unsupported device DEVICE='tpu'"),
         (["--set", "engine.tpp=2"], {}, "unknown setting 'engine.tpp' in --set; did you mean 'engine.tp'?"),
         (["--set", "engine.tp=abc"], {}, "engine.tp='abc'"),
+        # A setting of the other training engine: named with the engine it belongs to (profiles/engine.py).
+        (["--set", "engine.strategy=fsdp", "--set", "engine.tp=2"], {},
+         "engine.strategy=fsdp: engine.tp=2 is a Megatron setting FSDP does not read"),
+        (["--set", "engine.ulysses_sp=2"], {}, "engine.strategy=megatron: engine.ulysses_sp=2 is an FSDP setting; set engine.strategy=fsdp"),
+        (["--set", "engine.strategy=deepspeed"], {}, "engine.strategy='deepspeed': input should be 'megatron' or 'fsdp'"),
         (["--model", "qwen3.5-122b-a10b", "--device", "gpu", "--set", "engine.tp=3"], {}, "does not divide the world size 32"),
         (["--profile-file", "{profile}"], {}, "is not valid YAML"),
         (["--stages", "detect_device,warp"], {}, "unknown stage(s) warp"),

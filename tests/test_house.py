@@ -32,6 +32,29 @@ def test_nothing_outside_backends_branches_on_a_backends_name():
     assert found == []
 
 
+# The training engines' own modules: their classes (profiles/engine.py) and what each floor registers for them by
+# their strategy, as verl registers its engines (the planner's plans, verl's side).
+ENGINE_MODULES = ("profiles/engine.py", "planner/engines.py", "planner/memory.py", "planner/fsdp.py", "backends/verl/engines.py")
+
+
+def test_nothing_outside_the_engines_own_modules_asks_which_engine_it_holds():
+    """`engine.strategy` was a string every reader compared (15 branches in 7 files): each engine is now a class
+    of its own (`MegatronEngine | FsdpEngine`) whose plan and verl rendering are looked up by its strategy."""
+    branch = re.compile(r"strategy\s*(==|!=)|\.strategy\s+(not\s+)?in\b|isinstance\([^)]*\b(Megatron|Fsdp)Engine\b")
+    found = [f"{house_map.shown(p)}:{i}" for p in modules(*PACKAGES) if house_map.shown(p) not in ENGINE_MODULES
+             for i, line in enumerate(p.read_text().splitlines(), 1) if branch.search(line)]
+    assert found == []
+
+
+def test_a_steps_sequence_count_is_computed_in_one_place():
+    """`train_batch_size x rollout_n` was recomputed in 9 files: `RunProfile.sequences_per_step` (and
+    `sequences_per_update`, the mini batch's) compute it, once, in profiles/schema.py."""
+    product = re.compile(r"\b(train_batch_size|ppo_mini_batch_size|prompts)\s*\*|\*\s*[\w.]*\brollout_n\b|\brollout_n\s*\*")
+    found = [f"{house_map.shown(p)}:{i}" for p in modules(*PACKAGES)
+             for i, line in enumerate(p.read_text().splitlines(), 1) if product.search(line)]
+    assert [place.split(":")[0] for place in found] == ["profiles/schema.py"] * 2, found
+
+
 def test_every_package_has_a_floor():
     assert set(house_map.packages()) == set(house_map.FLOORS), (
         "a new top-level package gets its floor in tests/house_map.py's FLOORS")

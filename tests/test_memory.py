@@ -141,7 +141,7 @@ def test_suggest_layout_finds_the_upstream_layout_and_only_layouts_that_validate
     assert parallel_dims(Layout.of(profile)) in {parallel_dims(s.layout) for s in suggestions}
     assert [s.seconds for s in suggestions] == sorted(s.seconds for s in suggestions)
     for suggestion in suggestions[:5]:  # each one, set on the command line, passes validation and fits
-        settings = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in suggestion.layout.settings().items()]
+        settings = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in suggestion.settings().items()]
         checked = resolve_profile("qwen3.5-122b-a10b", device, overrides=settings)
         assert estimate(checked).fits
 

@@ -206,8 +206,8 @@ def test_the_suggested_layouts_split_unevenly_where_the_layers_do_not_divide():
             "rollout": {"gpu_memory_utilization": 0.85}}
     profile = resolve_run_profile("tiny", "gpu", "verl", overrides=base, validate=False)[0]
     suggestions, _ = suggest_layouts(profile)
-    eight = [s.layout for s in suggestions if s.layout.pp == 8]  # 94 layers: 11 + 6 x 12 + 11
-    assert eight and all((lay.first_stage_layers, lay.last_stage_layers) == (11, 11) for lay in eight)
+    eight = [s for s in suggestions if s.layout.pp == 8]  # 94 layers: 11 + 6 x 12 + 11
+    assert eight and all((s.layout.first_stage_layers, s.layout.last_stage_layers) == (11, 11) for s in eight)
     # Set back on the command line, the uneven split validates and fits.
     checked = resolve_profile("tiny", "gpu", "verl", overrides={**base, **eight[0].settings()})
     assert checked.engine.num_layers_in_first_pipeline_stage == 11 and estimate(checked).fits

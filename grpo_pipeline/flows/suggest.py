@@ -44,7 +44,7 @@ def print_layouts(request: RunRequest, as_json: bool) -> int:
     suggestions, facts = suggest_layouts(profile)
     if as_json:
         print(json.dumps({"facts": facts, "layouts": [
-            {"settings": s.layout.settings(), "step_seconds": s.cost, "memory": s.plan.summary()} for s in suggestions]},
+            {"settings": s.settings(), "step_seconds": s.cost, "memory": s.plan.summary()} for s in suggestions]},
             indent=2))
     else:
         print("\n".join(suggestion_table(suggestions, facts, profile)))
@@ -62,7 +62,7 @@ def _no_layout_fix(profile, facts: dict) -> str:
     if facts.get("layouts") and not facts.get("estimates"):
         d, n = profile.data, profile.algorithm.rollout_n
         return (f"every layout has more data-parallel ranks than data.train_batch_size {d.train_batch_size} x "
-                f"algorithm.rollout_n {n} = {d.train_batch_size * n} sequences split over; use fewer nodes "
+                f"algorithm.rollout_n {n} = {profile.sequences_per_step} sequences split over; use fewer nodes "
                 "(--set cluster.nnodes=N) or a larger data.train_batch_size")
     if not facts.get("layouts"):
         return ("no parallel layout divides this many devices for this model; change cluster.nnodes or "

@@ -5,7 +5,7 @@
 
 verl 0.9.1's FSDP engine (workers/engine/fsdp/transformer_impl.py) wraps each decoder layer and the
 root module (embedding, output layer, final norm) with `fully_shard` over a group of `engine.fsdp_size`
-ranks (`planner/rules.py` `fsdp_group`); with `engine.ulysses_sp` > 1 each sequence's tokens are split
+ranks (`group_size`); with `engine.ulysses_sp` > 1 each sequence's tokens are split
 over that many ranks, which leaves world / SP data-parallel ranks. Its roles run in turn on every device:
 - actor, update: the actor's parameters in fp32 (verl's `fsdp_config.model_dtype`), its fp32 gradients
   and Adam's two fp32 moments, each 1/F of the model on a group of F ranks; loaded back for the update
@@ -29,19 +29,25 @@ over that many ranks, which leaves world / SP data-parallel ranks. Its roles run
 - rollout: vLLM's share of the device beside what the actor leaves resident (planner/roles.py).
 - host: per node, each device's offloaded parameters and Adam's state, and the reference's shard.
 bench/fsdp_memory_probe.py measures the update and log-prob peaks on a GPU beside these figures.
+`FsdpPlan` is FSDP2's engine plan (planner/engines.py): its layout rules, memory, step cost and layouts.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import itertools
+from typing import TYPE_CHECKING, Any
 
 from grpo_pipeline.planner.activations import _mixer_elements, logits_bytes, micro_batch
+from grpo_pipeline.planner.engines import LONG_CONTEXT_CHUNK, MFU, OFFLOAD_LEVELS, EnginePlan, registered
 from grpo_pipeline.planner.lora import adapter_size
 from grpo_pipeline.planner.parallel import Layout
 from grpo_pipeline.planner.roles import GIB, MemoryPlan, RoleMemory, rollout_rows
+from grpo_pipeline.planner.rules import divisors, fsdp_problems
+from grpo_pipeline.profiles.engine import FsdpEngine
 
 if TYPE_CHECKING:
     from grpo_pipeline.profiles.model_size import ModelSize
+    from grpo_pipeline.profiles.platform import Accelerator
     from grpo_pipeline.profiles.schema import RunProfile
 
 MASTER_BYTES = 4  # fsdp_config.model_dtype fp32: the actor's sharded parameters
@@ -141,7 +147,7 @@ def estimate_fsdp(p: RunProfile, lay: Layout, device: str, capacity_gib: float |
              "optimizer": ADAM_BYTES * trained}
     where = f"FSDP2 over {group} rank{'s' if group > 1 else ''}" + (f", Ulysses {sp}" if sp > 1 else "")
 
-    sequences = actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp
+    sequences = p.sequences_per_update / dp
     tokens, _ = micro_batch(sequences, max_length, sp, actor.use_dynamic_bsz, lay.micro_batch, actor.ppo_max_token_len_per_gpu)
     stored, recomputed = activation_bytes(p, size, tokens, lay.checkpointing)
     logits = logits_bytes(p, tokens, 1, (LOGITS_UPDATE_ENTROPY if p.algorithm.entropy_coeff else LOGITS_UPDATE)
@@ -164,7 +170,7 @@ def estimate_fsdp(p: RunProfile, lay: Layout, device: str, capacity_gib: float |
 
     resident = {"weights": 0.0 if lay.param_offload else state["weights"],
                 "optimizer": 0.0 if lay.optimizer_offload else state["optimizer"]}
-    lp_sequences = p.data.train_batch_size * p.algorithm.rollout_n / dp
+    lp_sequences = p.sequences_per_step / dp
     lp_tokens, _ = micro_batch(lp_sequences, max_length, sp, lp.use_dynamic_bsz, lp.micro_batch_size_per_gpu,
                                lp.max_token_len_per_gpu)
     forward = max(hf_layer_bytes(p, *kind) for kind in size.layer_kinds) * lp_tokens if size.layer_kinds else 0.0
@@ -208,3 +214,95 @@ def _fix(p: RunProfile, lay: Layout, parts: dict[str, float], log_probs: bool = 
         return "set engine.param_offload=true and engine.optimizer_offload=true"
     return ("shard over more ranks (engine.fsdp_size=-1, more devices), offload (engine.param_offload, "
             "engine.optimizer_offload), or engine.strategy=megatron; --suggest-layout lists layouts that fit")
+
+
+@registered
+class FsdpPlan(EnginePlan):
+    """FSDP2's layouts of a dense model: the group over the world or one node, Ulysses, gradient checkpointing;
+    no CPU Adam (megatron-core's)."""
+
+    engine = FsdpEngine
+    offload_levels = OFFLOAD_LEVELS[:3]
+
+    def problems(self, p: RunProfile) -> list[str]:
+        return fsdp_problems(p)
+
+    def estimate(self, p: RunProfile, lay: Layout, device: str, capacity_gib: float | None, source: str,
+                 size: ModelSize) -> MemoryPlan:
+        return estimate_fsdp(p, lay, device, capacity_gib, source, size)
+
+    def step_cost(self, p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) -> dict[str, float]:
+        """FSDP2's step: the same compute; per micro batch, each parameter gathered in bf16 for the forward
+        and again for the backward and its gradient reduce-scattered in fp32 (verl syncs every micro batch),
+        over the node's links when the group stays in a node; across groups (hybrid sharding), the shard's
+        gradients all-reduced over the network; Ulysses' all-to-alls (4 a layer forward, 4 backward)."""
+        arch, per_node, world = p.model.architecture, p.cluster.devices_per_node, p.world_size
+        length = p.data.max_prompt_length + p.data.max_response_length
+        tokens = p.sequences_per_step * length
+        group = group_size(world, lay.fsdp_size)
+        dp = world // lay.ulysses_sp
+        compute = (8 if lay.checkpointing else 6) * size.active * tokens / (world * spec.bf16_tflops * 1e12 * MFU)
+        link, network, host = spec.link_gb_s * 1e9, spec.network_gb_s * 1e9, spec.host_gb_s * 1e9
+        rank_tokens = tokens / dp
+        if p.actor.use_dynamic_bsz:
+            micro_batches = max(rank_tokens / lay.ulysses_sp / p.actor.ppo_max_token_len_per_gpu, 1)
+        else:
+            micro_batches = max(p.sequences_per_step / dp / lay.micro_batch, 1)
+        gather = (2 + 2 + 4) * size.total * (group - 1) / group * micro_batches
+        cost = {"compute": compute, "data parallel": gather / (link if group <= per_node else network)}
+        if world > group:
+            replicas = world // group
+            cost["data parallel"] += 2 * 4 * size.total / group * (replicas - 1) / replicas / network
+        if lay.ulysses_sp > 1:
+            cost["sequence parallel"] = (8 * rank_tokens / lay.ulysses_sp * arch.num_layers * arch.hidden_size * 2
+                                         * (lay.ulysses_sp - 1) / lay.ulysses_sp / link)
+        moved = (2 * 4 * size.total / group if lay.param_offload else 0.0) + (2 * 8 * size.total / group if lay.optimizer_offload else 0.0)
+        cost["offload"] = moved / host
+        return cost
+
+    def layouts(self, p: RunProfile) -> list[Layout]:
+        """The group over the world or one node, Ulysses where a sequence leaves each rank LONG_CONTEXT_CHUNK
+        tokens or more, with and without gradient checkpointing; none for an MoE model (expert parallelism is
+        Megatron's) or a Megatron dist checkpoint."""
+        arch, world, per_node = p.model.architecture, p.world_size, p.cluster.devices_per_node
+        if arch.num_experts or p.model.dist_checkpoint:
+            return []
+        length = p.data.max_prompt_length + p.data.max_response_length
+        groups = [-1] + ([per_node] if world > per_node else [])
+        sps = [sp for sp in divisors(per_node) if sp == 1 or length / sp >= LONG_CONTEXT_CHUNK]
+        out = []
+        for group, sp, checkpointing in itertools.product(groups, sps, (False, True)):
+            lay = Layout(1, 1, 1, 1, 1, 1, False, False, False, 1, strategy="fsdp", fsdp_size=group, ulysses_sp=sp,
+                         checkpointing=checkpointing)
+            if not fsdp_problems(self.with_layout(p, lay)):
+                out.append(lay)
+        return out
+
+    def engine_settings(self, engine: FsdpEngine, lay: Layout) -> dict[str, Any]:
+        # verl's Ulysses patches transformers' FlashAttention 2 path only (planner/rules.py)
+        return {"fsdp_size": lay.fsdp_size, "ulysses_sp": lay.ulysses_sp,
+                **({"attn_implementation": "flash_attention_2"} if lay.ulysses_sp > 1 else {})}
+
+    def model_settings(self, p: RunProfile, lay: Layout) -> dict[str, Any]:
+        return {"model": p.model.model_copy(update={"enable_gradient_checkpointing": lay.checkpointing})}
+
+    def settings(self, lay: Layout) -> dict[str, Any]:
+        return {"engine.strategy": "fsdp", "engine.fsdp_size": lay.fsdp_size, "engine.ulysses_sp": lay.ulysses_sp,
+                "rollout.tp": lay.rollout_tp, "engine.param_offload": lay.param_offload,
+                "engine.optimizer_offload": lay.optimizer_offload,
+                "model.enable_gradient_checkpointing": lay.checkpointing,
+                "actor.ppo_micro_batch_size_per_gpu": lay.micro_batch,
+                **({"engine.attn_implementation": "flash_attention_2"} if lay.ulysses_sp > 1 else {})}
+
+    def dims(self, lay: Layout) -> tuple:
+        return "fsdp", lay.fsdp_size, lay.ulysses_sp, lay.checkpointing
+
+    def columns(self, lay: Layout) -> str:
+        return " | ".join(["-"] * 5)
+
+    def label(self, lay: Layout) -> str:
+        group = "world" if lay.fsdp_size < 0 else lay.fsdp_size
+        return f"fsdp (group {group}, Ulysses {lay.ulysses_sp}, checkpointing {'on' if lay.checkpointing else 'off'})"
+
+    def shown(self, lay: Layout) -> str:
+        return self.label(lay)

@@ -30,20 +30,28 @@ Estimates are of the framework allocator's peak (`torch.cuda.max_memory_allocate
 `platform.reserved_memory_gib` (context, communication buffers) is kept out of what they may use.
 bench/bench_memory.py compares them with measured peaks, bench/bench_planner_reference.py with
 published runs (docs/memory-planner.md).
+
+`estimate` is the memory plan of either engine's layout, by the layout's engine plan (planner/engines.py);
+`MegatronPlan` here is Megatron's (its layout rules, step cost and layouts), planner/fsdp.py's `FsdpPlan` FSDP2's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import itertools
+from typing import TYPE_CHECKING, Any
 
 from grpo_pipeline.planner.activations import LOGITS_OLD_POLICY, LOGITS_REFERENCE, layer_bytes, logits_bytes, micro_batch, \
     recompute, stage_activations, update_logits_coefficient
+from grpo_pipeline.planner.engines import CONTEXT_PARALLEL, LONG_CONTEXT_CHUNK, MFU, EnginePlan, plan_of, registered
+from grpo_pipeline.planner.fsdp import FsdpPlan  # noqa: F401  (registers FSDP2's plan: `estimate` finds every engine's)
+from grpo_pipeline.planner.parallel import Layout, Stage, stage_parameters, stages
+from grpo_pipeline.planner.rules import UNEVEN_PIPELINE_FIELDS, divisors, layout_problems, uneven_split
+from grpo_pipeline.profiles.engine import MegatronEngine
 from grpo_pipeline.profiles.model_size import ModelSize, model_size, size_problems
-from grpo_pipeline.planner.fsdp import estimate_fsdp
-from grpo_pipeline.planner.parallel import Layout, Stage, stages
 from grpo_pipeline.planner.roles import GIB, PARAM_BYTES, MemoryPlan, RoleMemory, gib, memory_table, rollout_rows  # noqa: F401
 
 if TYPE_CHECKING:
+    from grpo_pipeline.profiles.platform import Accelerator
     from grpo_pipeline.profiles.schema import RunProfile
 
 GRAD_BYTES = 4  # verl's DDP: grad_reduce_in_fp32 unless a low-precision main_grads_dtype is asked for
@@ -86,16 +94,19 @@ def _stage_label(stage: Stage, lay: Layout) -> str:
 
 def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, float | None, str] | None = None,
              size: ModelSize | None = None) -> MemoryPlan:
-    """The memory plan of a verl run's layout (the profile's own, or `lay`; `size`: the model's, when known);
-    an FSDP layout's is planner/fsdp.py's."""
+    """The memory plan of a verl run's layout (the profile's own, or `lay`; `size`: the model's, when known),
+    whichever its engine: this module's for Megatron, planner/fsdp.py's for FSDP2."""
     lay = lay or Layout.of(p)
+    device, capacity_gib, source = device_gib or p.platform.device_memory()
+    return plan_of(lay.strategy).estimate(p, lay, device, capacity_gib, source, size or model_size(p.model.architecture))
+
+
+def estimate_megatron(p: RunProfile, lay: Layout, device: str, capacity_gib: float | None, source: str,
+                      size: ModelSize) -> MemoryPlan:
+    """Megatron's memory plan of `lay` (the module's docstring)."""
     arch, plat, actor, lp = p.model.architecture, p.platform, p.actor, p.log_prob
-    device, capacity_gib, source = device_gib or plat.device_memory()
-    if lay.strategy == "fsdp":
-        return estimate_fsdp(p, lay, device, capacity_gib, source, size or model_size(arch))
     capacity = None if capacity_gib is None else capacity_gib * GIB
     usable = None if capacity is None else capacity - plat.reserved_memory_gib * GIB
-    size = size or model_size(arch)
     plan = MemoryPlan(device=device, device_memory=capacity, reserved=plat.reserved_memory_gib * GIB, source=source,
                       parameters=size.total, active_parameters=size.active, enforced=p.planner.enforce)
     world, max_length = p.world_size, p.data.max_prompt_length + p.data.max_response_length
@@ -120,7 +131,7 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
     state = {s.index: static(s) for s in all_stages}
     heaviest = max(all_stages, key=lambda s: sum(state[s.index].values()))
     # actor, update step: the stage whose stored activations, logits and state add up to the most
-    sequences = actor.ppo_mini_batch_size * p.algorithm.rollout_n / dp_dense
+    sequences = p.sequences_per_update / dp_dense
     tokens, micro_batches = micro_batch(sequences, max_length, lay.cp, actor.use_dynamic_bsz, lay.micro_batch,
                                         actor.ppo_max_token_len_per_gpu)
     interleaved = 1 + (lay.pp - 1) / (lay.pp * p.engine.vpp) if p.engine.vpp else 1  # Narayanan et al. 2021
@@ -162,7 +173,7 @@ def estimate(p: RunProfile, lay: Layout | None = None, device_gib: tuple[str, fl
 
     # log-probs: no-grad forward passes, the actor's (the old policy's) and the reference's with its own
     # weights, each beside what the other keeps resident then; logits on the last stage only
-    lp_sequences = p.data.train_batch_size * p.algorithm.rollout_n / dp_dense
+    lp_sequences = p.sequences_per_step / dp_dense
     lp_tokens, _ = micro_batch(lp_sequences, max_length, lay.cp, lp.use_dynamic_bsz, lp.micro_batch_size_per_gpu,
                                lp.max_token_len_per_gpu)
 
@@ -234,3 +245,121 @@ def plan_for(p: RunProfile, detected_names: list[str] | None = None, detected_gi
     if size_problems(p.model.architecture):
         return None
     return estimate(p, device_gib=p.platform.device_memory(detected_names, detected_gib))
+
+
+@registered
+class MegatronPlan(EnginePlan):
+    """Megatron-core's layouts: TP, PP (even or uneven stages), CP, EP and ETP; megatron-core's CPU optimizer."""
+
+    engine = MegatronEngine
+
+    def problems(self, p: RunProfile) -> list[str]:
+        return layout_problems(p)
+
+    def estimate(self, p: RunProfile, lay: Layout, device: str, capacity_gib: float | None, source: str,
+                 size: ModelSize) -> MemoryPlan:
+        return estimate_megatron(self.own(p), lay, device, capacity_gib, source, size)
+
+    def step_cost(self, p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) -> dict[str, float]:
+        p = self.own(p)
+        arch, c = p.model.architecture, p.cluster
+        world, per_node = p.world_size, c.devices_per_node
+        tokens = p.sequences_per_step * (p.data.max_prompt_length + p.data.max_response_length)
+        dp = world // (lay.tp * lay.pp * lay.cp)
+        edp = world // (lay.ep * lay.etp * lay.pp)
+        recomputed = recompute(p) is not None
+        sequences = p.sequences_per_update / dp
+        m = max(sequences / lay.micro_batch, 1)
+        compute = (8 if recomputed else 6) * size.active * tokens / (world * spec.bf16_tflops * 1e12 * MFU)
+        cost = {"compute": compute, "bubble": compute * (lay.pp - 1) / m}
+        link, network, host = spec.link_gb_s * 1e9, spec.network_gb_s * 1e9, spec.host_gb_s * 1e9
+        replica_tokens = tokens / dp
+        layers = arch.num_layers / lay.pp
+        cost["tensor parallel"] = (replica_tokens * layers * (12 if recomputed else 8) * 2 * arch.hidden_size
+                                   * (lay.tp - 1) / lay.tp / link)
+        if arch.num_experts:
+            device_tokens = replica_tokens / (lay.tp * lay.cp)
+            bandwidth = link if lay.ep * lay.etp <= per_node else network  # expert ranks are contiguous
+            cost["expert parallel"] = (device_tokens * layers * 4 * (arch.num_experts_per_tok or 1) * arch.hidden_size * 2
+                                       * (lay.ep - 1) / lay.ep / bandwidth)
+        if lay.cp > 1:  # ring attention passes each chunk's keys and values around, and their gradients back
+            kv = 2 * arch.num_kv_heads * (arch.head_dim or arch.hidden_size // arch.num_attention_heads) * 2
+            cost["context parallel"] = (replica_tokens / lay.tp * size.attention_layers / lay.pp * 3 * kv
+                                        * (lay.cp - 1) / lay.cp / link)
+        dense, experts = stage_parameters(size, lay, p)
+        stage_ranks = world // lay.pp
+        dp_bandwidth = network if stage_ranks > per_node else link
+        cost["data parallel"] = 6 * (dense * (dp - 1) / dp + experts * (edp - 1) / edp) / dp_bandwidth
+        cost["pipeline"] = (2 * replica_tokens * arch.hidden_size * 2 / (lay.tp * lay.cp) / (network if world > per_node else link)
+                            if lay.pp > 1 else 0.0)
+        params = dense + experts
+        moved = (2 * 6 * params if lay.param_offload else 0.0)
+        if lay.optimizer_cpu_offload:
+            moved += 6 * params  # gradients down, updated parameters up; Adam itself runs on the host
+        elif lay.optimizer_offload:
+            moved += 2 * 12 * (dense / dp + experts / edp)
+        cost["offload"] = moved / host
+        return cost
+
+    def layouts(self, p: RunProfile) -> list[Layout]:
+        """TP within a node dividing the heads, PP dividing the world (uneven first/last stages where it does not
+        divide the layers), CP, EP dividing the experts, ETP 1 or TP."""
+        arch, world, per_node = p.model.architecture, p.world_size, p.cluster.devices_per_node
+        out = []
+        pipelines = [pp for pp in divisors(world) if pp <= arch.num_layers]
+        length = p.data.max_prompt_length + p.data.max_response_length
+        contexts = [cp for cp in CONTEXT_PARALLEL if cp <= 2 or length / cp >= LONG_CONTEXT_CHUNK]
+        for tp, pp, cp in itertools.product(divisors(per_node), pipelines, contexts):
+            if world % (tp * pp * cp):
+                continue
+            first, last = (None, None) if arch.num_layers % pp == 0 else (uneven_split(arch.num_layers, pp) or (None, None))
+            for ep in (divisors(arch.num_experts) if arch.num_experts else [1]):
+                for etp in sorted({1, tp}) if arch.num_experts else [1]:
+                    lay = Layout(tp, pp, cp, ep, etp, 1, False, False, False, 1, first, last)
+                    if not layout_problems(self.with_layout(p, lay)):
+                        out.append(lay)
+        return out
+
+    def engine_settings(self, engine: MegatronEngine, lay: Layout) -> dict[str, Any]:
+        prefix = "engine.optimizer_overrides."
+        overrides = {**engine.optimizer_overrides,
+                     **{k.removeprefix(prefix): v for k, v in self.settings(lay).items() if k.startswith(prefix)}}
+        return {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "ep": lay.ep, "etp": lay.etp, "optimizer_overrides": overrides,
+                "num_layers_in_first_pipeline_stage": lay.first_stage_layers,
+                "num_layers_in_last_pipeline_stage": lay.last_stage_layers,
+                "account_for_embedding_in_pipeline_split": lay.embedding_in_split,
+                "account_for_loss_in_pipeline_split": lay.loss_in_split}
+
+    def settings(self, lay: Layout) -> dict[str, Any]:
+        return {"engine.tp": lay.tp, "engine.pp": lay.pp, "engine.cp": lay.cp, "engine.ep": lay.ep,
+                "engine.etp": lay.etp, "rollout.tp": lay.rollout_tp, "engine.param_offload": lay.param_offload,
+                "engine.optimizer_offload": lay.optimizer_offload,
+                "engine.optimizer_overrides.optimizer_cpu_offload": lay.optimizer_cpu_offload,
+                **({"engine.optimizer_overrides.optimizer_offload_fraction": 1} if lay.optimizer_cpu_offload else {}),
+                "actor.ppo_micro_batch_size_per_gpu": lay.micro_batch,
+                **{f"engine.{name}": value for name, value in (
+                    ("num_layers_in_first_pipeline_stage", lay.first_stage_layers),
+                    ("num_layers_in_last_pipeline_stage", lay.last_stage_layers),
+                    ("account_for_embedding_in_pipeline_split", lay.embedding_in_split),
+                    ("account_for_loss_in_pipeline_split", lay.loss_in_split)) if value}}
+
+    def resets(self, engine) -> dict[str, Any]:
+        """Also an uneven split the profile sets and a layout lacks (its settings name the split it has)."""
+        out = super().resets(engine)
+        if isinstance(engine, MegatronEngine):
+            out.update({name: default for name in UNEVEN_PIPELINE_FIELDS
+                        if getattr(engine, name) != (default := engine.default(name))})
+        return out
+
+    def dims(self, lay: Layout) -> tuple:
+        return lay.tp, lay.pp, lay.cp, lay.ep, lay.etp
+
+    def columns(self, lay: Layout) -> str:
+        pp = f"{lay.pp} ({lay.first_stage_layers}/../{lay.last_stage_layers})" if lay.first_stage_layers else lay.pp
+        return f"{lay.tp} | {pp} | {lay.cp} | {lay.ep} | {lay.etp}"
+
+    def label(self, lay: Layout) -> str:
+        return "megatron"
+
+    def shown(self, lay: Layout) -> str:
+        return f"TP {lay.tp} PP {lay.pp} CP {lay.cp} EP {lay.ep} ETP {lay.etp}"

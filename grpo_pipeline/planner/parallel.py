@@ -12,7 +12,7 @@ whole on every TP rank (norms, the router) is not divided by TP.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from grpo_pipeline.planner.rules import pipeline_split
 
@@ -39,7 +39,7 @@ class Layout:
     last_stage_layers: int | None = None
     embedding_in_split: bool = False  # engine.account_for_embedding/loss_in_pipeline_split
     loss_in_split: bool = False
-    strategy: str = "megatron"  # engine.strategy; with fsdp, tp ... etp are 1 and these three matter:
+    strategy: str = "megatron"  # engine.strategy (its plan: planner/engines.py); with fsdp, tp ... etp are 1 and these three matter:
     fsdp_size: int = -1  # engine.fsdp_size (-1: the world)
     ulysses_sp: int = 1  # engine.ulysses_sp
     checkpointing: bool = True  # model.enable_gradient_checkpointing (FSDP; Megatron recomputes by its overrides)
@@ -47,37 +47,9 @@ class Layout:
     @classmethod
     def of(cls, p: RunProfile) -> Layout:
         e = p.engine
-        return cls(tp=e.tp, pp=e.pp, cp=e.cp, ep=e.ep, etp=e.etp, rollout_tp=p.rollout.tp,
-                   param_offload=e.param_offload, optimizer_offload=e.optimizer_offload,
-                   optimizer_cpu_offload=bool(e.optimizer_overrides.get("optimizer_cpu_offload")),
-                   micro_batch=p.actor.ppo_micro_batch_size_per_gpu,
-                   first_stage_layers=e.num_layers_in_first_pipeline_stage,
-                   last_stage_layers=e.num_layers_in_last_pipeline_stage,
-                   embedding_in_split=e.account_for_embedding_in_pipeline_split,
-                   loss_in_split=e.account_for_loss_in_pipeline_split, strategy=e.strategy, fsdp_size=e.fsdp_size,
-                   ulysses_sp=e.ulysses_sp, checkpointing=p.model.enable_gradient_checkpointing)
-
-    def settings(self) -> dict[str, Any]:
-        """The profile keys that make this layout (`--set` them)."""
-        if self.strategy == "fsdp":
-            return {"engine.strategy": "fsdp", "engine.fsdp_size": self.fsdp_size, "engine.ulysses_sp": self.ulysses_sp,
-                    "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
-                    "engine.optimizer_offload": self.optimizer_offload,
-                    "model.enable_gradient_checkpointing": self.checkpointing,
-                    "actor.ppo_micro_batch_size_per_gpu": self.micro_batch,
-                    # verl's Ulysses patches transformers' FlashAttention 2 path only (planner/rules.py)
-                    **({"engine.attn_implementation": "flash_attention_2"} if self.ulysses_sp > 1 else {})}
-        return {"engine.tp": self.tp, "engine.pp": self.pp, "engine.cp": self.cp, "engine.ep": self.ep,
-                "engine.etp": self.etp, "rollout.tp": self.rollout_tp, "engine.param_offload": self.param_offload,
-                "engine.optimizer_offload": self.optimizer_offload,
-                "engine.optimizer_overrides.optimizer_cpu_offload": self.optimizer_cpu_offload,
-                **({"engine.optimizer_overrides.optimizer_offload_fraction": 1} if self.optimizer_cpu_offload else {}),
-                "actor.ppo_micro_batch_size_per_gpu": self.micro_batch,
-                **{f"engine.{name}": value for name, value in (
-                    ("num_layers_in_first_pipeline_stage", self.first_stage_layers),
-                    ("num_layers_in_last_pipeline_stage", self.last_stage_layers),
-                    ("account_for_embedding_in_pipeline_split", self.embedding_in_split),
-                    ("account_for_loss_in_pipeline_split", self.loss_in_split)) if value}}
+        return cls(rollout_tp=p.rollout.tp, param_offload=e.param_offload, optimizer_offload=e.optimizer_offload,
+                   micro_batch=p.actor.ppo_micro_batch_size_per_gpu, strategy=e.strategy,
+                   checkpointing=p.model.enable_gradient_checkpointing, **e.layout_fields())
 
 
 @dataclass(frozen=True)

@@ -189,45 +189,28 @@ def batch_problems(p: RunProfile, data_parallel: int) -> list[str]:
         )
     if not a.use_dynamic_bsz and data_parallel > 0:
         per_micro_round = data_parallel * a.ppo_micro_batch_size_per_gpu
-        for field, prompts in (
-            ("data.train_batch_size", d.train_batch_size),
-            ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size),
+        for field, prompts, sequences in (
+            ("data.train_batch_size", d.train_batch_size, p.sequences_per_step),
+            ("actor.ppo_mini_batch_size", a.ppo_mini_batch_size, p.sequences_per_update),
         ):
-            if (prompts * n) % per_micro_round:
+            if sequences % per_micro_round:
                 problems.append(
-                    f"{field}={prompts}: {prompts} prompts x rollout_n {n} = {prompts * n} sequences do not split over "
+                    f"{field}={prompts}: {prompts} prompts x rollout_n {n} = {sequences} sequences do not split over "
                     f"{data_parallel} ranks x micro batch {a.ppo_micro_batch_size_per_gpu}; make {field} x rollout_n "
                     f"a multiple of {per_micro_round}"
                 )
     return problems
 
 
-# Megatron's engine settings, at their defaults; under FSDP any other value would be dropped silently.
-MEGATRON_DEFAULTS = {"tp": 1, "pp": 1, "vpp": None, "cp": 1, "ep": 1, "etp": 1, "mtp": False,
-                     **{name: None for name in UNEVEN_PIPELINE_FIELDS[:2]},
-                     **{name: False for name in UNEVEN_PIPELINE_FIELDS[2:]},
-                     "transformer_overrides": {}, "optimizer_overrides": {}}
-FSDP_DEFAULTS = {"fsdp_size": -1, "ulysses_sp": 1, "attn_implementation": "sdpa"}
-
-
-def fsdp_group(p: RunProfile) -> int:
-    """Ranks one copy of the model is sharded over: verl's create_device_mesh takes -1, or a size of
-    the world or more, as the whole world."""
-    size, world = p.engine.fsdp_size, p.world_size
-    return world if size < 0 or size >= world else size
-
-
 def fsdp_problems(p: RunProfile) -> list[str]:
-    """FSDP2's layout as verl 0.9.1 builds it, and the Megatron settings it would ignore. The Ulysses
-    rules, each verl's own (tests/test_verl_fsdp_rules.py finds each check in verl's source): the (dp, sp)
+    """FSDP2's layout as verl 0.9.1 builds it (a Megatron setting never reaches it: the profile's engine
+    section refuses one, profiles/engine.py). The Ulysses rules, each verl's own (tests/test_verl_fsdp_rules.py finds each check in verl's source): the (dp, sp)
     device mesh (workers/engine/fsdp/transformer_impl.py `_init_device_mesh`), attention and KV heads
     over the Ulysses ranks (models/transformers/monkey_patch.py `apply_monkey_patch`'s asserts), packed
     sequences (transformer_impl.py, workers/config/actor.py), and the batch over every device
     (utils/config.py `validate_config`)."""
     e, arch, world = p.engine, p.model.architecture, p.world_size
-    problems = [f"engine.strategy=fsdp: engine.{name}={getattr(e, name)!r} is a Megatron setting FSDP does not read; "
-                f"set engine.{name}={_plain(default)} (FSDP shards over engine.fsdp_size ranks) or engine.strategy=megatron"
-                for name, default in MEGATRON_DEFAULTS.items() if getattr(e, name) != default]
+    problems = []
     if e.fsdp_size == 0 or (0 < e.fsdp_size < world and world % e.fsdp_size):
         problems.append(f"engine.fsdp_size={e.fsdp_size}: an FSDP group must divide the world size {world} (verl "
                         f"builds a (world / fsdp_size, fsdp_size) device mesh); use -1 or one of {_divisors(world)}")
@@ -251,7 +234,7 @@ def fsdp_problems(p: RunProfile) -> list[str]:
     if sp > 1 and not e.use_remove_padding:
         problems.append(f"engine.ulysses_sp={sp}: Ulysses sequence parallelism needs packed sequences; set "
                         "engine.use_remove_padding=true (verl refuses it otherwise)")
-    sequences = p.data.train_batch_size * p.algorithm.rollout_n
+    sequences = p.sequences_per_step
     if sp > 1 and not p.actor.use_dynamic_bsz and sequences % world:  # verl's validate_config, beside batch_problems
         problems.append(f"data.train_batch_size={p.data.train_batch_size}: {p.data.train_batch_size} prompts x rollout_n "
                         f"{p.algorithm.rollout_n} = "
@@ -261,14 +244,3 @@ def fsdp_problems(p: RunProfile) -> list[str]:
         problems.append("model.dist_checkpoint=true: a Megatron dist checkpoint is for engine.strategy=megatron; FSDP "
                         "loads the Hugging Face weights; set model.dist_checkpoint=false")
     return problems
-
-
-def megatron_problems(p: RunProfile) -> list[str]:
-    """FSDP settings given to the Megatron engine, which would ignore them."""
-    return [f"engine.strategy=megatron: engine.{name}={getattr(p.engine, name)} is an FSDP setting; set "
-            f"engine.strategy=fsdp, or leave engine.{name} out" for name, default in FSDP_DEFAULTS.items()
-            if getattr(p.engine, name) != default]
-
-
-def _plain(value: object) -> str:
-    return "null" if value is None else "{}" if value == {} else str(value).lower() if isinstance(value, bool) else str(value)

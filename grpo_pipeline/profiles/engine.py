@@ -3,48 +3,118 @@ inference engine that generates rollouts (vLLM) and log-prob recomputation.
 
     python -m grpo_pipeline --model qwen3.5-122b-a10b --device npu --set engine.pp=8 --dry-run
 
-Declared once and rendered to every role that runs the model (backends/verl/command.py), so the actor
-and the reference can never disagree; the local backend reads the dtype and the rollout length.
+The training engine is one class per `engine.strategy` (`MegatronEngine`, `FsdpEngine`: a pydantic
+discriminated union), each with its own fields, so no reader asks which engine it holds: what each engine
+does with them is registered by its strategy beside it, as verl registers its engines (planner/engines.py:
+layout rules, memory estimate, step cost; backends/verl/engines.py: verl's overrides, node requirements).
+Declared once and rendered to every role that runs the model, so the actor and the reference can never
+disagree; the local backend reads the shared fields (dtype, padding).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
+from grpo_pipeline.common.bounded_read import short
 from grpo_pipeline.profiles.section import MAX_DEVICES_PER_NODE, MAX_EXPERTS, MAX_LAYERS, MAX_SEQUENCES, MAX_TOKENS, Section
 
+STRATEGY_DESCRIPTION = (
+    "verl's training engine. `megatron`: Megatron-core's TP/PP/CP/EP layouts (MoE models, the largest dense ones; "
+    "needs megatron-core, a bridge and, in practice, TransformerEngine); `fsdp`: PyTorch FSDP2, parameters, gradients "
+    "and Adam's state sharded over `engine.fsdp_size` ranks (dense models, up to ~32B on one node; Hugging Face "
+    "transformers modelling code, no TransformerEngine). The `engine.tp` ... `engine.etp`, pipeline, MTP, bridge and "
+    "override settings are Megatron's; `fsdp_size`, `ulysses_sp` and `attn_implementation` are FSDP's.")
 
-class EngineSection(Section):
-    """Training-engine settings, declared once and rendered to every role that runs the model
-    (actor and reference), so the roles can never disagree."""
 
-    strategy: Literal["megatron", "fsdp"] = Field(
-        "megatron", description="verl's training engine. `megatron`: Megatron-core's TP/PP/CP/EP layouts (MoE models, "
-        "the largest dense ones; needs megatron-core, a bridge and, in practice, TransformerEngine); `fsdp`: PyTorch "
-        "FSDP2, parameters, gradients and Adam's state sharded over `engine.fsdp_size` ranks (dense models, up to "
-        "~32B on one node; Hugging Face transformers modelling code, no TransformerEngine). The `engine.tp` ... "
-        "`engine.etp`, pipeline, MTP and override settings are Megatron's; `fsdp_size`, `ulysses_sp` and "
-        "`attn_implementation` are FSDP's.")
-    fsdp_size: int = Field(
-        -1, ge=-1, le=MAX_DEVICES_PER_NODE * 1024,
-        description="FSDP: ranks one copy of the model is sharded over (verl's `fsdp_config.fsdp_size`); -1: the whole "
-        "world. A smaller group (e.g. one node's devices) is replicated over the rest (hybrid sharding).")
-    ulysses_sp: int = Field(
-        1, gt=0, le=MAX_DEVICES_PER_NODE,
-        description="FSDP: Ulysses sequence-parallel size; each sequence's tokens are split over this many ranks "
-        "(attention heads all-to-all). Must divide the attention heads; needs `use_remove_padding`.")
-    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = Field(
-        "sdpa",
-        description="FSDP: the transformers attention of the actor and reference (`model.override_config`). verl's "
-        "own default is `flash_attention_2`, which needs flash-attn on every node; `sdpa` needs nothing more.")
+class TrainingEngine(Section):
+    """What both training engines read; each engine's own settings are its subclass's. A setting of the
+    other engine is refused, naming the engine it belongs to, except at its default: profiles saved before
+    the engines were classes (profile.yaml, plan.json) hold both engines' settings, and the `best:` line of
+    --suggest-layout resets the other engine's to their defaults."""
+
+    strategy: str = Field(..., description=STRATEGY_DESCRIPTION)
+    param_offload: bool = Field(False, description="Keep parameters (and grad buffers) on the host.")
+    optimizer_offload: bool = Field(False, description="Keep optimizer state on the host.")
+    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Training dtype.")
+    use_remove_padding: bool = Field(
+        True,
+        description="Pack sequences without padding (THD). Must be off for Qwen3.5's Gated DeltaNet "
+        "layers before megatron-core 0.18. The local backend packs its log-prob passes when this is on and "
+        "generation.attn_implementation is flash_attention_2 (backends/local/packing.py).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def refuse_the_other_engines_settings(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        kept = dict(data)
+        for name, value in data.items():
+            owner = next((engine for engine in ENGINES.values() if name in engine.model_fields), None)
+            if name in cls.model_fields or owner is None:
+                continue  # unknown keys are Section's (extra="forbid")
+            if problem := owner.value_problem(name, value):
+                raise ValueError(f"engine.{name}={short(repr(value))}: {problem}")
+            if not owner.is_default(name, value):
+                raise ValueError(cls.foreign_setting(name, value, owner.default(name)))
+            del kept[name]
+        return kept
+
+    @classmethod
+    def foreign_setting(cls, name: str, value: Any, default: Any) -> str:
+        """The refusal of the other engine's setting `name` (given `value`, whose default is `default`)."""
+        raise NotImplementedError
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        return cls.model_fields[name].get_default(call_default_factory=True)
+
+    @classmethod
+    def is_default(cls, name: str, value: Any) -> bool:
+        """`value` is the field's default, and of its type (YAML's `true` is no TP of 1)."""
+        default = cls.default(name)
+        return type(value) is type(default) and value == default
+
+    @classmethod
+    def value_problem(cls, name: str, value: Any) -> str | None:
+        """What this engine's own validation says of `value` for its field `name` (None: valid), so that a
+        wrong value of the other engine's setting is named for what is wrong with it, as under its engine."""
+        try:
+            cls.__pydantic_validator__.validate_assignment(cls.model_construct(), name, value)
+        except ValidationError as exc:
+            message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            return message[0].lower() + message[1:]
+        return None
+
+    def shared_settings(self) -> dict[str, Any]:
+        """The settings every engine reads, carried into another engine (a layout search's candidates)."""
+        return {name: getattr(self, name) for name in TrainingEngine.model_fields if name != "strategy"}
+
+    def layout_fields(self) -> dict[str, Any]:
+        """The planner's `Layout` fields this engine's settings give (planner/parallel.py)."""
+        raise NotImplementedError
+
+    def data_parallel(self, world: int) -> int:
+        """The data-parallel ranks a batch splits over on `world` devices (0 when the layout does not divide it)."""
+        raise NotImplementedError
+
+
+class MegatronEngine(TrainingEngine):
+    """Megatron-core through verl: tensor, pipeline, context and expert parallelism, a bridge that loads the
+    Hugging Face weights, megatron-core's own config overrides."""
+
+    strategy: Literal["megatron"] = Field("megatron", description=STRATEGY_DESCRIPTION)
     tp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Tensor parallel size.")
     pp: int = Field(1, gt=0, le=MAX_LAYERS, description="Pipeline parallel size.")
     vpp: int | None = Field(None, gt=0, le=MAX_LAYERS, description="Virtual pipeline stages per rank (null: off).")
     cp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Context parallel size.")
     ep: int = Field(1, gt=0, le=MAX_EXPERTS, description="Expert parallel size.")
     etp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Expert tensor parallel size.")
+    mtp: bool = Field(
+        False, description="Train the checkpoint's multi-token-prediction layers too (verl's "
+        "`actor_rollout_ref.model.mtp.enable`; off: verl builds none).")
     num_layers_in_first_pipeline_stage: int | None = Field(
         None, gt=0, le=MAX_LAYERS,
         description="Uneven pipeline: decoder layers of the first stage (megatron-core's field, rendered through "
@@ -57,12 +127,6 @@ class EngineSection(Section):
     account_for_loss_in_pipeline_split: bool = Field(
         False, description="Count the output layer and loss as one layer of the last stage when the layers are "
         "split over the pipeline; not with the first/last stage counts.")
-    mtp: bool = Field(
-        False, description="Train the checkpoint's multi-token-prediction layers too (verl's "
-        "`actor_rollout_ref.model.mtp.enable`; off: verl builds none).")
-    param_offload: bool = Field(False, description="Keep parameters (and grad buffers) on the host.")
-    optimizer_offload: bool = Field(False, description="Keep optimizer state on the host.")
-    dtype: Literal["bfloat16", "float16"] = Field("bfloat16", description="Training dtype.")
     use_mbridge: bool = Field(
         True, description="Load Hugging Face safetensors directly through a bridge."
     )
@@ -71,18 +135,88 @@ class EngineSection(Section):
         description="True: the legacy `mbridge` package; False: NVIDIA Megatron-Bridge "
         "(MindSpeed on Ascend).",
     )
-    use_remove_padding: bool = Field(
-        True,
-        description="Pack sequences without padding (THD). Must be off for Qwen3.5's Gated DeltaNet "
-        "layers before megatron-core 0.18. The local backend packs its log-prob passes when this is on and "
-        "generation.attn_implementation is flash_attention_2 (backends/local/packing.py).",
-    )
     transformer_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Megatron TransformerConfig fields to override."
     )
     optimizer_overrides: dict[str, Any] = Field(
         default_factory=dict, description="Megatron optimizer config fields to override."
     )
+
+    @classmethod
+    def foreign_setting(cls, name: str, value: Any, default: Any) -> str:
+        return f"engine.strategy=megatron: engine.{name}={value} is an FSDP setting; set engine.strategy=fsdp, or " \
+               f"leave engine.{name} out"
+
+    def layout_fields(self) -> dict[str, Any]:
+        """The planner's `Layout` fields this engine's settings give (planner/parallel.py)."""
+        return {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep, "etp": self.etp,
+                "optimizer_cpu_offload": bool(self.optimizer_overrides.get("optimizer_cpu_offload")),
+                "first_stage_layers": self.num_layers_in_first_pipeline_stage,
+                "last_stage_layers": self.num_layers_in_last_pipeline_stage,
+                "embedding_in_split": self.account_for_embedding_in_pipeline_split,
+                "loss_in_split": self.account_for_loss_in_pipeline_split}
+
+    def data_parallel(self, world: int) -> int:
+        """Megatron's data-parallel ranks: what TP x PP x CP leave of the world (0 when they do not divide it)."""
+        model_parallel = self.tp * self.pp * self.cp
+        return world // model_parallel if world % model_parallel == 0 else 0
+
+
+class FsdpEngine(TrainingEngine):
+    """PyTorch FSDP2 through verl: parameters, gradients and Adam's state sharded over `fsdp_size` ranks,
+    Ulysses sequence parallelism, transformers' modelling code."""
+
+    strategy: Literal["fsdp"] = Field("fsdp", description=STRATEGY_DESCRIPTION)
+    fsdp_size: int = Field(
+        -1, ge=-1, le=MAX_DEVICES_PER_NODE * 1024,
+        description="FSDP: ranks one copy of the model is sharded over (verl's `fsdp_config.fsdp_size`); -1: the whole "
+        "world. A smaller group (e.g. one node's devices) is replicated over the rest (hybrid sharding).")
+    ulysses_sp: int = Field(
+        1, gt=0, le=MAX_DEVICES_PER_NODE,
+        description="FSDP: Ulysses sequence-parallel size; each sequence's tokens are split over this many ranks "
+        "(attention heads all-to-all). Must divide the attention heads; needs `use_remove_padding`.")
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] = Field(
+        "sdpa",
+        description="FSDP: the transformers attention of the actor and reference (`model.override_config`). verl's "
+        "own default is `flash_attention_2`, which needs flash-attn on every node; `sdpa` needs nothing more.")
+
+    @classmethod
+    def foreign_setting(cls, name: str, value: Any, default: Any) -> str:
+        return (f"engine.strategy=fsdp: engine.{name}={value!r} is a Megatron setting FSDP does not read; set "
+                f"engine.{name}={_plain(default)} (FSDP shards over engine.fsdp_size ranks) or engine.strategy=megatron")
+
+    def layout_fields(self) -> dict[str, Any]:
+        """The planner's `Layout` fields this engine's settings give: no model parallelism, a group and Ulysses."""
+        return {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": 1, "optimizer_cpu_offload": False,
+                "fsdp_size": self.fsdp_size, "ulysses_sp": self.ulysses_sp}
+
+    def data_parallel(self, world: int) -> int:
+        """FSDP's data-parallel ranks: what Ulysses leaves of the world (0 when it does not divide it)."""
+        return world // self.ulysses_sp if world % self.ulysses_sp == 0 else 0
+
+
+# Each engine by its `engine.strategy`: what the planner's and the verl backend's registries are keyed by.
+ENGINES: dict[str, type[TrainingEngine]] = {engine.model_fields["strategy"].default: engine
+                                            for engine in (MegatronEngine, FsdpEngine)}
+
+
+
+def strategy(engine: Any) -> str | None:
+    """The engine a section is (pydantic's discriminator): its `strategy`, Megatron's when it names none (a
+    recipe's or a --set's engine settings alone). A callable, as the string form refuses the before-validators
+    every Section has."""
+    if isinstance(engine, dict):
+        return engine.get("strategy", "megatron")
+    return getattr(engine, "strategy", None)
+
+
+EngineSection = Annotated[Annotated[MegatronEngine, Tag("megatron")] | Annotated[FsdpEngine, Tag("fsdp")],
+                          Discriminator(strategy)]
+
+
+def _plain(value: object) -> str:
+    """A default as `--set` writes it."""
+    return "null" if value is None else "{}" if value == {} else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 class RolloutSection(Section):

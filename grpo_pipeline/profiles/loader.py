@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, get_args
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -21,8 +21,10 @@ from pydantic import BaseModel, ValidationError
 from grpo_pipeline.common.bounded_read import short
 from grpo_pipeline.common.errors import ProfileError, headline_and_details
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, without_accelerators
+from grpo_pipeline.profiles.engine import ENGINES
 from grpo_pipeline.profiles.hf_config import architecture_from_hf_config
 from grpo_pipeline.profiles.schema import DeviceKind, Platform, RunProfile
+from grpo_pipeline.profiles.section import section_types
 from grpo_pipeline.profiles.secrets import secret_literal_problems, secrets_of
 from grpo_pipeline.profiles.validation import validate_profile
 from grpo_pipeline.profiles.yaml_files import load_yaml_mapping, load_yaml_text, path_kind
@@ -86,35 +88,27 @@ def overrides_to_layer(overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
 def _known_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
-        keys.append(prefix + name)
-        sub = section_type(field.annotation)
-        if sub is not None:
-            keys.extend(_known_keys(sub, f"{prefix}{name}."))
+        if prefix + name not in keys:
+            keys.append(prefix + name)
+        for sub in section_types(field.annotation):
+            keys.extend(key for key in _known_keys(sub, f"{prefix}{name}.") if key not in keys)
     return keys
 
 
-def section_type(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    if get_origin(annotation) not in (None, dict):  # a dict of sections is a value, not a section
-        for arg in get_args(annotation):
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                return arg
-    return None
-
-
-def check_keys(layer: dict[str, Any], origin: str, model: type[BaseModel] = RunProfile, prefix: str = "") -> None:
-    """Reject keys the schema does not know, naming the layer and the closest real key."""
+def check_keys(layer: dict[str, Any], origin: str, models: tuple[type[BaseModel], ...] = (RunProfile,),
+               prefix: str = "") -> None:
+    """Reject keys the schema does not know, naming the layer and the closest real key (a key of either
+    training engine is known here; the engine section's own validation refuses one under the other)."""
     for key, value in layer.items():
-        field = model.model_fields.get(key)
+        field = next((model.model_fields[key] for model in models if key in model.model_fields), None)
         if field is None:
             dotted = prefix + key
             close = difflib.get_close_matches(dotted, _known_keys(RunProfile), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else "; see docs/profiles.md for the settings"
             raise ProfileError(f"unknown setting '{dotted}' in {origin}{hint}")
-        sub = section_type(field.annotation)
-        if sub is not None and isinstance(value, dict):
-            check_keys(value, origin, sub, f"{prefix}{key}.")
+        subs = [sub for model in models if key in model.model_fields for sub in section_types(model.model_fields[key].annotation)]
+        if subs and isinstance(value, dict):
+            check_keys(value, origin, tuple(subs), f"{prefix}{key}.")
 
 
 def model_layers(model: str, device: str) -> list[tuple[str, dict[str, Any]]]:
@@ -254,8 +248,13 @@ def given_settings(model: str, device: str, profile_file: str | Path | None = No
 def describe_validation_error(exc: ValidationError) -> str:
     problems = []
     for error in exc.errors():
-        field = ".".join(str(part) for part in error["loc"])
-        if error["type"] == "missing":
+        field = ".".join(str(part) for part in _without_union_tags(error["loc"]))
+        if error["type"] == "union_tag_invalid":  # a strategy no engine has: named as a Literal's would be
+            ctx = error["ctx"]
+            discriminator = ctx["discriminator"].strip("'()")  # pydantic writes `strategy()` for a callable one
+            expected = " or ".join(ctx["expected_tags"].rsplit(", ", 1))
+            problems.append(f"{field}.{discriminator}={ctx['tag']!r}: input should be {expected}")
+        elif error["type"] == "missing":
             hint = " (a model given by repo id needs model.architecture.* in a profile file)" if "architecture" in field else ""
             problems.append(f"{field} is required{hint}")
         else:
@@ -269,6 +268,12 @@ def describe_validation_error(exc: ValidationError) -> str:
             else:
                 problems.append(f"{field}={short(repr(value))}: {message}{_form_hint(field, error, value)}")
     return headline_and_details(problems, "invalid profile: ")
+
+
+def _without_union_tags(loc: tuple) -> list:
+    """pydantic names the member of a discriminated union in an error's location (`engine.fsdp.tp`);
+    the setting is `engine.tp`."""
+    return [part for index, part in enumerate(loc) if not (index and loc[index - 1] == "engine" and part in ENGINES)]
 
 
 def _form_hint(field: str, error: dict, value: Any) -> str:

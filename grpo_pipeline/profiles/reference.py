@@ -13,7 +13,8 @@ from typing import Literal, get_args, get_origin
 
 from pydantic import BaseModel
 
-from grpo_pipeline.profiles.loader import section_type, builtin_models
+from grpo_pipeline.profiles.loader import builtin_models
+from grpo_pipeline.profiles.section import section_types
 from grpo_pipeline.profiles.schema import RunProfile
 
 
@@ -34,16 +35,24 @@ def _type_name(annotation) -> str:
 
 
 def _rows(model: type[BaseModel], prefix: str = "") -> list[str]:
-    rows = []
+    return [f"| `{key}` | {kind} | {default} | {description} |" for key, (kind, default, description) in _settings(model, prefix).items()]
+
+
+def _settings(model: type[BaseModel], prefix: str = "") -> dict[str, tuple[str, str, str]]:
+    """Each setting's (type, default, description); a union of sections (the training engines) gives each
+    member's settings once, its discriminator with every member's value."""
+    settings: dict[str, tuple[str, str, str]] = {}
     for name, field in model.model_fields.items():
-        section = section_type(field.annotation)
-        if section is not None:
-            rows += _rows(section, f"{prefix}{name}.")
-            continue
-        kind = _type_name(field.annotation)
-        description = (field.description or "").replace("|", "\\|").replace("\n", " ")
-        rows.append(f"| `{prefix}{name}` | {kind} | {_default(field)} | {description} |")
-    return rows
+        sections = section_types(field.annotation)
+        for section in sections:
+            for key, (kind, default, description) in _settings(section, f"{prefix}{name}.").items():
+                if key in settings and settings[key][0] != kind:
+                    settings[key] = (f"{settings[key][0]} / {kind}", *settings[key][1:])
+                settings.setdefault(key, (kind, default, description))
+        if not sections:
+            description = (field.description or "").replace("|", "\\|").replace("\n", " ")
+            settings[f"{prefix}{name}"] = (_type_name(field.annotation), _default(field), description)
+    return settings
 
 
 def render() -> str:

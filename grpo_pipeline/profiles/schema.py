@@ -16,7 +16,7 @@ from pydantic import Field, field_validator
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, BackendName
 from grpo_pipeline.profiles.datasets import DataColumns, DatasetName
 from grpo_pipeline.profiles.evaluation import EvalSection
-from grpo_pipeline.profiles.engine import EngineSection, GenerationSection, LogProbSection, RolloutSection
+from grpo_pipeline.profiles.engine import EngineSection, GenerationSection, LogProbSection, MegatronEngine, RolloutSection
 from grpo_pipeline.profiles.guards import GuardsSection
 from grpo_pipeline.profiles.lora import LoraSection
 from grpo_pipeline.profiles.platform import DeviceKind, Platform
@@ -295,7 +295,8 @@ class RunProfile(Section):
     actor: ActorSection = Field(default_factory=ActorSection)
     lora: LoraSection = Field(default_factory=LoraSection, description="A LoRA adapter instead of full fine-tuning "
                               "(profiles/lora.py).")
-    engine: EngineSection = Field(default_factory=EngineSection)
+    engine: EngineSection = Field(
+        default_factory=MegatronEngine, description="The training engine, by `engine.strategy` (profiles/engine.py).")
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     generation: GenerationSection = Field(
         default_factory=GenerationSection, description="How the local backend and the evaluation stage generate.")
@@ -365,10 +366,15 @@ class RunProfile(Section):
         return self.cluster.nnodes * self.cluster.devices_per_node
 
     @property
-    def data_parallel_size(self) -> int:
-        """Megatron's data-parallel size: what is left of the world after TP, PP and CP."""
-        e = self.engine
-        return self.world_size // (e.tp * e.pp * e.cp)
+    def sequences_per_step(self) -> int:
+        """Sequences a training step generates and learns from: `data.train_batch_size` prompts x
+        `algorithm.rollout_n` responses each (the one place this product is computed)."""
+        return self.data.train_batch_size * self.algorithm.rollout_n
+
+    @property
+    def sequences_per_update(self) -> int:
+        """Sequences of one optimizer update: `actor.ppo_mini_batch_size` prompts x `algorithm.rollout_n`."""
+        return self.actor.ppo_mini_batch_size * self.algorithm.rollout_n
 
     @property
     def uses_reference_model(self) -> bool:

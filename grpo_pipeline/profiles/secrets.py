@@ -201,6 +201,7 @@ def secret_key_exemptions() -> tuple[frozenset[str], tuple[str, ...]]:
     from pydantic import BaseModel
 
     from grpo_pipeline.profiles.schema import RunProfile
+    from grpo_pipeline.profiles.section import section_types
 
     exact, free = set(), []
 
@@ -214,9 +215,8 @@ def secret_key_exemptions() -> tuple[frozenset[str], tuple[str, ...]]:
                 free.append(".".join(keys))
             elif any(is_secret(key) for key in keys):
                 exact.add(".".join(keys))
-            for kind in kinds:
-                if isinstance(kind, type) and issubclass(kind, BaseModel):
-                    walk(kind, keys)
+            for section in section_types(field.annotation):  # both training engines' sections, too
+                walk(section, keys)
 
     walk(RunProfile, ())
     return frozenset(exact), tuple(free)

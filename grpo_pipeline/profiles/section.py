@@ -11,7 +11,7 @@ planner's arithmetic finite and the layout search short whatever a profile says.
 from __future__ import annotations
 
 import types
-from typing import Any, Union, get_args, get_origin
+from typing import Annotated, Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
@@ -44,6 +44,17 @@ class Section(BaseModel):
         if any("\0" in text for text in texts):
             raise ValueError("contains a NUL character (\\0), which no path, name or command can hold; remove it")
         return value
+
+
+def section_types(annotation: Any) -> list[type[BaseModel]]:
+    """The sections a field holds: one, or each member of a union (the training engines)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) is Annotated:  # a union's member, tagged
+        return section_types(get_args(annotation)[0])
+    if get_origin(annotation) not in (None, dict):  # a dict of sections is a value, not a section
+        return [section for arg in get_args(annotation) for section in section_types(arg)]
+    return []
 
 
 # Upper bounds of the numbers the planner multiplies (each far above what exists today).

@@ -31,7 +31,7 @@ def mapping_problems(profile: RunProfile) -> list[str]:
                         "algorithm.use_kl_loss")
     if algo.loss_agg_mode not in LOSS_TYPES:
         problems.append(f"algorithm.loss_agg_mode={algo.loss_agg_mode}: the local backend supports {', '.join(LOSS_TYPES)}")
-    per_update, micro = actor.ppo_mini_batch_size * algo.rollout_n, actor.ppo_micro_batch_size_per_gpu
+    per_update, micro = profile.sequences_per_update, actor.ppo_micro_batch_size_per_gpu
     if per_update % (micro * workers):
         problems.append(
             f"actor.ppo_mini_batch_size x algorithm.rollout_n = {per_update} completions per update is not a multiple of "
@@ -45,7 +45,7 @@ def grpo_fields(profile: RunProfile, workers: int, generation: GenerationPlan) -
     many optimizer steps make one verl step."""
     algo, data, actor = profile.algorithm, profile.data, profile.actor
     n = algo.rollout_n
-    per_update = actor.ppo_mini_batch_size * n  # completions per optimizer step
+    per_update = profile.sequences_per_update  # completions per optimizer step
     micro = actor.ppo_micro_batch_size_per_gpu
     updates_per_step = data.train_batch_size // actor.ppo_mini_batch_size
     fields = {
@@ -64,7 +64,7 @@ def grpo_fields(profile: RunProfile, workers: int, generation: GenerationPlan) -
         # Global completions per generation round; TRL splits them into micro batches and takes
         # train_batch_size / ppo_mini_batch_size optimizer steps on them, as verl does.
         # generation.steps_per_generation > 1 generates several steps' prompts in one round.
-        "generation_batch_size": data.train_batch_size * n * generation.steps_per_generation,
+        "generation_batch_size": profile.sequences_per_step * generation.steps_per_generation,
         "cache_implementation": "static" if generation.cache == "static" else None,
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": per_update // (micro * workers),

@@ -28,7 +28,7 @@ STATE_BYTES_PER_POSITION = 8 + 4
 def rollout_batch(p: RunProfile) -> int:
     """Sequences one worker decodes at once: its share of a generation round (backends/local/mapping.py's
     generation_batch_size over the data-parallel workers)."""
-    round_size = p.data.train_batch_size * p.algorithm.rollout_n * steps_per_round(p)
+    round_size = p.sequences_per_step * steps_per_round(p)
     return math.ceil(round_size / p.world_size)
 
 

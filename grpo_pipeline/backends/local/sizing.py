@@ -66,7 +66,7 @@ def micro_batch_note(p: RunProfile, free: StepSizing) -> str:
 
 def micro_batch_candidates(p: RunProfile) -> tuple[int, ...]:
     """The micro batches that divide the completions one worker takes per optimizer step."""
-    return tuple(divisors(max(p.actor.ppo_mini_batch_size * p.algorithm.rollout_n // max(p.world_size, 1), 1)))
+    return tuple(divisors(max(p.sequences_per_update // max(p.world_size, 1), 1)))
 
 
 def step_bytes(p: RunProfile, generation: GenerationPlan, micro: int, checkpointing: bool, memory: float) -> float | None:

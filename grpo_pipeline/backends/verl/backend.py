@@ -37,6 +37,7 @@ from grpo_pipeline.backends.guards import GuardTrip, check_data_position, check_
 from grpo_pipeline.backends.metrics import METRICS, append_metrics, keep_metrics_up_to, read_metrics
 from grpo_pipeline.backends.verl.checkpoint import verl_hf_dir
 from grpo_pipeline.backends.verl.command import entrypoint_problems, verl_command
+from grpo_pipeline.backends.verl.engines import verl_engine
 from grpo_pipeline.backends.verl.failures import diagnose
 from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, total_steps, tracker_step
 from grpo_pipeline.backends.verl.resume import keep_good_checkpoint, missing_dataloader_state
@@ -60,7 +61,6 @@ from grpo_pipeline.profiles.requirements import NodeRequirement, for_stage
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.rewards.check import check_rewards
 from grpo_pipeline.rewards.plan import RewardPlan
-from grpo_pipeline.planner.rules import batch_problems, fsdp_problems, layout_problems, megatron_problems, rollout_problems
 
 POLL_S = 1.0
 LOG_LINES_KEPT = 400  # the end of the job's log, where its failure is
@@ -132,19 +132,7 @@ class VerlBackend(Backend):
         if not p.platform.accelerated:
             return [f"backend=verl on device {p.platform.kind}: verl needs GPUs or NPUs and vLLM; use --backend local, "
                     "or --device gpu|npu with --dry-run to render the cluster command here"]
-        if p.engine.strategy == "fsdp":  # FSDP2: data parallel over the ranks Ulysses leaves
-            problems = fsdp_problems(p) + rollout_problems(p)
-            sp = p.engine.ulysses_sp
-            problems += batch_problems(p, data_parallel=p.world_size // sp if p.world_size % sp == 0 else 0)
-        else:
-            problems = layout_problems(p) + megatron_problems(p) + rollout_problems(p)
-            model_parallel = p.engine.tp * p.engine.pp * p.engine.cp
-            problems += batch_problems(p, data_parallel=p.data_parallel_size if p.world_size % model_parallel == 0 else 0)
-            if p.actor.use_dynamic_bsz and not p.engine.use_remove_padding:
-                problems.append(
-                    "actor.use_dynamic_bsz=true: dynamic batch size needs packed sequences, but "
-                    "engine.use_remove_padding=false; set actor.use_dynamic_bsz=false"
-                )
+        problems = verl_engine(p).problems(p)  # the engine's layout, vLLM's, batches (backends/verl/engines.py)
         problems += entrypoint_problems(p.trainer.entrypoint) + lora_problems(p)
         if p.trainer.save_freq <= 0:
             problems.append(f"trainer.save_freq={p.trainer.save_freq}: the verl backend resumes and exports from "
@@ -183,7 +171,7 @@ class VerlBackend(Backend):
             raise UserError(problem)
         record, done = read_record(run_dir), tracker_step(checkpoints)
         if record is not None:  # steps a job trained while no flow followed it (the flow was killed)
-            _record_missing_steps(run_dir, record, _responses_per_step(profile))
+            _record_missing_steps(run_dir, record, profile.sequences_per_step)
         if (record and record.finished) or (done is not None and done >= max_steps):
             final = record.final_step if record and record.finished else done
             progress.note(f"the run was already complete at step {final}: nothing submitted")
@@ -251,7 +239,7 @@ class VerlBackend(Backend):
         sid = record.submission_id
         recorded = read_metrics(run_dir / METRICS)
         metrics = VerlMetrics(Path(record.metrics_file), max((r.step for r in recorded), default=0),
-                              _responses_per_step(profile), record.resumed_from)
+                              profile.sequences_per_step, record.resumed_from)
         job_log = JobLog(client, sid)
         tail: deque[str] = deque(maxlen=LOG_LINES_KEPT)
         timeout_s, running_since, last_step_at = profile.trainer.step_timeout_s, None, time.monotonic()
@@ -373,10 +361,6 @@ class VerlBackend(Backend):
 
     def adapter_dir(self, result: TrainResult) -> Path | None:
         return verl_adapter(Path(result.checkpoint_dir))
-
-
-def _responses_per_step(profile: RunProfile) -> int:
-    return profile.data.train_batch_size * profile.algorithm.rollout_n
 
 
 def _record_missing_steps(run_dir: Path, record: JobRecord, responses_per_step: int) -> None:

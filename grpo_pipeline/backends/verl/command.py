@@ -27,86 +27,18 @@ import shlex
 from typing import Any
 
 from grpo_pipeline.backends.base import TrainingInputs
+from grpo_pipeline.backends.verl.engines import ADD_OR_OVERRIDE, verl_engine
 from grpo_pipeline.backends.verl.lora import lora_settings
 from grpo_pipeline.backends.verl.rewards import reward_settings
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.trackers import tracker_class
-from grpo_pipeline.planner.rules import UNEVEN_PIPELINE_FIELDS
 
 VERL_VERSION = "0.9.1"
 FILE_LOGGER = "file"
 
-# Hydra's `++key=value` adds a key or overrides it. Free-form maps (transformer / optimizer
-# overrides, vLLM kwargs, env vars) get it because whether verl's defaults already hold a key
-# there differs per key and per release; typed keys stay plain so a renamed key fails loudly.
-ADD_OR_OVERRIDE = "++"
-
 # Strings Hydra reads back unchanged without quotes (identifiers and paths, no digits first).
 _PLAIN_STRING = re.compile(r"[A-Za-z_/~][A-Za-z0-9_./~-]*")
 _HYDRA_KEYWORDS = {"true", "false", "null", "nan", "inf"}
-
-
-# verl 0.9.1's own `override_transformer_config` defaults (trainer/config/engine/megatron.yaml). The
-# actor starts from them; the reference would start from an empty dict once any key of its map is
-# set. Writing the defaults to both roles keeps the two maps identical (the compose test checks it).
-VERL_TRANSFORMER_DEFAULTS: dict[str, Any] = {
-    "recompute_granularity": None,
-    "recompute_modules": ["core_attn"],
-    "recompute_method": None,
-    "recompute_num_layers": None,
-    "attention_backend": "flash",
-}
-
-
-def _megatron_settings(profile: RunProfile, role: str) -> dict[str, Any]:
-    e = profile.engine
-    prefix = f"actor_rollout_ref.{role}.megatron"
-    settings: dict[str, Any] = {
-        f"{prefix}.tensor_model_parallel_size": e.tp,
-        f"{prefix}.pipeline_model_parallel_size": e.pp,
-        f"{prefix}.virtual_pipeline_model_parallel_size": e.vpp,
-        f"{prefix}.context_parallel_size": e.cp,
-        f"{prefix}.expert_model_parallel_size": e.ep,
-        f"{prefix}.expert_tensor_parallel_size": e.etp,
-        f"{prefix}.param_offload": e.param_offload,
-        f"{prefix}.dtype": e.dtype,
-        f"{prefix}.use_mbridge": e.use_mbridge,
-        f"{prefix}.vanilla_mbridge": e.vanilla_mbridge,
-        f"{prefix}.use_remove_padding": e.use_remove_padding,
-    }
-    # Uneven pipeline stages are megatron-core TransformerConfig fields: verl passes them through
-    # override_transformer_config, to both roles alike (only those set: verl's defaults are even stages).
-    uneven = {name: getattr(e, name) for name in UNEVEN_PIPELINE_FIELDS if getattr(e, name)}
-    for name, value in {**VERL_TRANSFORMER_DEFAULTS, **e.transformer_overrides, **uneven}.items():
-        settings[f"{ADD_OR_OVERRIDE}{prefix}.override_transformer_config.{name}"] = value
-    return settings
-
-
-# verl's `model_engine` config group for each engine.strategy (trainer/config/model_engine/*.yaml).
-MODEL_ENGINES = {"megatron": "megatron", "fsdp": "dp"}
-FSDP_VERSION = "fsdp2"  # verl 0.9.1's dp actor still defaults to FSDP1 (`strategy: fsdp`)
-
-
-def _fsdp_settings(profile: RunProfile, role: str) -> dict[str, Any]:
-    """FSDP2's settings of one role. The reference never offloads on its own terms: verl 0.9.1 gives a
-    forward-only FSDP2 model CPUOffloadPolicy whatever `param_offload` says (transformer_impl.py)."""
-    e = profile.engine
-    prefix = f"actor_rollout_ref.{role}"
-    return {
-        f"{prefix}.fsdp_config.param_offload": e.param_offload,
-        f"{prefix}.fsdp_config.optimizer_offload": e.optimizer_offload,
-        f"{prefix}.fsdp_config.fsdp_size": e.fsdp_size,
-        f"{prefix}.fsdp_config.dtype": e.dtype,
-        # The role's own key is deprecated but still read by verl's batch checks; both say the same.
-        f"{prefix}.ulysses_sequence_parallel_size": e.ulysses_sp,
-        f"{prefix}.fsdp_config.ulysses_sequence_parallel_size": e.ulysses_sp,
-    }
-
-
-def _engine_settings(profile: RunProfile, role: str) -> dict[str, Any]:
-    if profile.engine.strategy == "fsdp":
-        return _fsdp_settings(profile, role)
-    return _megatron_settings(profile, role)
 
 
 def _files(paths: list[str]) -> str | list[str]:
@@ -118,8 +50,9 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
     """Every verl key this run sets, in a stable order, each once. `trainer.default_local_dir` is
     absolute (a relative one would land in Ray's per-job working directory)."""
     p, a, alg, r, lp, t = profile, profile.actor, profile.algorithm, profile.rollout, profile.log_prob, profile.trainer
+    engine = verl_engine(p)  # the engine's own keys (backends/verl/engines.py)
     settings: dict[str, Any] = {
-        "model_engine": MODEL_ENGINES[p.engine.strategy],
+        "model_engine": engine.model_engine,
         "algorithm.adv_estimator": alg.adv_estimator,
         "algorithm.use_kl_in_reward": alg.use_kl_in_reward,
         "data.train_files": _files(inputs.train_files),
@@ -135,7 +68,7 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
         "actor_rollout_ref.model.enable_gradient_checkpointing": p.model.enable_gradient_checkpointing,
         # verl still reads the model-level switch in places; keep it equal to the engine's.
         "actor_rollout_ref.model.use_remove_padding": p.engine.use_remove_padding,
-        **({"actor_rollout_ref.model.mtp.enable": True} if p.engine.mtp else {}),
+        **engine.model_settings(p),
         "actor_rollout_ref.actor.optim.lr": alg.lr,
         "actor_rollout_ref.actor.ppo_mini_batch_size": a.ppo_mini_batch_size,
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": a.ppo_micro_batch_size_per_gpu,
@@ -152,20 +85,10 @@ def verl_settings(profile: RunProfile, inputs: TrainingInputs) -> dict[str, Any]
         "actor_rollout_ref.actor.checkpoint.save_contents": a.checkpoint_save_contents,
         "actor_rollout_ref.actor.checkpoint.strict": a.checkpoint_strict,
     }
-    if p.engine.strategy == "fsdp":
-        settings["actor_rollout_ref.actor.strategy"] = FSDP_VERSION  # the reference follows the actor's
-        # FSDP's checkpoint is sharded .pt files; the export stage reads the policy's HF weights, which
-        # verl writes to actor/huggingface only when asked (backends/verl/checkpoint.py).
-        if "hf_model" not in a.checkpoint_save_contents:
-            settings["actor_rollout_ref.actor.checkpoint.save_contents"] = [*a.checkpoint_save_contents, "hf_model"]
-        # verl loads the model with flash_attention_2 unless told otherwise (HFModelConfig).
-        settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.model.override_config.attn_implementation"] = p.engine.attn_implementation
-    else:
-        settings["actor_rollout_ref.actor.megatron.optimizer_offload"] = p.engine.optimizer_offload
-    settings.update(_engine_settings(p, "actor"))
-    for name, value in p.engine.optimizer_overrides.items():
-        settings[f"{ADD_OR_OVERRIDE}actor_rollout_ref.actor.optim.override_optimizer_config.{name}"] = value
-    settings.update(_engine_settings(p, "ref"))
+    settings.update(engine.actor_settings(p))
+    settings.update(engine.role_settings(p, "actor"))
+    settings.update(engine.optimizer_settings(p))
+    settings.update(engine.role_settings(p, "ref"))
     if inputs.dist_checkpoint_path:  # each rank reads its own shard, actor and reference alike
         for role in ("actor", "ref"):
             settings[f"actor_rollout_ref.{role}.megatron.use_dist_checkpointing"] = True

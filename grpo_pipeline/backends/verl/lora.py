@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from grpo_pipeline.backends.verl.engines import verl_engine
 from grpo_pipeline.common.errors import UserError
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def lora_problems(p: RunProfile) -> list[str]:
     if not lora.enabled:
         return []
     problems = []
-    if p.engine.strategy != "fsdp":
+    if not verl_engine(p).trains_lora:
         problems.append(f"lora.rank={lora.rank} with engine.strategy={p.engine.strategy}: verl's LoRA here is its FSDP "
                         "engine's (PEFT); set engine.strategy=fsdp")
     if lora.dropout:
