@@ -139,9 +139,9 @@ def size_verl_run(p: RunProfile, names: list[str] | None, gib: list[float] | Non
     first = s.plan()
     if first is None or first.device_memory is None:
         return None
-    sequences = p.data.train_batch_size * p.algorithm.rollout_n
+    sequences = p.sequences_per_step
     update_key, update_candidates = _micro_batch(s, p.actor.use_dynamic_bsz, "actor.ppo_micro_batch_size_per_gpu",
-                                                 "actor.ppo_max_token_len_per_gpu", p.actor.ppo_mini_batch_size * p.algorithm.rollout_n)
+                                                 "actor.ppo_max_token_len_per_gpu", p.sequences_per_update)
     lp_key, lp_candidates = _micro_batch(s, p.log_prob.use_dynamic_bsz, "log_prob.micro_batch_size_per_gpu",
                                          "log_prob.max_token_len_per_gpu", sequences)
     smallest_lp = {lp_key: lp_candidates[0]} if lp_key not in given else {}
