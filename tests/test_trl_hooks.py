@@ -82,3 +82,22 @@ def test_the_workers_settings_carry_typed_grpo_fields_through_json():
     assert GrpoFields.model_validate_json(fields.model_dump_json()) == fields
     with pytest.raises(ValueError, match="num_generation"):
         GrpoFields.model_validate({**fields.model_dump(), "num_generation": 4})  # a misspelt field is refused
+
+
+def test_what_the_local_trainer_adds_is_no_name_of_trls_trainer():
+    """The pipeline's trainer adds public names of its own: none shadows one TRL or transformers has."""
+    import re
+
+    import transformers.trainer
+    import trl.trainer.grpo_trainer
+
+    from grpo_pipeline.backends.local.trl_hooks import grpo_trainer_class
+
+    local, trl_trainer = grpo_trainer_class(), grpo_trainer_class().__mro__[1]
+    added = {name for name in vars(local) if not name.startswith("_")}
+    added |= set(re.findall(r"self\.([a-z]\w*)", inspect.getsource(local.__init__)))
+    theirs = set(dir(trl_trainer))
+    for module in (trl.trainer.grpo_trainer, transformers.trainer):
+        theirs |= set(re.findall(r"self\.(\w+)\s*=", inspect.getsource(module)))
+    assert added >= {"native", "probe", "packed", "timer", "native_refusal", "native_decoder", "probe_logprobs"}
+    assert added & theirs == set()

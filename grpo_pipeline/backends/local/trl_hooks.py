@@ -134,13 +134,13 @@ def grpo_trainer_class():
 
                 rows = min(probe.sequences, len(prompt_ids))
                 device = self.accelerator.device
-                mismatch = probe.mismatch(prompt_ids[:rows], completions[:rows], rollout[:rows], self._score,
+                mismatch = probe.mismatch(prompt_ids[:rows], completions[:rows], rollout[:rows], self.probe_logprobs,
                                           self._tokenizer.pad_token_id, device)
                 value = self.accelerator.gather(torch.tensor([mismatch], device=device)).mean().item()
                 self._metrics["train"][probe.key].append(value)
             return completions, logprobs
 
-        def _score(self, ids, mask, logits_to_keep):
+        def probe_logprobs(self, ids, mask, logits_to_keep):
             """The trainer's log-probs of the completions, by the pass its loss uses."""
             return self._get_per_token_logps_and_entropies(self.model, ids, mask, logits_to_keep)[0]
 
