@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+
 from pydantic import BaseModel, Field
 
 from grpo_pipeline.backends.local.checkpoints import CHECKPOINTS
