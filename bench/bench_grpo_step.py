@@ -150,8 +150,8 @@ def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir:
     profile = resolve_profile("tiny", args.device, overrides=overrides)
     run_dir = work / f"run-{shape}-{variant}"
     settings = plan_local_training(profile, [str(train_file)], str(model_dir), run_dir, 1, plan_generation(profile))
-    settings.grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
-    settings = settings.model_copy(update={"phase_timing": True})
+    full_length = settings.grpo.model_copy(update={"generation_kwargs": {"min_new_tokens": args.completion_length}})
+    settings = settings.model_copy(update={"phase_timing": True, "grpo": full_length})  # every completion full length
     try:
         train_local(settings, None, None, run_name="bench-step")
     finally:
@@ -171,7 +171,7 @@ def predicted_peak_gib(model_dir: Path, device: str, overrides: list[str], setti
         return None
     try:
         profile = resolve_profile(str(model_dir), device, overrides=overrides)
-        checkpointing = bool(settings.grpo.get("gradient_checkpointing"))
+        checkpointing = settings.grpo.gradient_checkpointing
         plan = step_memory(profile, plan_generation(profile), checkpointing,
                            torch.cuda.get_device_properties(0).total_memory)
     except Exception as exc:  # noqa: BLE001 - a prediction that cannot be made is reported, not fatal

@@ -66,7 +66,9 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback, set_seed
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
+
+    from grpo_pipeline.backends.local.trl_hooks import grpo_trainer_class
 
     from grpo_pipeline.rewards.builtin import arith_score
 
@@ -80,7 +82,7 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
         return [arith_score(c[-1]["content"], truth).reward for c, truth in zip(completions, ground_truth)]
 
     times: list[tuple[float, float]] = []
-    timer = GenerationTimer(model)
+    timer = GenerationTimer()
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
@@ -92,8 +94,10 @@ def bare_trl(settings: LocalTrainSettings) -> list[float]:
 
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), max_steps=settings.max_steps, save_strategy="no", logging_steps=1,
                       report_to=[], seed=settings.seed, use_cpu=not settings.platform.accelerated,
-                      bf16=settings.dtype == "bfloat16", disable_tqdm=True, **settings.grpo)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=rows, processing_class=tokenizer,
+                      bf16=settings.dtype == "bfloat16", disable_tqdm=True, **settings.grpo.model_dump())
+    # TRL's own rollouts and loss; the pipeline's trainer class only for its generation timer (and its
+    # epoch-seeded order, whose first epoch is TRL's).
+    trainer = grpo_trainer_class()(model=model, reward_funcs=reward, args=args, train_dataset=rows, processing_class=tokenizer, timer=timer,
                           callbacks=[StepTimer()])
     trainer.train()
     del trainer, model
@@ -145,7 +149,8 @@ def main() -> None:
         profile = resolve_profile("tiny", args.device, overrides=overrides + extra)
         sides[name] = plan_local_training(profile, [str(train_file)], str(model_dir), work / "run", devices_here,
                                           plan_generation(profile))
-        sides[name].grpo["generation_kwargs"] = {"min_new_tokens": args.completion_length}  # every completion full length
+        full_length = sides[name].grpo.model_copy(update={"generation_kwargs": {"min_new_tokens": args.completion_length}})
+        sides[name] = sides[name].model_copy(update={"grpo": full_length})  # every completion full length
     fast = sides["local_backend"].generation
     described = fast.describe()
     print(f"local backend generation: {described}", flush=True)

@@ -175,3 +175,39 @@ def test_every_door_into_a_run_plans_it_with_the_one_function_and_nothing_after_
     assert fallbacks == []
     fields = typing.get_type_hints(RunRecord)
     assert fields["plan"] is RunPlan and fields["result"] is RunResult
+
+
+def trl_private_names() -> set[str]:
+    """The private methods and attributes of TRL's GRPOTrainer and transformers' Trainer below it."""
+    import inspect
+
+    import transformers.trainer
+    import trl.trainer.grpo_trainer
+    from trl import GRPOTrainer
+
+    names = {name for name in dir(GRPOTrainer) if name.startswith("_") and not name.startswith("__")}
+    for module in (trl.trainer.grpo_trainer, transformers.trainer):
+        names |= set(re.findall(r"self\.(_[a-z]\w*)", inspect.getsource(module)))
+    return names
+
+
+def test_trls_private_names_are_touched_in_one_module():
+    """The local backend overrides, wraps, calls or reads TRL's trainer below its public API only in
+    backends/local/trl_hooks.py, which pins each name to the TRL releases it was checked on (its test fails
+    on a release whose signature moved); nowhere is a trainer class put together at run time with type()."""
+    from grpo_pipeline.backends.local.trl_hooks import PRIVATE_ATTRIBUTES, PRIVATE_METHODS
+
+    private = trl_private_names()
+    found, composed = [], []
+    for path in modules("backends/local"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "type" and len(node.args) == 3:
+                composed.append(f"{house_map.shown(path)}:{node.lineno}")
+            name = (node.attr if isinstance(node, ast.Attribute) else node.name if isinstance(node, ast.FunctionDef)
+                    else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+            if name in private:
+                (found if path.name != "trl_hooks.py" else []).append(f"{house_map.shown(path)}:{node.lineno} {name}")
+            if path.name == "trl_hooks.py" and name in private and name not in {*PRIVATE_METHODS, *PRIVATE_ATTRIBUTES}:
+                found.append(f"{house_map.shown(path)}:{node.lineno} {name} is not pinned in PRIVATE_METHODS/_ATTRIBUTES")
+    assert found == [] and composed == []

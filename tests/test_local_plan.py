@@ -30,26 +30,26 @@ def test_the_profile_maps_to_trl_explicitly(tmp_path, arith_train):
     settings = plan(tmp_path, arith_train, "m", 2, "cluster.devices_per_node=2", "algorithm.use_kl_loss=true",
                     "algorithm.kl_loss_coef=0.01", "algorithm.clip_ratio_high=0.28", "trainer.total_training_steps=6")
     grpo = settings.grpo
-    assert grpo["num_generations"] == 4 and grpo["beta"] == 0.01 and grpo["epsilon_high"] == 0.28
-    assert grpo["loss_type"] == "dapo" and grpo["lr_scheduler_type"] == "constant"
-    assert grpo["generation_batch_size"] == 32 and grpo["per_device_train_batch_size"] == 8
-    assert grpo["gradient_accumulation_steps"] == 2  # 8 prompts x 4 completions over 2 workers x 8
+    assert grpo.num_generations == 4 and grpo.beta == 0.01 and grpo.epsilon_high == 0.28
+    assert grpo.loss_type == "dapo" and grpo.lr_scheduler_type == "constant"
+    assert grpo.generation_batch_size == 32 and grpo.per_device_train_batch_size == 8
+    assert grpo.gradient_accumulation_steps == 2  # 8 prompts x 4 completions over 2 workers x 8
     assert settings.max_steps == 6 and settings.save_steps == 4 and settings.platform.comm_backend == "gloo"
     # verl updates several times per batch when the mini batch is smaller: so does TRL, in optimizer steps.
     halves = plan(tmp_path, arith_train, "m", 2, "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=4",
                   "trainer.total_training_steps=6")
     assert halves.max_steps == 12 and halves.save_steps == 8
     no_kl = resolve_profile("tiny", "cpu", overrides=["algorithm.use_kl_loss=false"])
-    assert grpo_fields(no_kl, 1, plan_generation(no_kl))[0]["beta"] == 0.0
+    assert grpo_fields(no_kl, 1, plan_generation(no_kl))[0].beta == 0.0
 
 
 def test_the_generation_settings_reach_trl_and_the_worker(tmp_path, arith_train, monkeypatch):
     cpu = plan(tmp_path, arith_train, "m", 2)
-    assert cpu.grpo["cache_implementation"] is None and cpu.generation.compile is False  # CPU: eager, dynamic
-    assert "use_vllm" not in cpu.grpo
+    assert cpu.grpo.cache_implementation is None and cpu.generation.compile is False  # CPU: eager, dynamic
+    assert cpu.grpo.use_vllm is False
     fast = plan(tmp_path, arith_train, "m", 2, "generation.cache=static", "generation.compile=true",
                 "generation.steps_per_generation=4", "generation.attn_implementation=eager")
-    assert fast.grpo["cache_implementation"] == "static" and fast.grpo["generation_batch_size"] == 4 * 32
+    assert fast.grpo.cache_implementation == "static" and fast.grpo.generation_batch_size == 4 * 32
     assert (fast.generation.compile, fast.generation.attn_implementation) == (True, "eager")
     gpu = resolve_profile("tiny", "gpu")  # the device's defaults: the fastest path measured on an H200
     assert (gpu.generation.cache, gpu.generation.compile, gpu.generation.steps_per_generation) == ("static", True, 4)
@@ -61,7 +61,7 @@ def test_the_generation_settings_reach_trl_and_the_worker(tmp_path, arith_train,
     vllm = plan_generation(gpu)  # decided once: vLLM, and no decoder of transformers' to pick
     assert (vllm.engine, vllm.decoder, vllm.native) == ("vllm", None, False)
     colocated = grpo_fields(gpu, 1, vllm)[0]
-    assert (colocated["use_vllm"], colocated["vllm_mode"], colocated["vllm_gpu_memory_utilization"]) == (True, "colocate", 0.4)
+    assert (colocated.use_vllm, colocated.vllm_mode, colocated.vllm_gpu_memory_utilization) == (True, "colocate", 0.4)
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,7 @@ def test_a_small_model_on_a_big_gpu_trains_without_recomputation(models):
     from grpo_pipeline.backends.local.mapping import grpo_fields
 
     fields, _ = grpo_fields(profile, 1, plan_generation(profile))
-    assert fields["gradient_checkpointing"] is False
+    assert fields.gradient_checkpointing is False
 
 
 def test_a_long_context_large_model_keeps_it(models):

@@ -18,7 +18,8 @@ def lora_trainer(model_dir, tmp_path, **lora):
     from trl import GRPOConfig
 
     from grpo_pipeline.backends.local.lora import peft_config
-    from grpo_pipeline.backends.local.rollouts import NativeRolloutTrainer
+    from grpo_pipeline.backends.local.rollouts import NativeRollouts
+    from grpo_pipeline.backends.local.trl_hooks import grpo_trainer_class
     from grpo_pipeline.generation.plan import GenerationPlan
     from grpo_pipeline.profiles.lora import LoraSection
 
@@ -28,9 +29,10 @@ def lora_trainer(model_dir, tmp_path, **lora):
     args = GRPOConfig(output_dir=str(tmp_path / "trainer"), max_steps=1, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=8, learning_rate=1e-3, save_strategy="no", report_to=[], use_cpu=True,
                       disable_tqdm=True, seed=0, beta=0.04, bf16=False)  # float32, as a CPU worker trains
-    return NativeRolloutTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-                                train_dataset=rows, processing_class=tokenizer, plan=GenerationPlan(decoder="native"),
-                                max_prompt_tokens=64, peft_config=peft_config(LoraSection(rank=8, alpha=16, **lora)))
+    return grpo_trainer_class()(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                                train_dataset=rows, processing_class=tokenizer,
+                                native=NativeRollouts(GenerationPlan(decoder="native"), 64),
+                                peft_config=peft_config(LoraSection(rank=8, alpha=16, **lora)))
 
 
 def nudge_adapter(model, scale: float = 0.5, seed: int = 0) -> None:

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from grpo_pipeline.backends.local.packing import PackedLogProbs, pack, padding_free, unpack
+from grpo_pipeline.backends.local.packing import pack, packed_logprobs, padding_free, unpack
 
 
 def tiny_qwen3(vocab: int = 97, seed: int = 0):
@@ -52,8 +52,13 @@ class Padded(Scorer):
     _get_per_token_logps_and_entropies = GRPOTrainer._get_per_token_logps_and_entropies
 
 
-class Packed(PackedLogProbs, Padded):
-    pass
+class Packed(Scorer):
+    """The log-prob method as backends/local/trl_hooks.py's trainer answers it with packing on."""
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False):
+        return packed_logprobs(model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                               self.accelerator.autocast)
 
 
 def fused(model):
@@ -125,7 +130,9 @@ def grpo_phases(model_dir, tmp_path, beta: float, steps_per_generation: int, pac
     """One real GRPOTrainer step on the tiny model, timed by phase."""
     import datasets
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
+
+    from grpo_pipeline.backends.local.trl_hooks import grpo_trainer_class
 
     from grpo_pipeline.backends.local.phases import StepPhases
     from grpo_pipeline.common.rl_data import arith_splits
@@ -136,9 +143,8 @@ def grpo_phases(model_dir, tmp_path, beta: float, steps_per_generation: int, pac
     args = GRPOConfig(output_dir=str(tmp_path / f"out-{beta}"), max_steps=steps_per_generation, per_device_train_batch_size=4,
                       num_generations=4, generation_batch_size=4 * steps_per_generation, max_completion_length=4,
                       beta=beta, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, disable_tqdm=True)
-    trainer_class = type("PackedGRPOTrainer", (PackedLogProbs, GRPOTrainer), {}) if packed else GRPOTrainer
-    trainer = trainer_class(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-                            args=args, train_dataset=rows, processing_class=tokenizer)
+    trainer = grpo_trainer_class()(model=model, reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                                   args=args, train_dataset=rows, processing_class=tokenizer, packed=packed)
     phases = StepPhases.attach(trainer, tmp_path / "phases.jsonl")
     trainer.train()
     return trainer, phases.records

@@ -28,10 +28,9 @@ def install() -> None:
     if step := os.environ.get("FAULT_CRASH_AT_STEP"):
         _crash_at(int(step))
     if os.environ.get("FAULT_TRL_SAMPLER"):
-        from grpo_pipeline.backends.local.data_order import ResumableDataOrder
+        from grpo_pipeline.backends.local import data_order
 
-        ResumableDataOrder._get_train_sampler = lambda self, dataset=None: super(
-            ResumableDataOrder, self)._get_train_sampler(dataset)
+        data_order.epoch_seeded = lambda drawn: drawn  # TRL's sampler as drawn
     if os.environ.get("FAULT_STALE_ROLLOUT_WEIGHTS"):
         _stale_rollout_weights()
     if path := os.environ.get("OBSERVE_BATCHES"):

@@ -49,19 +49,24 @@ def sharded(generate: Generate, shards: int, platform: Platform) -> Generate:
 
 
 def generate_on_node(model_dir: Path, prompts: list[list[dict]], settings: GenerationSettings) -> tuple[str, list[list[Response]]]:
-    """On a cluster node, inside a Ray task that holds its devices: the engine the node's image has
-    (vLLM / vllm-ascend, else transformers on the device the node's torch sees), and its name."""
+    """On a cluster node, inside a Ray task that holds its devices: the plan's engine (`settings.plan.engine`,
+    decided once at planning, whatever else the node's image has), and what ran, in words. vLLM the node
+    lacks is an error naming the node; transformers runs on the device the node's torch sees."""
     import importlib.util
     import socket
 
-    if importlib.util.find_spec("vllm"):
-        return f"vllm on {socket.gethostname()}", vllm_generate(model_dir, prompts, settings)
+    node = socket.gethostname()
+    if settings.plan.engine == "vllm":
+        if importlib.util.find_spec("vllm") is None:
+            raise RuntimeError(f"{node}: the run's plan generates with vLLM, which this node's image lacks; install "
+                               "vllm (vllm-ascend on NPUs) there")
+        return f"vllm on {node}", vllm_generate(model_dir, prompts, settings)
     device = _node_torch_device(settings.torch_device)
     if device != settings.torch_device:
-        print(f"{socket.gethostname()}: Ray offers this task an accelerator, but torch here sees no "
+        print(f"{node}: Ray offers this task an accelerator, but torch here sees no "
               f"{settings.torch_device} device: generating on the CPU", flush=True)
         settings = settings.on_device("cpu", "float32")
-    return f"transformers ({device}) on {socket.gethostname()}", transformers_generate(model_dir, prompts, settings)
+    return f"transformers ({device}) on {node}", transformers_generate(model_dir, prompts, settings)
 
 
 def _node_torch_device(wanted: str) -> str:

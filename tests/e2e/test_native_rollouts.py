@@ -1,5 +1,5 @@
 """TRL's GRPOTrainer takes its rollouts from the native decoder at its generation seam
-(`_generate_single_turn`), and hands back to its own `generate` what the decoder does not do."""
+(backends/local/trl_hooks.py), and hands back to its own `generate` what the decoder does not do."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ def grpo_trainer(model_dir, tmp_path, **config):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
 
-    from grpo_pipeline.backends.local.rollouts import NativeRolloutTrainer
+    from grpo_pipeline.backends.local.rollouts import NativeRollouts
+    from grpo_pipeline.backends.local.trl_hooks import grpo_trainer_class
     from grpo_pipeline.generation.plan import GenerationPlan
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -37,8 +38,8 @@ def grpo_trainer(model_dir, tmp_path, **config):
     args = GRPOConfig(output_dir=str(tmp_path / "trainer"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=6, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
                       use_cpu=True, disable_tqdm=True, seed=0, **config)
-    trainer = NativeRolloutTrainer(model=model, reward_funcs=reward, args=args, train_dataset=rows,
-                                   processing_class=tokenizer, plan=GenerationPlan(decoder="native"), max_prompt_tokens=64)
+    trainer = grpo_trainer_class()(model=model, reward_funcs=reward, args=args, train_dataset=rows,
+                                   processing_class=tokenizer, native=NativeRollouts(GenerationPlan(decoder="native"), 64))
     return trainer, calls, lengths
 
 

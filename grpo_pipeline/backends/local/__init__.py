@@ -39,7 +39,8 @@ The verl <-> TRL mapping of the one `algorithm` section (also in docs/local-back
 Modules: `mapping` (the table above, and what the mapping cannot express), `settings` (the
 driver's checks before a worker starts, and what workers get), `worker` (inside each Ray Train
 worker), `driver` (starts the workers and follows them), `checkpoints` (the layout a retry resumes
-from), `backend` (the `Backend` the flow calls).
+from), `backend` (the `Backend` the flow calls), `trl_hooks` (every use of TRL's private methods, pinned
+to the TRL releases checked).
 
 TRL's own defaults differ (loss_type="dapo" happens to match token-mean, beta=0, a linearly decaying
 learning rate, num_generations=8, max_completion_length=512): every value above is set explicitly.

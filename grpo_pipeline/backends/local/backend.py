@@ -12,6 +12,7 @@ from grpo_pipeline.backends.local.rollout_memory import rollout_memory_problems
 from grpo_pipeline.backends.local.settings import check_prompt_lengths, check_workers_fit, plan_local_training
 from grpo_pipeline.backends.local.sizing import micro_batch_note, no_fit_refusal, one_device_table, size_rounds, size_step
 from grpo_pipeline.backends.local.train_memory import checkpointing_choice
+from grpo_pipeline.backends.local.trl_hooks import check_trl
 from grpo_pipeline.common.errors import DoesNotFit
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import RunProfile
@@ -66,6 +67,7 @@ class LocalBackend(Backend):
                   ray_address: str | None) -> None:
         if "train" in stages:
             check_workers_fit(profile, devices_here)
+            check_trl()  # a TRL whose private methods moved is refused before anything starts
 
     def command(self, profile: RunProfile, inputs: TrainingInputs) -> list[str] | None:
         return None  # training runs inside the flow, on Ray Train
@@ -75,6 +77,8 @@ class LocalBackend(Backend):
 
         settings = plan_local_training(profile, run.inputs.train_files, run.inputs.model_path, Path(run.run_dir),
                                        run.devices_here, run.generation)
+        if warning := check_trl():
+            progress.warn(warning)
         if overlong := check_prompt_lengths(settings):
             progress.warn(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
         rollouts = run.generation.describe()

@@ -23,12 +23,9 @@ class EpochSeededSampler(RepeatSampler):
             self.generator.manual_seed((self.seed or 0) + epoch)
 
 
-class ResumableDataOrder:
-    """A GRPOTrainer mixin: its training sampler is `EpochSeededSampler`."""
-
-    def _get_train_sampler(self, dataset=None):
-        drawn = super()._get_train_sampler(dataset)
-        if type(drawn) is not RepeatSampler:  # not the sampler this fix is for: TRL's own choice stands
-            return drawn
-        return EpochSeededSampler(drawn.data_source, mini_repeat_count=drawn.mini_repeat_count, batch_size=drawn.batch_size,
-                                  repeat_count=drawn.repeat_count, shuffle=drawn.shuffle, seed=drawn.seed)
+def epoch_seeded(drawn):
+    """The training sampler TRL drew, as an `EpochSeededSampler` (backends/local/trl_hooks.py asks here)."""
+    if type(drawn) is not RepeatSampler:  # not the sampler this fix is for: TRL's own choice stands
+        return drawn
+    return EpochSeededSampler(drawn.data_source, mini_repeat_count=drawn.mini_repeat_count, batch_size=drawn.batch_size,
+                              repeat_count=drawn.repeat_count, shuffle=drawn.shuffle, seed=drawn.seed)

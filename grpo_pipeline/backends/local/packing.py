@@ -4,9 +4,9 @@
 
 TRL 1.16's GRPO trains on (sequences x longest prompt + longest completion) with prompts padded on the
 left and completions on the right: at 16 x 8 completions of up to 1,024 tokens whose lengths vary,
-much of each forward and backward is padding. `PackedLogProbs` replaces the trainer's one log-prob
-method (`_get_per_token_logps_and_entropies`, which the loss, the old-policy and the reference passes
-all call) with one that keeps only the real tokens of each micro batch, in one row, positions
+much of each forward and backward is padding. `packed_logprobs` stands in for the trainer's one log-prob
+method (which the loss, the old-policy and the reference passes all call; backends/local/trl_hooks.py
+overrides it) with one that keeps only the real tokens of each micro batch, in one row, positions
 restarting at every sequence (transformers takes that as packed sequences when no attention mask is
 given: varlen kernels with flash-attention, a block-diagonal mask otherwise), scores them through TRL's
 fused LM head, and scatters the log-probs back to TRL's (batch, completion) layout: the loss, its
@@ -52,28 +52,28 @@ def unpack(per_token, where, logits_to_keep: int):
     return padded[kept.clamp(min=0)].masked_fill(kept < 0, 0)
 
 
-class PackedLogProbs:
-    """A GRPOTrainer mixin: its log-prob passes run on packed micro batches (see the module)."""
+def packable(compute_aux_loss: bool, multimodal: dict) -> bool:
+    """Whether a log-prob pass can be packed: no images, no MoE auxiliary loss (those go to TRL's path)."""
+    return not compute_aux_loss and all(multimodal.get(name) is None for name in MULTIMODAL)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
-        if compute_aux_loss or any(multimodal.get(name) is not None for name in MULTIMODAL):
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
-                compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
-        import torch
 
-        batch_size = batch_size or input_ids.size(0)
-        logps, entropies = [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            rows = slice(start, start + batch_size)
-            ids, positions, labels, where = pack(input_ids[rows], attention_mask[rows], logits_to_keep)
-            with self.accelerator.autocast():
-                out = model(input_ids=ids, position_ids=positions, labels=labels, fused_lm_head=True)
-            logps.append(unpack(out.log_probs, where, logits_to_keep))
-            if compute_entropy:
-                entropies.append(unpack(out.entropy, where, logits_to_keep))
-        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+def packed_logprobs(model, input_ids, attention_mask, logits_to_keep: int, batch_size: int | None,
+                    compute_entropy: bool, autocast):
+    """What TRL's log-prob method returns (log-probs, entropies or None, no auxiliary loss), from packed
+    micro batches of `batch_size` rows (see the module); `autocast`: the trainer's accelerator's."""
+    import torch
+
+    batch_size = batch_size or input_ids.size(0)
+    logps, entropies = [], []
+    for start in range(0, input_ids.size(0), batch_size):
+        rows = slice(start, start + batch_size)
+        ids, positions, labels, where = pack(input_ids[rows], attention_mask[rows], logits_to_keep)
+        with autocast():
+            out = model(input_ids=ids, position_ids=positions, labels=labels, fused_lm_head=True)
+        logps.append(unpack(out.log_probs, where, logits_to_keep))
+        if compute_entropy:
+            entropies.append(unpack(out.entropy, where, logits_to_keep))
+    return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
 
 def padding_free(use_remove_padding: bool, attn_implementation: str) -> bool:

@@ -9,6 +9,8 @@ inside another pauses the outer one), so they add up to the step; what no phase 
 (`_prepare_inputs` outside the phases below: rewards, advantages, batching; TRL's and Ray Train's
 bookkeeping, checkpoints):
 
+The wraps of TRL's private methods are backends/local/trl_hooks.py's `time_phases` (pinned there):
+
 | phase | TRL / pipeline method |
 |---|---|
 | generation | `_generate_single_turn` (the native decoder or TRL's generate) |
@@ -54,35 +56,16 @@ class StepPhases(TrainerCallback):
         # The step's peak, for the memory plan's prediction beside it (backends/local/train_memory.py).
         peak = (lambda: torch.cuda.max_memory_allocated() / 2**30) if on_cuda else (lambda: None)
         phases = cls(out, sync, peak)
-        phases._wrap(trainer, "_generate_single_turn", lambda *a, **k: "generation")
-        phases._wrap(trainer, "training_step", lambda *a, **k: "forward_backward")
-        # Called by training_step: rewards, advantages, buffering are not the forward's.
-        phases._wrap(trainer, "_prepare_inputs", lambda *a, **k: "other")
+        from grpo_pipeline.backends.local.trl_hooks import time_phases
 
-        def logprob_phase(model, *args, **kwargs):
-            if not phases.scoring:
-                return None  # the loss's own forward: part of forward_backward
-            return "ref_logprobs" if model is trainer.ref_model and model is not None else "old_logprobs"
-
-        phases._wrap(trainer, "_get_per_token_logps_and_entropies", logprob_phase)
-        score = trainer._generate_and_score_completions
-
-        @functools.wraps(score)
-        def scoring(*args, **kwargs):
-            phases.scoring = True
-            try:
-                return score(*args, **kwargs)
-            finally:
-                phases.scoring = False
-
-        trainer._generate_and_score_completions = scoring
+        time_phases(trainer, phases)  # TRL's private methods, wrapped where they are pinned
         if hasattr(trainer, "native_decoder"):
             make = trainer.native_decoder
 
             def native_decoder():
                 decoder = make()
                 if decoder is not None and not getattr(decoder, "_phase_timed", False):
-                    phases._wrap(decoder, "_refresh_weights", lambda *a, **k: "weight_sync")
+                    phases.wrap(decoder, "_refresh_weights", lambda *a, **k: "weight_sync")
                     decoder._phase_timed = True
                 return decoder
 
@@ -90,7 +73,22 @@ class StepPhases(TrainerCallback):
         trainer.add_callback(phases)
         return phases
 
-    def _wrap(self, owner, name: str, phase_of) -> None:
+    def wrap_scoring(self, owner, name: str) -> None:
+        """While `owner.name` runs, a log-prob pass is the old policy's or the reference's, not the loss's."""
+        score = getattr(owner, name)
+
+        @functools.wraps(score)
+        def scoring(*args, **kwargs):
+            self.scoring = True
+            try:
+                return score(*args, **kwargs)
+            finally:
+                self.scoring = False
+
+        setattr(owner, name, scoring)
+
+    def wrap(self, owner, name: str, phase_of) -> None:
+        """`owner.name` timed as the phase `phase_of(its arguments)` names (None: not a phase of its own)."""
         method = getattr(owner, name)
 
         @functools.wraps(method)
@@ -125,7 +123,7 @@ class StepPhases(TrainerCallback):
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         if optimizer is not None:
             for name in ("step", "zero_grad"):
-                self._wrap(optimizer, name, lambda *a, **k: "optimizer")
+                self.wrap(optimizer, name, lambda *a, **k: "optimizer")
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.synchronize()

@@ -4,8 +4,7 @@ the trainer trains?
     python -m grpo_pipeline --model tiny --device cpu --set guards.probe_sequences=8   # metrics.jsonl: mismatch
 
 On each generation round, the first `guards.probe_sequences` sequences of every worker are scored
-again by the trainer's own log-prob pass (TRL's `_get_per_token_logps_and_entropies`, the one its loss
-uses), under the weights they were generated with, and compared token by token with the log-probs the
+again by the trainer's own log-prob pass (the one its loss uses: backends/local/trl_hooks.py), under the weights they were generated with, and compared token by token with the log-probs the
 rollout engine sampled them with: KL per token, the k3 estimator E[exp(d) - d - 1] with d the trainer's
 minus the rollout's log-prob (verl's `rollout_corr/k3_kl`). A healthy run stays near 0 (fp32) or below
 0.01 (bf16 kernels that differ); a rollout engine left on older weights drifts away as training moves
@@ -22,7 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor
 from trl.trainer.utils import pad
 
 MISMATCH = "rollout/mismatch"  # the key in TRL's logged metrics (backends/local/worker.py reads it)
@@ -66,47 +65,19 @@ def k3_mismatch(trainer: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor
 
 
 class RolloutProbe:
-    """A GRPOTrainer mixin: each generation round's mismatch on its probe rows, in TRL's metrics as
-    `rollout/mismatch` (averaged over the workers, so every rank logs the same number)."""
+    """Each generation round's mismatch on its first `sequences` rows, for TRL's metrics as `rollout/mismatch`
+    (averaged over the workers, so every rank logs the same number). backends/local/trl_hooks.py calls it
+    from the trainer's rollouts, with the rollout engine's log-probs and the trainer's scoring pass."""
 
-    def __init__(self, *args, probe_sequences: int = 4, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._probe_rows = probe_sequences
-        self._recording: SampledLogProbs | None = None
-        self.last_rollout_logprobs: list[list[float]] | None = None  # a rollout engine that keeps its own
-        model, generate = self.model, self.model.generate
+    key = MISMATCH
 
-        def recorded(*args, **kwargs):
-            if self._recording is None:
-                return generate(*args, **kwargs)
-            processors = LogitsProcessorList([*(kwargs.pop("logits_processor", None) or []), self._recording])
-            output = generate(*args, logits_processor=processors, **kwargs)
-            self._recording.finish(output if torch.is_tensor(output) else output.sequences)
-            return output
+    def __init__(self, sequences: int):
+        self.sequences = sequences
 
-        model.generate = recorded  # TRL generates through the unwrapped model: this instance
-
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        if not self.model.training:  # evaluation rounds are not training's rollouts
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        rows = min(self._probe_rows, len(prompt_ids))
-        self._recording, self.last_rollout_logprobs = SampledLogProbs(rows, self.temperature), None
-        try:
-            completions, logprobs = super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                                  has_tool_images)
-        finally:
-            recording, self._recording = self._recording, None
-        # An engine that gives no log-probs (continuous batching) leaves the mismatch unmeasured, on every rank alike.
-        if rollout := logprobs or self.last_rollout_logprobs or recording.logprobs:
-            mismatch = self._mismatch(prompt_ids[:rows], completions[:rows], rollout[:rows])
-            value = self.accelerator.gather(torch.tensor([mismatch], device=self.accelerator.device)).mean().item()
-            self._metrics["train"][MISMATCH].append(value)
-        return completions, logprobs
-
-    def _mismatch(self, prompts: list[list[int]], completions: list[list[int]], rollout: list[list[float]]) -> float:
-        """The trainer's log-probs of these completions, now (the weights they were generated with), against
-        the rollout's."""
-        device, pad_id = self.accelerator.device, self._tokenizer.pad_token_id
+    def mismatch(self, prompts: list[list[int]], completions: list[list[int]], rollout: list[list[float]], score,
+                 pad_id: int, device) -> float:
+        """The trainer's log-probs of these completions now (`score`: the weights they were generated with),
+        against the rollout's."""
         prompt_ids = pad([torch.tensor(p) for p in prompts], padding_value=pad_id, padding_side="left").to(device)
         prompt_mask = pad([torch.ones(len(p), dtype=torch.long) for p in prompts], padding_value=0,
                           padding_side="left").to(device)
@@ -117,9 +88,7 @@ class RolloutProbe:
         sampled = pad([torch.tensor([math.nan if v is None else v for v in lps[: len(c)]], dtype=torch.float32)
                        for lps, c in zip(rollout, completions)], padding_value=0.0, padding_side="right").to(device)
         with torch.no_grad():  # in the model's training mode, as TRL's own old-policy pass
-            trainer = self._get_per_token_logps_and_entropies(
-                self.model, torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, mask], dim=1),
-                completion_ids.size(1))[0]
+            trainer = score(torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, mask], dim=1),
+                            completion_ids.size(1))
         width = min(trainer.size(1), sampled.size(1))
         return k3_mismatch(trainer[:, :width], sampled[:, :width], mask[:, :width])
-

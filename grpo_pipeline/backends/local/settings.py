@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, Field
 
 from grpo_pipeline.backends.local.checkpoints import CHECKPOINTS
-from grpo_pipeline.backends.local.mapping import grpo_fields
+from grpo_pipeline.backends.local.mapping import GrpoFields, grpo_fields
 from grpo_pipeline.backends.local.packing import padding_free
 from grpo_pipeline.backends.metrics import METRICS
 from grpo_pipeline.common.errors import ProfileError, UserError
@@ -52,7 +51,7 @@ class LocalTrainSettings(BaseModel):
     max_prompt_length: int
     filter_overlong_prompts: bool
     reward: RewardPlan = Field(default_factory=RewardPlan, description="What scores the completions (rewards/plan.py).")
-    grpo: dict[str, Any] = Field(..., description="GRPOConfig fields derived from the profile.")
+    grpo: GrpoFields = Field(..., description="GRPOConfig fields derived from the profile (backends/local/mapping.py).")
     generation: GenerationPlan = Field(..., description="How rollouts are generated (generation/plan.py, resolved at "
                                        "planning): the engine in `grpo`, the decoder and compiling here.")
     padding_free: bool = Field(False, description="Log-prob passes on packed micro batches, no padding "

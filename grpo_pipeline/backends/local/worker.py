@@ -23,7 +23,6 @@ from transformers import TrainerCallback
 
 from grpo_pipeline.backends.guards import GuardTrip, GuardTripped, StepGuards
 from grpo_pipeline.backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
-from grpo_pipeline.backends.local.data_order import ResumableDataOrder
 from grpo_pipeline.backends.local.probe import MISMATCH, RolloutProbe
 from grpo_pipeline.backends.local.rewards import trl_rewards
 from grpo_pipeline.backends.local.settings import PHASES_FILE, LocalTrainSettings, prompt_length
@@ -37,7 +36,9 @@ def worker_loop(config: dict[str, Any]) -> None:
     import ray.train
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig
+
+    from grpo_pipeline.backends.local.trl_hooks import grpo_trainer_class
 
     settings = LocalTrainSettings.model_validate(config)
     context = ray.train.get_context()
@@ -52,7 +53,7 @@ def worker_loop(config: dict[str, Any]) -> None:
     plan = settings.generation  # decided at planning (generation/plan.py); the engine is in settings.grpo
     model = AutoModelForCausalLM.from_pretrained(settings.model_path, dtype=getattr(torch, settings.dtype),
                                                  attn_implementation=plan.attn_implementation)
-    timer = GenerationTimer(model)
+    timer = GenerationTimer()
     train = training_rows(settings, tokenizer, datasets)
     reward_funcs, reward_weights = trl_rewards(settings.reward)
     args = GRPOConfig(
@@ -71,35 +72,29 @@ def worker_loop(config: dict[str, Any]) -> None:
         # (and the non_finite guard) would never see it.
         logging_nan_inf_filter=False,
         reward_weights=reward_weights,
-        **settings.grpo,
+        **settings.grpo.model_dump(),
     )
-    trainer_class, options = GRPOTrainer, {}
+    options = {}
     if plan.native:
-        from grpo_pipeline.backends.local.rollouts import NativeRolloutTrainer
+        from grpo_pipeline.backends.local.rollouts import NativeRollouts
 
-        trainer_class = NativeRolloutTrainer
-        options |= dict(plan=plan, max_prompt_tokens=settings.max_prompt_length, timer=timer,
-                        compile_cache_dir=settings.compile_cache_dir)
-    if settings.padding_free:
-        from grpo_pipeline.backends.local.packing import PackedLogProbs
-
-        trainer_class = type(f"Packed{trainer_class.__name__}", (PackedLogProbs, trainer_class), {})
-    # Every run orders its data by epoch, and probes its rollouts' log-probs (the mismatch guard's numbers).
-    trainer_class = type(f"Resumable{trainer_class.__name__}", (ResumableDataOrder, trainer_class), {})
-    if settings.guards.probe_sequences:
-        trainer_class = type(f"Probed{trainer_class.__name__}", (RolloutProbe, trainer_class), {})
-        options["probe_sequences"] = settings.guards.probe_sequences
+        options["native"] = NativeRollouts(plan, settings.max_prompt_length, settings.compile_cache_dir)
+    if settings.guards.probe_sequences:  # the rollouts' log-probs, probed: the mismatch guard's numbers
+        options["probe"] = RolloutProbe(settings.guards.probe_sequences)
     if settings.lora.enabled:  # TRL wraps the model with PEFT; the reference is the base, adapter disabled
         from grpo_pipeline.backends.local.lora import peft_config
 
         options["peft_config"] = peft_config(settings.lora)
-    trainer = trainer_class(
+    # Every run orders its data by epoch (backends/local/data_order.py) and times its rollouts.
+    trainer = grpo_trainer_class()(
         model=model,
         reward_funcs=reward_funcs,
         args=args,
         train_dataset=train,
         processing_class=tokenizer,
         callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
+        packed=settings.padding_free,
+        timer=timer,
         **options,
     )
     if settings.phase_timing and rank == 0:
@@ -116,18 +111,11 @@ def worker_loop(config: dict[str, Any]) -> None:
 
 
 class GenerationTimer:
-    """Seconds spent generating since the last `take()`: in the model's `generate` (TRL generates
-    through the unwrapped model, so wrapping this instance's method sees every rollout) and inside
-    `timing()` (the native decoder's rollouts)."""
+    """Seconds spent generating since the last `take()`: inside `timing()`, which the trainer's rollouts
+    run in (backends/local/trl_hooks.py: TRL's `generate`, vLLM or the native decoder alike)."""
 
-    def __init__(self, model):
-        self.seconds, generate = 0.0, model.generate
-
-        def timed(*args, **kwargs):
-            with self.timing():
-                return generate(*args, **kwargs)
-
-        model.generate = timed
+    def __init__(self):
+        self.seconds = 0.0
 
     @contextlib.contextmanager
     def timing(self):
@@ -178,8 +166,7 @@ class _MetricsWriter(TrainerCallback):
         self.tripped: GuardTrip | None = None
         self.round: dict[str, float] = {}
         self.step_started = time.perf_counter()
-        grpo = settings.grpo
-        self.completions_per_step = grpo["per_device_train_batch_size"] * settings.workers * grpo["gradient_accumulation_steps"]
+        self.completions_per_step = settings.grpo.completions_per_step * settings.workers
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.tripped:  # the step that tripped is saved; no rollout of the next one
