@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from grpo_pipeline.profiles.tracking import TrackingSection
+from grpo_pipeline.run.folder import RunFolder
 
 MLFLOW_ARTIFACTS = "mlflow-artifacts"  # beside a SQLite store: the default store's, under the runs folder
 _CREDENTIALS = re.compile(r"://[^/@\s]+(?:@|%40)")
@@ -89,4 +90,4 @@ def _exists(path: Path) -> bool:
 
 def tensorboard_dir(settings: TrackingSection, run_dir: Path) -> Path:
     return Path(settings.tensorboard.log_dir).expanduser().resolve() if settings.tensorboard.log_dir else (
-        Path(run_dir).resolve() / "tensorboard")
+        Path(run_dir).resolve() / RunFolder.TENSORBOARD)

@@ -28,8 +28,8 @@ from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.tracker_stores import artifacts_beside, tensorboard_dir, tracking_uri, without_credentials
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.profiles.tracking import TrackingSection
+from grpo_pipeline.run.folder import RunFolder
 
-STATE_FILE = "tracking.json"
 # Where each tool's own local UI serves a store or folder by default (`mlflow ui`, `tensorboard`).
 LOCAL_UI = {"mlflow": "http://127.0.0.1:5000", "tensorboard": "http://localhost:6006"}
 # MLflow caps a parameter's value (6,000 characters since 2.x) and a batch (100 parameters).
@@ -61,13 +61,13 @@ class TrackingState(BaseModel):
 
 def read_state(run_dir: Path) -> TrackingState | None:
     try:
-        return TrackingState.model_validate_json((Path(run_dir) / STATE_FILE).read_text())
+        return TrackingState.model_validate_json((Path(run_dir) / RunFolder.TRACKING).read_text())
     except (OSError, ValueError):
         return None
 
 
 def write_state(run_dir: Path, state: TrackingState) -> None:
-    write_json_atomic(Path(run_dir) / STATE_FILE, state.model_dump(mode="json"))
+    write_json_atomic(Path(run_dir) / RunFolder.TRACKING, state.model_dump(mode="json"))
 
 
 class Tracker(ABC):

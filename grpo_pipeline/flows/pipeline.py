@@ -42,6 +42,7 @@ from grpo_pipeline.tasks.tracking import close_tracker_runs, open_tracker_run, t
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, benchmark_specs, dataset_dir
 from grpo_pipeline.stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
+from grpo_pipeline.run.folder import RunFolder
 
 
 # One flow, two doors: `grpo_pipeline` takes a typed request (the command line, with the plan it
@@ -105,7 +106,7 @@ def _run_planning_and_stages(request: RunRequest, plan: RunPlan | None, flow_run
         if tracking is not None:
             record.result["tracking"] = tracking_lines(tracking)
         _run_stages(request, record)
-        record.write("timings.json", record.timings)
+        record.write(RunFolder.TIMINGS, record.timings)
     return record
 
 
@@ -119,14 +120,14 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
         data = _fetch(record, spec)
         with record.step("fetch_dataset: check that every Ray node sees data.root"):
             _log_shared(check_shared(data.path, "data.root", request.ray_address, env.ray_runtime_env()), data.path)
-        record.write("data/dataset.json", data.model_dump(mode="json"))
+        record.write(RunFolder.DATASET, data.model_dump(mode="json"))
         result["dataset"] = data.model_dump(mode="json")
         if "evaluate" in request.stages:  # each benchmark's data, in the same store (data.root)
             with record.step("fetch_dataset: the benchmarks' data"):
                 specs = benchmark_specs(profile)
             benchmarks = {name: _fetch(record, spec) for name, spec in specs.items()}
             if benchmarks:
-                record.write("data/benchmarks.json", {name: files.model_dump(mode="json") for name, files in benchmarks.items()})
+                record.write(RunFolder.BENCHMARKS, {name: files.model_dump(mode="json") for name, files in benchmarks.items()})
     if "prepare_checkpoint" in request.stages:
         with record.step("prepare_checkpoint"):
             spec = ModelSpec.from_profile(profile.model)
@@ -140,10 +141,10 @@ def _run_stages(request: RunRequest, record: RunRecord) -> None:
             model = model.model_copy(update={"dist_checkpoint": dist})
         with record.step("prepare_checkpoint: check that every Ray node sees model.root"):
             _log_shared(check_shared(model.path, "model.root", request.ray_address, env.ray_runtime_env()), model.path)
-        record.write("model.json", model.model_dump(mode="json"))
+        record.write(RunFolder.MODEL, model.model_dump(mode="json"))
         result["model"] = model.model_dump(mode="json")
     command = training_command(request, profile, run_dir, data, model)
-    record.write("plan.json", {"backend": profile.backend, "command": command,
+    record.write(RunFolder.PLAN, {"backend": profile.backend, "command": command,
                                "generation": record.generation.model_dump(mode="json")})
     result["command"] = command
     if "train" in request.stages:
