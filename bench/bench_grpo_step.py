@@ -42,10 +42,11 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from grpo_pipeline.backends.local.phases import PHASES  # noqa: E402
-from grpo_pipeline.backends.local.settings import PHASES_FILE, plan_local_training, prompt_length  # noqa: E402
+from grpo_pipeline.backends.local.settings import plan_local_training, prompt_length  # noqa: E402
 from grpo_pipeline.common.rl_data import arith_splits  # noqa: E402
 from grpo_pipeline.generation.plan import plan_generation  # noqa: E402
 from grpo_pipeline.profiles.loader import resolve_profile  # noqa: E402
+from grpo_pipeline.run.folder import RunFolder
 
 SHAPES = {  # Qwen3 shapes: hidden, MLP, layers, attention heads, KV heads (head_dim 128)
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -156,7 +157,7 @@ def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir:
         train_local(settings, None, None, run_name="bench-step")
     finally:
         ray.shutdown()
-    records = [json.loads(line) for line in (run_dir / PHASES_FILE).read_text().splitlines()]
+    records = [json.loads(line) for line in (run_dir / RunFolder.PHASES).read_text().splitlines()]
     return records[args.warmup:], predicted_peak_gib(model_dir, args.device, overrides, settings)
 
 

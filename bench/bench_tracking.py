@@ -100,7 +100,8 @@ def fault_cost(root: Path, steps: int) -> dict[str, float]:
     """Mean seconds a step costs the flow while MLflow answers, then while it is silent."""
     from uuid import uuid4
 
-    from grpo_pipeline.backends.metrics import METRICS, StepMetrics, append_metrics
+    from grpo_pipeline.backends.metrics import StepMetrics, append_metrics
+    from grpo_pipeline.run.folder import RunFolder
     from grpo_pipeline.profiles.loader import resolve_profile
     from grpo_pipeline.stages.device import DeviceInfo
     from grpo_pipeline.tasks.tracking import StepTracking, open_tracker_run
@@ -116,7 +117,7 @@ def fault_cost(root: Path, steps: int) -> dict[str, float]:
         started = time.perf_counter()
         for step in numbers:
             record = StepMetrics(step=step, reward_mean=0.5, step_time_s=1.0, time=time.time())
-            append_metrics(run_dir / METRICS, record)
+            append_metrics(run_dir / RunFolder.METRICS, record)
             tracking.step(record)
         return (time.perf_counter() - started) / len(numbers)
 

@@ -25,11 +25,12 @@ TOP = "grpo_pipeline"
 PACKAGE = ROOT / TOP
 # Lowest first: a package imports only from the floors below it. The package's own modules
 # (`__main__.py`: the command line) stand above them all.
-FLOORS = ("profiles", "planner", "rewards", "common", "generation", "backends", "stages", "tasks", "flows")
+FLOORS = ("run", "profiles", "planner", "rewards", "common", "generation", "backends", "stages", "tasks", "flows")
 # The ground floor: modules of common/ that import nothing of the project, so that every floor can
 # raise the project's errors and read what a user brings within bounds.
 GROUND = ("grpo_pipeline.common.errors", "grpo_pipeline.common.bounded_read")
 ROLES = {
+    "run": "a run before any work: the names of everything in its folder",
     "profiles": "the profile: schema, layers, loading, validation, the device table, the table of backends",
     "planner": "verl's planning: layout rules, device memory per role (Megatron, FSDP), --suggest-layout",
     "rewards": "what scores completions: the built-in rewards, the ones users bring (verl, TRL, a server), their checks",

@@ -16,13 +16,14 @@ import torch
 
 from grpo_pipeline.backends.guards import GuardTrip, GuardTripped, StepGuards, check_data_position, check_short_run
 from grpo_pipeline.backends.local.checkpoints import missing_data_position
-from grpo_pipeline.backends.metrics import METRICS, StepMetrics, append_metrics, read_metrics
+from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, read_metrics
 from grpo_pipeline.backends.verl.follow import TRACKER, VerlMetrics, total_steps, tracker_step
 from grpo_pipeline.backends.verl.resume import keep_good_checkpoint, missing_dataloader_state
 from grpo_pipeline.common.errors import ProfileError
 from grpo_pipeline.profiles.guards import GuardsSection
 from grpo_pipeline.stages import guard_panel
 from grpo_pipeline.stages.plan import resolve_profile
+from grpo_pipeline.run.folder import RunFolder
 
 
 def step(n: int, **values) -> StepMetrics:
@@ -117,7 +118,7 @@ def test_off_is_off_however_yaml_reads_it_and_bad_values_are_refused_in_one_line
 
 def test_a_non_finite_value_survives_the_runs_records(tmp_path):
     """Written as null it would read back as unmeasured (or drop the step)."""
-    path = tmp_path / METRICS
+    path = tmp_path / RunFolder.METRICS
     append_metrics(path, step(1, loss=math.nan, grad_norm=math.inf))
     (back,) = read_metrics(path)
     assert math.isnan(back.loss) and back.grad_norm == math.inf
@@ -263,13 +264,13 @@ def test_the_probe_sees_a_rollout_engine_left_on_older_weights(tiny_model_dir):
 
 def test_the_reports_panel_shows_the_guards_numbers_and_which_stopped_the_run(tmp_path):
     for n in range(1, 6):
-        append_metrics(tmp_path / METRICS, step(n, mismatch=10.0 ** -n, zero_advantage_share=n / 5,
+        append_metrics(tmp_path / RunFolder.METRICS, step(n, mismatch=10.0 ** -n, zero_advantage_share=n / 5,
                                                 grad_norm=math.nan if n == 5 else 0.3))
     trip = GuardTrip(guard="non_finite", step=5, line="step 5: non-finite grad norm nan", kept="checkpoint global_step_4")
-    (tmp_path / guard_panel.GUARDS_FILE).write_text(trip.model_dump_json())
+    (tmp_path / RunFolder.GUARDS).write_text(trip.model_dump_json())
     profile = {"guards": GuardsSection().model_dump(mode="json")}
-    guard_panel.draw(tmp_path, read_metrics(tmp_path / METRICS), profile)
-    assert (tmp_path / guard_panel.GUARDS_PLOT).read_bytes().startswith(b"\x89PNG")
+    guard_panel.draw(tmp_path, read_metrics(tmp_path / RunFolder.METRICS), profile)
+    assert (tmp_path / RunFolder.GUARDS_PLOT).read_bytes().startswith(b"\x89PNG")
     lines = guard_panel.section(tmp_path, lambda name, alt: f"![{alt}]({name})", profile)
     assert lines[0] == "## Guards"
     assert ("**Stopped by the `non_finite` guard**: step 5: non-finite grad norm nan. Kept: checkpoint global_step_4."

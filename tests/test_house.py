@@ -138,6 +138,34 @@ def test_the_ground_floor_imports_nothing_of_the_project():
     assert {ground: graph[ground] for ground in house_map.GROUND} == {ground: set() for ground in house_map.GROUND}
 
 
+# A run-folder name that another module spells for a file of its own, not the run folder's.
+NOT_THE_RUN_FOLDERS = {("rewards/verl_entry.py", "plan.json"): "the reward package's plan, inside the verl job's folder"}
+
+
+def test_each_run_folder_name_is_defined_in_one_module():
+    """run/folder.py's `RunFolder` names every file and folder a run writes; a module that spells one
+    itself (`METRICS = "metrics.jsonl"`, `run_dir / "checkpoints"`) keeps writing or reading the old
+    name when it changes. A file's name is found anywhere in the code; a folder's (`eval`, `ray`: words
+    used for other things too) where a path is joined with it."""
+    from grpo_pipeline.run.folder import RunFolder
+
+    names = {value for key, value in vars(RunFolder).items() if key.isupper() and isinstance(value, str)}
+    files, folders = {n for n in names if "." in n}, {n for n in names if "." not in n}
+    home = PACKAGE / "run" / "folder.py"
+    found = []
+    for path in [*PACKAGE.glob("*.py"), *modules(*PACKAGES)]:
+        if path == home:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            joined = node.right if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) else None
+            if isinstance(node, ast.Constant) and node.value in files or (
+                    isinstance(joined, ast.Constant) and joined.value in folders):
+                name = node.value if isinstance(node, ast.Constant) else joined.value
+                if (house_map.shown(path), name) not in NOT_THE_RUN_FOLDERS:
+                    found.append(f"{house_map.shown(path)}:{node.lineno}: {name}")
+    assert found == [], "name it by RunFolder (run/folder.py)"
+
+
 def test_no_module_uses_a_name_nothing_defines():
     """pyflakes' undefined-name family over the package, bench/, tools/ and tests/: a lost import in a
     path only a GPU run or a bench takes (the worker's phase timing lost `Path` in a move) fails here."""

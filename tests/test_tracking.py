@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from grpo_pipeline.backends.base import TrainingInputs
 from grpo_pipeline.backends.metrics import StepMetrics
 from grpo_pipeline.backends.verl.command import verl_command
-from grpo_pipeline.backends.verl.job import JOB_DIR, job_spec
+from grpo_pipeline.backends.verl.job import job_spec
 from grpo_pipeline.backends.verl.rewards import reward_modules
 from grpo_pipeline.common.tracker_session import tracking_session
 from grpo_pipeline.common.tracking import FINISHED, read_state
@@ -35,6 +35,7 @@ from grpo_pipeline.common.rl_data import arith_splits
 from grpo_pipeline.profiles.loader import resolve_profile
 from grpo_pipeline.stages.device import DeviceInfo
 from grpo_pipeline.stages.environment import resolve_environment
+from grpo_pipeline.run.folder import RunFolder
 from tracker_readers import tensorboard_scalars, tensorboard_texts, wandb_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +191,7 @@ def test_the_verl_job_continues_the_tracker_runs_through_verls_own_tracking_laye
     assert "trainer.project_name=grpo-verl" in overrides
 
     # what Ray's py_modules puts on the job's path: the project and the run's reward plan (written at submission)
-    carried = [str(Path(p).parent) for p in reward_modules(profile, run_dir / JOB_DIR, write=True)]
+    carried = [str(Path(p).parent) for p in reward_modules(profile, run_dir / RunFolder.JOB, write=True)]
     assert carried == [str(Path(p).parent) for p in spec.runtime_env["py_modules"]]
     job = (f"import sys; sys.path[:0] = [{str(ROOT / 'tests')!r}, *{carried!r}]\n"
            "from verl_config import compose_verl\nimport verl_stand_in\n"

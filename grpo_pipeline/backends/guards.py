@@ -32,7 +32,6 @@ from pydantic import BaseModel, Field
 from grpo_pipeline.backends.metrics import StepMetrics
 from grpo_pipeline.profiles.guards import GuardsSection
 
-GUARDS_FILE = "guards.json"  # runs/<run>/guards.json: the trip, for the report
 GuardName = Literal["rollout_mismatch", "reward_collapse", "non_finite", "short_run", "data_position"]
 # What non_finite reads of a step: a NaN anywhere here means the update (or what it learns from) is poisoned.
 # The mismatch is computed from the trainer's and the rollout's log-probs: NaN there is a NaN log-prob.

@@ -12,8 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from grpo_pipeline.common.files import write_text_atomic
 
-METRICS = "metrics.jsonl"
-
 
 class StepMetrics(BaseModel):
     # A NaN or an infinity is written as such (JSON's NaN, Infinity): written as null it would read back

@@ -34,12 +34,6 @@ _FIXES = {
 }
 PERMANENT_ERRNOS = frozenset(_FIXES)
 
-# What a run keeps in its folder: a folder (True) or a file (False). Something of the other kind
-# there would fail a stage minutes or hours in; planning refuses it (`run_folder_problem`).
-RUN_FOLDER_ENTRIES = {"checkpoints": True, "eval": True, "ray": True, "metrics.jsonl": False, "report.md": False,
-                      "profile.yaml": False, "env.json": False, "train.json": False, "policy.json": False,
-                      "timings.json": False}
-
 
 class FileFault(UserError):
     """An OSError of a file that a retry cannot fix, as one line naming the file, cause and fix."""
@@ -97,10 +91,11 @@ def full_disk(folder: Path) -> FileFault | None:
     return None
 
 
-def run_folder_problem(run_dir: Path) -> str | None:
+def run_folder_problem(run_dir: Path, kept: dict[str, bool]) -> str | None:
     """An entry of the run's folder of the wrong kind (a file named `checkpoints`, a folder named
-    `metrics.jsonl`), as the line that names it and its fix; None when each is absent or right."""
-    for name, folder in RUN_FOLDER_ENTRIES.items():
+    `metrics.jsonl`), as the line that names it and its fix; None when each is absent or right.
+    `kept`: what the run keeps there, a folder (True) or a file (False) (run/folder.py's `RunFolder.KEPT`)."""
+    for name, folder in kept.items():
         path = run_dir / name
         if not os.path.lexists(path):
             continue

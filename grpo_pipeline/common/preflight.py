@@ -24,7 +24,6 @@ from grpo_pipeline.common.ray_cluster import node_label
 from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.profiles.requirements import NodeFacts, NodeProblem, NodeRequirement, node_problems
 
-PREFLIGHT_FILE = "nodes.json"
 NODES_NAMED = 3  # a group of nodes names this many, then counts the rest
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 

@@ -30,8 +30,8 @@ from grpo_pipeline.profiles.trackers import (  # noqa: F401  (the run's end stat
     tracker_for,
 )
 from grpo_pipeline.profiles.tracking import TrackingSection
+from grpo_pipeline.run.folder import RunFolder
 
-STATE_FILE = "tracking.json"
 # How long opening a tracker's run may take: a yes/no at the start (a step's bound: `Tracker.bounded`).
 OPEN_TIMEOUT_S = 15
 
@@ -57,13 +57,13 @@ class TrackingState(BaseModel):
 
 def read_state(run_dir: Path) -> TrackingState | None:
     try:
-        return TrackingState.model_validate_json((Path(run_dir) / STATE_FILE).read_text())
+        return TrackingState.model_validate_json((Path(run_dir) / RunFolder.TRACKING).read_text())
     except (OSError, ValueError):
         return None
 
 
 def write_state(run_dir: Path, state: TrackingState) -> None:
-    write_json_atomic(Path(run_dir) / STATE_FILE, state.model_dump(mode="json"))
+    write_json_atomic(Path(run_dir) / RunFolder.TRACKING, state.model_dump(mode="json"))
 
 
 def start_tracking(settings: TrackingSection, run_dir: Path, run_name: str, params: dict[str, str],

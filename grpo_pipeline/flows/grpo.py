@@ -29,6 +29,7 @@ from grpo_pipeline.profiles.backend_table import BackendChoice, backend_help, la
 from grpo_pipeline.profiles.loader import builtin_models
 from grpo_pipeline.planner.memory import memory_table
 from grpo_pipeline.profiles.secrets import scrub
+from grpo_pipeline.run.folder import RunFolder
 
 if TYPE_CHECKING:
     from grpo_pipeline.stages.plan import RunPlan
@@ -305,7 +306,7 @@ def run_flow(request: RunRequest, plan: RunPlan) -> int:
             # traceback and the report where it stopped; the terminal gets the one line.
             said = next((line for line in str(exc).splitlines() if line.strip()), "")
             print(f"error: the run failed: {type(exc).__name__}: {scrub(said)[:1000]}; see "
-                  f"{Path(plan.run_dir) / 'report.md'} for where", file=sys.stderr)
+                  f"{Path(plan.run_dir) / RunFolder.REPORT} for where", file=sys.stderr)
             return 1
         if signum is None:
             raise

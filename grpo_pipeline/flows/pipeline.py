@@ -42,6 +42,7 @@ from grpo_pipeline.common.tracking import FINISHED
 from grpo_pipeline.tasks.tracking import open_tracker_run, tracking_lines
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, benchmark_specs, dataset_dir
 from grpo_pipeline.stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest
+from grpo_pipeline.run.folder import RunFolder
 
 
 # One flow, one plan: `grpo_pipeline` takes a typed request (the command line, with the plan it
@@ -92,7 +93,7 @@ def run_pipeline(request: RunRequest, checked: RunPlan | None) -> dict:
 
 def _run_stages(request: RunRequest, record: RunRecord, flow_run_id: UUID) -> None:
     plan, run_dir, result = record.plan, record.run_dir, record.result
-    record.write("plan.json", plan.summary())  # the plan the dry run prints, whichever door the run came in by
+    record.write(RunFolder.PLAN, plan.summary())  # the plan the dry run prints, whichever door the run came in by
     record.run("detect_device", detect_device_task, plan.device)
     if "resolve_profile" in request.stages:
         record.run("resolve_profile", resolve_profile_task, plan.profile, plan.backend_reason, run_dir)
@@ -112,13 +113,13 @@ def _run_stages(request: RunRequest, record: RunRecord, flow_run_id: UUID) -> No
         data = result.dataset = _fetch(record, spec)
         with record.step("fetch_dataset: check that every Ray node sees data.root"):
             _log_shared(check_shared(data.path, "data.root", request.ray_address, env.ray_runtime_env()), data.path)
-        record.write("data/dataset.json", data.model_dump(mode="json"))
+        record.write(RunFolder.DATASET, data.model_dump(mode="json"))
         if "evaluate" in request.stages:  # each benchmark's data, in the same store (data.root)
             with record.step("fetch_dataset: the benchmarks' data"):
                 specs = benchmark_specs(profile)
             benchmarks = {name: _fetch(record, spec) for name, spec in specs.items()}
             if benchmarks:
-                record.write("data/benchmarks.json", {name: files.model_dump(mode="json") for name, files in benchmarks.items()})
+                record.write(RunFolder.BENCHMARKS, {name: files.model_dump(mode="json") for name, files in benchmarks.items()})
     if "prepare_checkpoint" in request.stages:
         with record.step("prepare_checkpoint"):
             spec = ModelSpec.from_profile(profile.model)
@@ -132,7 +133,7 @@ def _run_stages(request: RunRequest, record: RunRecord, flow_run_id: UUID) -> No
             model = model.model_copy(update={"dist_checkpoint": dist})
         with record.step("prepare_checkpoint: check that every Ray node sees model.root"):
             _log_shared(check_shared(model.path, "model.root", request.ray_address, env.ray_runtime_env()), model.path)
-        record.write("model.json", model.model_dump(mode="json"))
+        record.write(RunFolder.MODEL, model.model_dump(mode="json"))
         result.model = model
     result.command = training_command(request, profile, run_dir, data, model)
     if "train" in request.stages:
@@ -148,7 +149,7 @@ def _run_stages(request: RunRequest, record: RunRecord, flow_run_id: UUID) -> No
         result.report = str(record.run("report", report_task, record))
     elif result.tracking:  # planning alone: no report, but the tracker runs it opened end too
         record.close_trackers(FINISHED, None, get_run_logger().warning)
-    record.write("timings.json", record.timings)
+    record.write(RunFolder.TIMINGS, record.timings)
 
 
 def _fetch(record: RunRecord, spec: DataSpec) -> DatasetFiles:

@@ -14,8 +14,6 @@ from pathlib import Path
 
 from grpo_pipeline.stages.eval_metrics import metric_value
 
-EVAL_PLOT = "eval_comparison.png"
-CURVE_PLOT = "checkpoint_curve.png"
 _HELDOUT = "heldout"
 
 

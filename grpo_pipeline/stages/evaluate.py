@@ -32,7 +32,6 @@ from pydantic import BaseModel, Field
 from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.profiles.evaluation import HELDOUT, pass_ks
 from grpo_pipeline.profiles.schema import RunProfile
-from grpo_pipeline.backends.metrics import METRICS
 from grpo_pipeline.common.files import write_text_atomic
 from grpo_pipeline.generation.decoding import compile_cache_dir
 from grpo_pipeline.generation.engines import engine_label, transformers_generate
@@ -40,6 +39,7 @@ from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.generation.protocol import Generate, GenerationSettings, Response
 from grpo_pipeline.rewards.plan import RewardParts, RewardPlan, batch_of
 from grpo_pipeline.stages.eval_metrics import metric_value, metrics_from_samples, pass_at_k
+from grpo_pipeline.run.folder import RunFolder
 
 __all__ = ["EvalReport", "EvalSettings", "ModelMetrics", "Response", "evaluate", "pass_at_k"]
 
@@ -258,7 +258,7 @@ def evaluate(
     return EvalReport(val_file=str(next(iter(benchmarks.values()))), engine=engine_label(generate, settings),
                       models=results, benchmarks={name: str(path) for name, path in benchmarks.items()},
                       checkpoints=choice if checkpoints else "last", best=best,
-                      generation=generation_summary(results, out_dir.parent / METRICS))
+                      generation=generation_summary(results, out_dir.parent / RunFolder.METRICS))
 
 
 def generation_summary(models: list[ModelMetrics], metrics_file: Path) -> str | None:

@@ -27,11 +27,11 @@ from grpo_pipeline.backends.base import TrainResult
 from grpo_pipeline.common.errors import UserError
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.stages.model import ModelFormatError, verify_hf_dir
+from grpo_pipeline.run.folder import RunFolder
 
 if TYPE_CHECKING:
     from grpo_pipeline.stages.evaluate import BestCheckpoint
 
-BEST = "best"
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 
 
@@ -92,8 +92,8 @@ def export_checkpoint(train: TrainResult, every_step: bool = False) -> ExportedP
 def mark_best(run_dir: Path, best: BestCheckpoint) -> Path:
     """Name the run's best checkpoint: `best.json` (step, metric, value, path) and the link `best` to its HF
     directory, each replaced whole (a reader never sees half of either)."""
-    link, staged = run_dir / BEST, run_dir / f".{BEST}.{os.getpid()}"
+    link, staged = run_dir / RunFolder.BEST, run_dir / f".{RunFolder.BEST}.{os.getpid()}"
     staged.unlink(missing_ok=True)
     staged.symlink_to(os.path.relpath(best.path, run_dir))
     os.replace(staged, link)
-    return write_json_atomic(run_dir / f"{BEST}.json", best.model_dump(mode="json"))
+    return write_json_atomic(run_dir / RunFolder.BEST_RECORD, best.model_dump(mode="json"))

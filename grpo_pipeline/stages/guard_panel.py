@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from grpo_pipeline.backends.guards import GUARDS_FILE, GuardTrip
-from grpo_pipeline.backends.metrics import METRICS, StepMetrics, read_metrics
+from grpo_pipeline.backends.guards import GuardTrip
+from grpo_pipeline.backends.metrics import StepMetrics, read_metrics
+from grpo_pipeline.run.folder import RunFolder
 
-GUARDS_PLOT = "guards.png"
 PANELS = (("mismatch", "rollout vs trainer mismatch\n(KL per token)"), ("zero_advantage_share", "zero-advantage groups"),
           ("grad_norm", "gradient norm"))
 
@@ -61,7 +61,7 @@ def plot_guards(records: list[StepMetrics], mismatch_threshold: float | None, ou
 
 def read_trip(run_dir: Path) -> GuardTrip | None:
     try:
-        return GuardTrip.model_validate_json((Path(run_dir) / GUARDS_FILE).read_text())
+        return GuardTrip.model_validate_json((Path(run_dir) / RunFolder.GUARDS).read_text())
     except (OSError, ValueError):
         return None
 
@@ -69,12 +69,12 @@ def read_trip(run_dir: Path) -> GuardTrip | None:
 def draw(run_dir: Path, records: list[StepMetrics], profile: dict[str, Any] | None) -> None:
     """guards.png beside the report (nothing when no step measured a guard's value)."""
     threshold = ((profile or {}).get("guards") or {}).get("rollout_mismatch")
-    plot_guards(records, threshold if isinstance(threshold, (int, float)) else None, Path(run_dir) / GUARDS_PLOT)
+    plot_guards(records, threshold if isinstance(threshold, (int, float)) else None, Path(run_dir) / RunFolder.GUARDS_PLOT)
 
 
 def section(run_dir: Path, image, profile: dict[str, Any] | None) -> list[str]:
     """The report's `## Guards` lines (`image(name, alt)` places the plot); none before training wrote a step."""
-    records, trip = read_metrics(Path(run_dir) / METRICS), read_trip(run_dir)
+    records, trip = read_metrics(Path(run_dir) / RunFolder.METRICS), read_trip(run_dir)
     if not records and trip is None:
         return []
     parts = ["## Guards", ""]
@@ -87,8 +87,8 @@ def section(run_dir: Path, image, profile: dict[str, Any] | None) -> list[str]:
         last = records[-1]
         shown = ", ".join(f"{label.splitlines()[0]} {_number(getattr(last, name))}" for name, label in PANELS)
         parts += [f"At step {last.step}: {shown}.", ""]
-    if (Path(run_dir) / GUARDS_PLOT).is_file():
-        parts += [image(GUARDS_PLOT, "guards"), ""]
+    if (Path(run_dir) / RunFolder.GUARDS_PLOT).is_file():
+        parts += [image(RunFolder.GUARDS_PLOT, "guards"), ""]
     return parts
 
 

@@ -43,6 +43,7 @@ from grpo_pipeline.common.hub_reach import hub_endpoint, hub_offline, reach_prob
 from grpo_pipeline.common.ray_address import check_reachable, cluster_address, parse_ray_address
 from grpo_pipeline.common.store import read_manifest
 from grpo_pipeline.common.tracking import missing_credentials, store_problem
+from grpo_pipeline.run.folder import RunFolder
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +247,7 @@ def check_run_dir(run_dir: Path, dry_run: bool) -> None:
     if too_long:
         raise UserError(f"--run-dir/--run-name: the name {too_long[0][:40]}... is {len(os.fsencode(too_long[0]))} bytes, "
                         f"more than the file system's limit of {name_max}; choose a shorter --run-name")
-    if _exists(run_dir) and (problem := run_folder_problem(run_dir)):
+    if _exists(run_dir) and (problem := run_folder_problem(run_dir, RunFolder.KEPT)):
         raise UserError(f"--run-dir/--run-name: {problem}")
     if dry_run:
         return

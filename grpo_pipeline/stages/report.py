@@ -18,17 +18,15 @@ from typing import Any
 
 import yaml
 
-from grpo_pipeline.backends.metrics import METRICS, read_metrics
+from grpo_pipeline.backends.metrics import read_metrics
 from grpo_pipeline.common.files import write_text_atomic
-from grpo_pipeline.common.preflight import PREFLIGHT_FILE, Preflight
+from grpo_pipeline.common.preflight import Preflight
 from grpo_pipeline.planner.memory import MemoryPlan, memory_table
 from grpo_pipeline.stages import guard_panel
 from grpo_pipeline.rewards.builtin import BUILTIN_REWARD_RANGE
-from grpo_pipeline.stages.benchmark_report import (CURVE_PLOT, EVAL_PLOT, benchmark_tables, benchmarks_of,
+from grpo_pipeline.stages.benchmark_report import (benchmark_tables, benchmarks_of,
                                                    plot_benchmarks, plot_checkpoint_curve, pyplot)
-
-REPORT = "report.md"
-REWARD_CURVE = "reward_curve.png"
+from grpo_pipeline.run.folder import RunFolder
 
 
 def plot_reward_curve(metrics_file: Path, out: Path, reward_range: tuple[float, float] | None = None) -> bool:
@@ -163,7 +161,7 @@ class _Embedded(_Files):
 def _preflight(run_dir: Path) -> Preflight | None:
     """The cluster preflight's answers, when the run asked its nodes (a damaged file is left out)."""
     try:
-        return Preflight.model_validate_json((run_dir / PREFLIGHT_FILE).read_text())
+        return Preflight.model_validate_json((run_dir / RunFolder.NODES).read_text())
     except (OSError, ValueError):
         return None
 
@@ -172,15 +170,15 @@ def write_report(run_dir: Path, **parts: Any) -> Path:
     """Write report.md (and its plots) from what the run produced; every part may be missing (see `render`)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     evaluation = parts.get("evaluation") or {}
-    plot_benchmarks(evaluation, run_dir / EVAL_PLOT)
-    plot_checkpoint_curve(evaluation, run_dir / CURVE_PLOT)
+    plot_benchmarks(evaluation, run_dir / RunFolder.EVAL_PLOT)
+    plot_checkpoint_curve(evaluation, run_dir / RunFolder.CURVE_PLOT)
     if parts.get("train"):
         rewards = (parts.get("profile") or {}).get("reward") or {}
         custom = rewards.get("functions") or rewards.get("url")  # a reward users bring has a range of its own
-        plot_reward_curve(Path(parts["train"]["metrics_file"]), run_dir / REWARD_CURVE,
+        plot_reward_curve(Path(parts["train"]["metrics_file"]), run_dir / RunFolder.REWARD_CURVE,
                           None if custom else BUILTIN_REWARD_RANGE)
-    guard_panel.draw(run_dir, read_metrics(run_dir / METRICS), parts.get("profile"))
-    return write_text_atomic(run_dir / REPORT, render(run_dir, _Files(run_dir), **parts))
+    guard_panel.draw(run_dir, read_metrics(run_dir / RunFolder.METRICS), parts.get("profile"))
+    return write_text_atomic(run_dir / RunFolder.REPORT, render(run_dir, _Files(run_dir), **parts))
 
 
 def ui_report(run_dir: Path, **parts: Any) -> str:
@@ -206,7 +204,7 @@ def render(
     if failure:
         # A refusal names a line per node: each stays in the quote.
         parts += ["\n".join(f"> {line}" for line in f"**The run failed.** {failure}".splitlines()), ""]
-        last = read_metrics(run_dir / METRICS)
+        last = read_metrics(run_dir / RunFolder.METRICS)
         parts += [f"- last completed training step: {last[-1].step if last else 'none'}",
                   f"- stopped: {', '.join(stopped) if stopped else 'nothing was running'}", ""]
     if tracking:
@@ -226,7 +224,7 @@ def render(
         parts += ["## Evaluation", "", f"{what}; 95% intervals over prompts (bootstrap), pass@k by the unbiased "
                   f"estimator.{engine}", "", benchmark_tables(evaluation), ""]
         parts += [f"Generation time: {evaluation['generation']}.", ""] if evaluation.get("generation") else []
-        for plot, alt in ((EVAL_PLOT, "evaluation"), (CURVE_PLOT, "checkpoints")):
+        for plot, alt in ((RunFolder.EVAL_PLOT, "evaluation"), (RunFolder.CURVE_PLOT, "checkpoints")):
             if (run_dir / plot).is_file():
                 parts += [media.image(plot, alt), ""]
         parts += ["Per-sample results: " + ", ".join(
@@ -242,8 +240,8 @@ def render(
                       f"{media.file(train['checkpoint_dir'])}.", ""]
         if train.get("rollouts"):
             parts += [f"Rollouts: {train['rollouts']}.", ""]
-        if (run_dir / REWARD_CURVE).is_file():
-            parts += [media.image(REWARD_CURVE, "reward curve"), ""]
+        if (run_dir / RunFolder.REWARD_CURVE).is_file():
+            parts += [media.image(RunFolder.REWARD_CURVE, "reward curve"), ""]
         if records := read_metrics(Path(train["metrics_file"])):
             parts += [*step_table(records), "", f"Every step's record: {media.file(train['metrics_file'])}", ""]
     parts += guard_panel.section(run_dir, media.image, profile)
@@ -264,8 +262,8 @@ def render(
         parts.append("")
     if profile:
         parts += ["## Settings", "", f"The run's settings that differ from the defaults of its recipe and device; every "
-                  f"setting: {media.file('profile.yaml')}.", "", "```yaml", settings_text(profile), "```", ""]
+                  f"setting: {media.file(RunFolder.PROFILE)}.", "", "```yaml", settings_text(profile), "```", ""]
     # Dot files are the run's bookkeeping (its lock), not results.
-    files = sorted(p.name for p in run_dir.iterdir() if p.is_file() and p.name != REPORT and not p.name.startswith("."))
+    files = sorted(p.name for p in run_dir.iterdir() if p.is_file() and p.name != RunFolder.REPORT and not p.name.startswith("."))
     parts += ["## Files", ""] + [f"- {media.file(name)}" for name in files] + [""]
     return "\n".join(parts)

@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.run.folder import RunFolder
 
-LOCK_FILE = ".run.lock"
 _HOLDER_RECORD_MAX = 4096  # bytes of .run.lock read for the holder's record
 # Folders this process holds, and the descriptors that hold each (the folder's, the lock file's): POSIX
 # locks belong to the process and end when any descriptor of the file closes, so each is opened once, here.
@@ -68,7 +68,7 @@ def claim(run_dir: Path) -> None:
             if not _locked(lock_file, lambda: fcntl.lockf(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)):
                 raise _busy(run_dir)
             if _same_file(os.stat(run_dir), os.fstat(folder)) and _same_file(
-                    os.stat(LOCK_FILE, dir_fd=folder, follow_symlinks=False), os.fstat(lock_file)):
+                    os.stat(RunFolder.LOCK, dir_fd=folder, follow_symlinks=False), os.fstat(lock_file)):
                 break
         except BaseException:
             for fd in (lock_file, folder):
@@ -78,7 +78,7 @@ def claim(run_dir: Path) -> None:
         os.close(lock_file)
         os.close(folder)
     else:
-        raise UserError(f"--run-name {run_dir.name}: {run_dir} or its {LOCK_FILE} kept being replaced while this run "
+        raise UserError(f"--run-name {run_dir.name}: {run_dir} or its {RunFolder.LOCK} kept being replaced while this run "
                         "claimed it; stop whatever replaces them, or choose another --run-name")
     holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
     os.ftruncate(lock_file, 0)
@@ -107,10 +107,10 @@ def _locked(fd: int, lock, directory: bool = False) -> bool:
 
 
 def _open_lock_file(run_dir: Path, folder: int) -> int:
-    path = run_dir / LOCK_FILE
+    path = run_dir / RunFolder.LOCK
     fix = f"remove it (rm -ri '{path}': runs write their own) and run again"
     try:
-        fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666,
+        fd = os.open(RunFolder.LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666,
                      dir_fd=folder)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
@@ -144,7 +144,7 @@ def _busy(run_dir: Path) -> RunFolderBusy:
 def _holder(run_dir: Path) -> str:
     """The holder's record, read without following a link or waiting on a FIFO planted in its place."""
     try:
-        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(run_dir / RunFolder.LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise ValueError("not a record")

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingProgress, TrainingRun, TrainResult
-from grpo_pipeline.backends.guards import GUARDS_FILE, GuardTripped, StepGuards
-from grpo_pipeline.backends.metrics import METRICS, StepMetrics, read_metrics
+from grpo_pipeline.backends.guards import GuardTripped, StepGuards
+from grpo_pipeline.backends.metrics import StepMetrics, read_metrics
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import RunProfile
@@ -24,6 +24,7 @@ from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, dataset_dir
 from grpo_pipeline.stages.device import DeviceInfo
 from grpo_pipeline.stages.environment import RuntimeEnv
 from grpo_pipeline.stages.model import ModelCheckpoint, ModelSpec, dist_checkpoint_dir, model_dir
+from grpo_pipeline.run.folder import RunFolder
 
 # A plan made before the base model is in the store names the dist checkpoint by what makes it.
 PLANNED_DIST_CHECKPOINT = "<the dist checkpoint prepare_checkpoint converts>"
@@ -50,7 +51,7 @@ def training_inputs(
         dist_checkpoint_path=dist,
         train_files=data.train_files if data else [str(data_path / "train.parquet")],
         val_files=data.val_files if data else [str(data_path / "test.parquet")],
-        checkpoint_dir=str((run_dir / "checkpoints").resolve()),
+        checkpoint_dir=str((run_dir / RunFolder.CHECKPOINTS).resolve()),
     )
 
 
@@ -65,15 +66,15 @@ def train(
     )
     backend = backend_for(profile.backend)
     try:
-        result = backend.train(profile, run, GuardedProgress(progress, StepGuards(profile.guards), run_dir / METRICS))
+        result = backend.train(profile, run, GuardedProgress(progress, StepGuards(profile.guards), run_dir / RunFolder.METRICS))
     except GuardTripped as tripped:
         try:
             tripped.trip.kept = backend.stop_for_guard(run_dir, tripped.trip)
         except OSError as exc:  # the guard's line still ends the run; what could not be kept is said with it
             tripped.trip.kept = f"unknown: the checkpoints could not be put in order ({exc.strerror or exc})"
-        write_json_atomic(run_dir / GUARDS_FILE, tripped.trip.model_dump(mode="json"))
+        write_json_atomic(run_dir / RunFolder.GUARDS, tripped.trip.model_dump(mode="json"))
         raise
-    write_json_atomic(run_dir / "train.json", result.model_dump(mode="json"))
+    write_json_atomic(run_dir / RunFolder.TRAIN, result.model_dump(mode="json"))
     return result
 
 

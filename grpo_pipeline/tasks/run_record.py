@@ -39,6 +39,7 @@ from grpo_pipeline.stages.model import ModelCheckpoint
 from grpo_pipeline.stages.plan import RunPlan
 from grpo_pipeline.stages.report import ui_report, write_report
 from grpo_pipeline.tasks.tracking import close_tracker_runs
+from grpo_pipeline.run.folder import RunFolder
 
 
 class RunResult(BaseModel):
@@ -159,7 +160,7 @@ def close_failed_run(flow_run_id: UUID, how: str, message: str | None, status: s
     failure = record.failure or f"Stage `{record.stage}`: {scrub(message or '')}"
 
     def report() -> tuple[Path, str]:
-        write_json_atomic(record.run_dir / "timings.json", record.timings)
+        write_json_atomic(record.run_dir / RunFolder.TIMINGS, record.timings)
         return write_run_report(record, failure=failure, stopped=stopped)
 
     try:  # the tracker runs end with the run's status, and the report names steps a tracker missed

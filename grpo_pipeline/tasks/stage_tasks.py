@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainResult
 from grpo_pipeline.backends.guards import GuardTripped
-from grpo_pipeline.backends.metrics import METRICS, StepMetrics
+from grpo_pipeline.backends.metrics import StepMetrics
 from grpo_pipeline.common.files import write_json_atomic, write_text_atomic
 from grpo_pipeline.common.progress import Bar
 from grpo_pipeline.stages.plan import RunPlan, plan_run
@@ -39,6 +39,7 @@ from grpo_pipeline.stages.export import ExportedPolicy, export_checkpoint, mark_
 from grpo_pipeline.stages.model import DistCheckpoint, ModelCheckpoint, ModelSpec, prepare_dist_checkpoint, prepare_model
 from grpo_pipeline.stages.benchmark_report import benchmark_tables
 from grpo_pipeline.stages.train import train
+from grpo_pipeline.run.folder import RunFolder
 
 
 @stage_task("plan_run")
@@ -58,7 +59,7 @@ def detect_device_task(device: DeviceInfo) -> DeviceInfo:
 @stage_task("resolve_profile")
 def resolve_profile_task(profile: RunProfile, backend_reason: str, run_dir: Path) -> RunProfile:
     get_run_logger().info("backend: %s (%s)", profile.backend, backend_reason)
-    write_text_atomic(run_dir / "profile.yaml", yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
+    write_text_atomic(run_dir / RunFolder.PROFILE, yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
     return profile
 
 
@@ -70,7 +71,7 @@ def prepare_environment_task(env: RuntimeEnv, run_dir: Path) -> RuntimeEnv:
     for action in env.proxy_actions:
         get_run_logger().info("proxy policy %s: %s", env.proxy_policy, action)
     redacted = env.redacted()
-    write_json_atomic(run_dir / "env.json", redacted)
+    write_json_atomic(run_dir / RunFolder.ENV, redacted)
     rows = "\n".join(f"| `{name}` | `{item['value']}` | {item['source']} |" for name, item in redacted.items())
     rows += "\n\n" + "\n".join(f"- proxy policy `{env.proxy_policy}`: {action}" for action in env.proxy_actions)
     create_markdown_artifact(
@@ -124,7 +125,7 @@ class StepLog:
 
     def __init__(self, run_dir: Path, tracking: StepTracking | None = None) -> None:
         self.logger, self.bar, self.max_steps = get_run_logger(), None, 0
-        self.table = StepTable(run_dir / METRICS)
+        self.table = StepTable(run_dir / RunFolder.METRICS)
         self.tracking = tracking
 
     def started(self, max_steps: int, resumed_from: int | None) -> None:
@@ -189,7 +190,7 @@ def export_checkpoint_task(train: TrainResult, run_dir: Path, every_step: bool =
     get_run_logger().info("trained policy (step %d) verified: %s", policy.step, policy.path)
     if len(policy.steps) > 1:
         get_run_logger().info("saved steps %s exported and verified for the evaluation", sorted(policy.steps))
-    write_json_atomic(run_dir / "policy.json", policy.model_dump(mode="json"))
+    write_json_atomic(run_dir / RunFolder.POLICY, policy.model_dump(mode="json"))
     return policy
 
 
@@ -215,12 +216,12 @@ def evaluate_task(
     with progress_artifact("evaluate", f"evaluate {', '.join([*models, *map(checkpoint_name, checkpoints)])} on "
                                        f"{', '.join(files)}"):
         logger.info("generation: %s", engine_label(engine, settings))
-        report = evaluate(models, files, settings, run_dir / "eval", engine, checkpoints, section.checkpoints,
+        report = evaluate(models, files, settings, run_dir / RunFolder.EVAL, engine, checkpoints, section.checkpoints,
                           section.selection(), logger.info)
         logger.info("generated with: %s", report.engine)
     for metrics in report.models:
         logger.info(metrics.summary_line())
-    write_json_atomic(run_dir / "eval" / "eval.json", report.model_dump(mode="json"))
+    write_json_atomic(run_dir / RunFolder.EVAL_REPORT, report.model_dump(mode="json"))
     if report.best is not None:
         mark_best(run_dir, report.best)
         logger.info(report.best.line())

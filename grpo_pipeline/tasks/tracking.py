@@ -23,18 +23,15 @@ from uuid import UUID
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.guards import GuardTrip
-from grpo_pipeline.backends.metrics import METRICS, StepMetrics, read_metrics
+from grpo_pipeline.backends.metrics import StepMetrics, read_metrics
 from grpo_pipeline.common.tracker_session import StepSource, tracking_session
 from grpo_pipeline.common.tracking import TrackingState, read_state, start_tracking
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.stages.device import DeviceInfo
-from grpo_pipeline.stages.guard_panel import GUARDS_PLOT
 from grpo_pipeline.profiles.evaluation import HELDOUT
-from grpo_pipeline.stages.benchmark_report import CURVE_PLOT, EVAL_PLOT
 from grpo_pipeline.stages.eval_metrics import metric_value
-from grpo_pipeline.stages.export import BEST
-from grpo_pipeline.stages.report import REPORT, REWARD_CURVE
+from grpo_pipeline.run.folder import RunFolder
 
 # What the steps of every backend's `StepMetrics` are called in a tracker.
 _STEP_FIELDS = ("reward_mean", "reward_std", "kl", "loss", "entropy", "response_length", "tokens_per_s",
@@ -96,7 +93,7 @@ def step_values(metrics: StepMetrics) -> dict[str, float]:
 def metrics_steps(run_dir: Path) -> StepSource:
     """The steps of the run's metrics.jsonl, as trackers get them (the last record of a step wins: a
     resumed attempt's)."""
-    path = Path(run_dir) / METRICS
+    path = Path(run_dir) / RunFolder.METRICS
 
     def steps(after: int, upto: int) -> list[tuple[int, dict[str, float]]]:
         by_step = {record.step: record for record in read_metrics(path) if after < record.step <= upto}
@@ -209,8 +206,9 @@ def evaluation_values(evaluation: dict, step: int) -> dict[int, dict[str, float]
 def report_files(run_dir: Path) -> list[Path]:
     """What the tracker run keeps as files: the report and its plots, and the run's own records."""
     run_dir = Path(run_dir)
-    return [run_dir / name for name in (REPORT, REWARD_CURVE, EVAL_PLOT, CURVE_PLOT, GUARDS_PLOT, METRICS, "profile.yaml",
-                                        "eval/eval.json", f"{BEST}.json")]
+    return [run_dir / name for name in (RunFolder.REPORT, RunFolder.REWARD_CURVE, RunFolder.EVAL_PLOT, RunFolder.CURVE_PLOT,
+                                        RunFolder.GUARDS_PLOT, RunFolder.METRICS, RunFolder.PROFILE,
+                                        RunFolder.EVAL_REPORT, RunFolder.BEST_RECORD)]
 
 
 def tracking_lines(state: TrackingState | None) -> dict[str, str]:

@@ -17,12 +17,13 @@ import ray
 from grpo_pipeline.backends.local.checkpoints import latest_step
 from grpo_pipeline.backends.local.driver import train_local
 from grpo_pipeline.backends.local.phases import PHASES
-from grpo_pipeline.backends.local.settings import PHASES_FILE, plan_local_training
+from grpo_pipeline.backends.local.settings import plan_local_training
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.stages.request import RunRequest
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
 from grpo_pipeline.stages.model import ModelSpec, prepare_model
+from grpo_pipeline.run.folder import RunFolder
 
 LEARNABLE = f"{Path(__file__).resolve().parents[1] / 'learnable_reward.py'}:digit_share"
 
@@ -88,7 +89,7 @@ def test_the_fast_rollout_path_records_every_step_of_a_generation_round(tmp_path
     assert records[1]["reward_mean"] == records[0]["reward_mean"] and records[3]["reward_mean"] == records[2]["reward_mean"]
     assert all(r["loss"] is not None for r in records)
     # The step's phases (bench/bench_grpo_step.py reads them): every step, exclusive times adding up to the step.
-    phases = [json.loads(line) for line in (tmp_path / "fast" / PHASES_FILE).read_text().splitlines()]
+    phases = [json.loads(line) for line in (tmp_path / "fast" / RunFolder.PHASES).read_text().splitlines()]
     assert len(phases) == 4
     for record in phases:
         assert set(PHASES) <= set(record) and record["wall_s"] > 0

@@ -19,6 +19,7 @@ import pytest
 from grpo_pipeline.stages import run_lock
 from grpo_pipeline.flows.grpo import main
 from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.run.folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.e2e
 
 def _lock_holder(run_dir: Path) -> int | None:
     try:
-        return json.loads((run_dir / run_lock.LOCK_FILE).read_text())["pid"]
+        return json.loads((run_dir / RunFolder.LOCK).read_text())["pid"]
     except (OSError, ValueError, KeyError):
         return None
 
@@ -61,12 +62,12 @@ def test_a_symlink_at_the_lock_file_is_refused_in_one_line_and_never_written_thr
     target = tmp_path / "someone-elses-notes.txt"
     if not dangling:
         target.write_text("a week of notes\n")
-    (run_dir / run_lock.LOCK_FILE).symlink_to(target)
+    (run_dir / RunFolder.LOCK).symlink_to(target)
 
     line = _one_line_refusal(capsys, _cli_args(tmp_path, "linked"))
     assert "is a symbolic link" in line and "rm -ri" in line
     assert target.read_text() == "a week of notes\n" if not dangling else not target.exists()
-    assert (run_dir / run_lock.LOCK_FILE).is_symlink() and not (run_dir / "profile.yaml").exists()
+    assert (run_dir / RunFolder.LOCK).is_symlink() and not (run_dir / "profile.yaml").exists()
 
 
 def test_a_hard_link_at_the_lock_file_is_refused_and_its_other_name_kept(tmp_path):
@@ -74,7 +75,7 @@ def test_a_hard_link_at_the_lock_file_is_refused_and_its_other_name_kept(tmp_pat
     run_dir.mkdir(parents=True)
     other = tmp_path / "notes.txt"
     other.write_text("kept\n")
-    os.link(other, run_dir / run_lock.LOCK_FILE)
+    os.link(other, run_dir / RunFolder.LOCK)
     with pytest.raises(UserError, match="has 2 hard links"):
         run_lock.claim(run_dir)
     assert other.read_text() == "kept\n"
@@ -84,7 +85,7 @@ def test_a_hard_link_at_the_lock_file_is_refused_and_its_other_name_kept(tmp_pat
 def test_a_directory_or_a_fifo_at_the_lock_file_is_one_line_exit_2(tmp_path, capsys, kind):
     run_dir = tmp_path / "runs" / kind
     run_dir.mkdir(parents=True)
-    (run_dir / run_lock.LOCK_FILE).mkdir() if kind == "directory" else os.mkfifo(run_dir / run_lock.LOCK_FILE)
+    (run_dir / RunFolder.LOCK).mkdir() if kind == "directory" else os.mkfifo(run_dir / RunFolder.LOCK)
     if kind == "fifo":  # in a process of its own, so a hang on the FIFO fails the test instead of stalling it
         done = subprocess.run([sys.executable, "-m", "grpo_pipeline", *_cli_args(tmp_path, kind)], cwd=ROOT,
                               capture_output=True, text=True, timeout=300,
@@ -93,7 +94,7 @@ def test_a_directory_or_a_fifo_at_the_lock_file_is_one_line_exit_2(tmp_path, cap
         (line,) = done.stderr.splitlines()
     else:
         line = _one_line_refusal(capsys, _cli_args(tmp_path, kind))
-    assert f"{run_lock.LOCK_FILE} is {'a directory' if kind == 'directory' else 'not a regular file'}" in line
+    assert f"{RunFolder.LOCK} is {'a directory' if kind == 'directory' else 'not a regular file'}" in line
 
 
 @pytest.mark.parametrize("swap", ["deleted", "replaced-by-a-file", "replaced-by-a-symlink"])
@@ -101,7 +102,7 @@ def test_deleting_or_replacing_the_lock_file_during_a_run_does_not_free_the_fold
     run_dir = tmp_path / "runs" / "held"
     holder = _holder_process(run_dir)
     try:
-        lock_path = run_dir / run_lock.LOCK_FILE
+        lock_path = run_dir / RunFolder.LOCK
         lock_path.unlink()
         target = tmp_path / "target.txt"
         target.write_text("untouched\n")

@@ -21,12 +21,13 @@ from uuid import uuid4
 import pytest
 from mlflow.tracking import MlflowClient
 
-from grpo_pipeline.backends.metrics import METRICS, StepMetrics, append_metrics
+from grpo_pipeline.backends.metrics import StepMetrics, append_metrics
 from grpo_pipeline.common import tracker_session
 from grpo_pipeline.common.tracking import FAILED, FINISHED, read_state, write_state
 from grpo_pipeline.profiles.loader import resolve_profile
 from grpo_pipeline.stages.device import DeviceInfo
 from grpo_pipeline.tasks.tracking import StepTracking, close_tracker_runs, open_tracker_run
+from grpo_pipeline.run.folder import RunFolder
 from mlflow_server import free_port, mlflow_server, silent_server
 from tracker_readers import tensorboard_scalars
 
@@ -42,7 +43,7 @@ def _record(step: int) -> StepMetrics:
 def _train(steps: StepTracking, run_dir: Path, numbers) -> None:
     """Steps as the training side and the flow see them: the record in metrics.jsonl, then the flow's step."""
     for step in numbers:
-        append_metrics(run_dir / METRICS, _record(step))
+        append_metrics(run_dir / RunFolder.METRICS, _record(step))
         steps.step(_record(step))
 
 
@@ -106,7 +107,7 @@ def test_a_rerun_after_kill_9_fills_every_tracker_up_to_the_last_step_once(tmp_p
         killed = StepTracking(profile, run_dir, logs_itself=False, warn=pytest.fail)
         _train(killed, run_dir, (1, 2, 3, 4))
         for step in range(5, 13):  # trained and recorded, never logged by the killed flow
-            append_metrics(run_dir / METRICS, _record(step))
+            append_metrics(run_dir / RunFolder.METRICS, _record(step))
         # The rerun: its tracker runs are found again, its train stage resumes at 12 of 12.
         again = open_tracker_run(profile, DEVICE, {}, run_dir, uuid4(), warn=pytest.fail)
         assert again.runs == state.runs

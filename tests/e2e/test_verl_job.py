@@ -29,7 +29,7 @@ from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingInterrupted, TrainingRun
 from grpo_pipeline.backends.metrics import read_metrics
 from grpo_pipeline.backends.verl.backend import JobStopped
-from grpo_pipeline.backends.verl.job import JOB_DIR, JobRecord, job_spec, read_record, write_record
+from grpo_pipeline.backends.verl.job import JobRecord, job_spec, read_record, write_record
 from grpo_pipeline.backends.verl.job_api import submit
 from grpo_pipeline.backends.verl.rewards import job_reward_package, pipeline_reward
 from grpo_pipeline.common.hf_shards import HFTensors
@@ -42,6 +42,7 @@ from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.profiles.schema import DataSection
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
 from grpo_pipeline.stages.environment import resolve_environment
+from grpo_pipeline.run.folder import RunFolder
 from verl_cluster import CLUSTER, ENTRYPOINT, EVENT_WAIT_S, flow_process, submissions, wait_for
 
 NCCL_TIMEOUT = ("RuntimeError: [Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, "
@@ -284,7 +285,7 @@ def test_a_repeated_submit_follows_the_job_already_there(cluster, jobs, dataset,
     """The flow died right after submitting: the next train call follows that job, starts no second one."""
     profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "again", "env.STAND_IN_STEP_S=0.5")
     if pipeline_reward(profile):  # what the backend writes before it submits: the job carries the run's reward
-        job_reward_package(profile, Path(run.run_dir) / JOB_DIR)
+        job_reward_package(profile, Path(run.run_dir) / RunFolder.JOB)
     spec = job_spec(profile, run.inputs, Path(run.run_dir), run.run_name, run.runtime_env, "cafe01", 1)
     write_record(Path(run.run_dir), JobRecord(token="cafe01", attempt=1, submission_id=spec.submission_id,
                                               address=jobs.get_address(), metrics_file=spec.metrics_file, status="SUBMITTED"))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from grpo_pipeline.backends.base import Backend, TrainingInputs, TrainingProgress, TrainingRun, TrainResult
 from grpo_pipeline.backends.guards import GuardTrip
-from grpo_pipeline.backends.local.checkpoints import CHECKPOINTS, latest_step
+from grpo_pipeline.backends.local.checkpoints import latest_step
 from grpo_pipeline.backends.local.mapping import mapping_problems
 from grpo_pipeline.backends.local.rollout_memory import rollout_memory_problems
 from grpo_pipeline.backends.local.settings import check_prompt_lengths, check_workers_fit, plan_local_training
@@ -16,6 +16,7 @@ from grpo_pipeline.backends.local.trl_hooks import check_trl
 from grpo_pipeline.common.errors import DoesNotFit
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import RunProfile
+from grpo_pipeline.run.folder import RunFolder
 
 
 class LocalBackend(Backend):
@@ -101,7 +102,7 @@ class LocalBackend(Backend):
         # The workers check a step for non-finite values before its checkpoint is written: nothing after
         # the latest is poisoned.
         self.stop(run_dir)
-        step = latest_step(Path(run_dir) / CHECKPOINTS)
+        step = latest_step(Path(run_dir) / RunFolder.CHECKPOINTS)
         return f"checkpoint global_step_{step}, the latest" if step is not None else "no checkpoint (none was saved)"
 
     def policy_dir(self, result: TrainResult) -> Path:

@@ -16,7 +16,6 @@ from pathlib import Path
 from grpo_pipeline.common.files import share_tree, write_text_atomic
 from grpo_pipeline.common.bounded_read import MAX_JSON_BYTES, read_regular
 
-CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 TRAINER_DIR = ".trainer"  # where TRL writes checkpoint-N before it is published
 TRAINER_STATE = "trainer_state.json"  # transformers' step count, from which it finds the data's position

@@ -27,6 +27,7 @@ from grpo_pipeline.backends.metrics import MetricsFollower, StepMetrics, keep_me
 from grpo_pipeline.common.file_faults import file_fault
 from grpo_pipeline.common.ray_cluster import connect_ray, stop_ray_job
 from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.run.folder import RunFolder
 
 POLL_S = 1.0
 
@@ -67,7 +68,7 @@ def train_local(
         # A fresh name per attempt: a reused one would bring back Ray's record of an older run.
         run_config=ray.train.RunConfig(
             name=f"{run_name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
-            storage_path=str(Path(settings.run_dir) / "ray"),
+            storage_path=str(Path(settings.run_dir) / RunFolder.RAY),
             failure_config=ray.train.FailureConfig(max_failures=0),
         ),
     )

@@ -14,10 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.backends.local.checkpoints import CHECKPOINTS
 from grpo_pipeline.backends.local.mapping import GrpoFields, grpo_fields
 from grpo_pipeline.backends.local.packing import padding_free
-from grpo_pipeline.backends.metrics import METRICS
 from grpo_pipeline.common.errors import ProfileError, UserError
 from grpo_pipeline.generation.decoding import compile_cache_dir
 from grpo_pipeline.generation.plan import GenerationPlan
@@ -27,9 +25,9 @@ from grpo_pipeline.profiles.platform import Platform
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.rewards.check import check_rewards
 from grpo_pipeline.rewards.plan import RewardPlan
+from grpo_pipeline.run.folder import RunFolder
 
 
-PHASES_FILE = "phases.jsonl"
 log = logging.getLogger(__name__)
 
 
@@ -67,11 +65,11 @@ class LocalTrainSettings(BaseModel):
 
     @property
     def checkpoints(self) -> Path:
-        return Path(self.run_dir) / CHECKPOINTS
+        return Path(self.run_dir) / RunFolder.CHECKPOINTS
 
     @property
     def metrics_file(self) -> Path:
-        return Path(self.run_dir) / METRICS
+        return Path(self.run_dir) / RunFolder.METRICS
 
 
 def check_workers_fit(p: RunProfile, devices_here: int) -> None:

@@ -25,9 +25,10 @@ from grpo_pipeline.backends.guards import GuardTrip, GuardTripped, StepGuards
 from grpo_pipeline.backends.local.checkpoints import TRAINER_DIR, latest_step, publish_step
 from grpo_pipeline.backends.local.probe import MISMATCH, RolloutProbe
 from grpo_pipeline.backends.local.rewards import trl_rewards
-from grpo_pipeline.backends.local.settings import PHASES_FILE, LocalTrainSettings, prompt_length
+from grpo_pipeline.backends.local.settings import LocalTrainSettings, prompt_length
 from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, read_metrics
 from grpo_pipeline.generation.compiled import compiled_decoding
+from grpo_pipeline.run.folder import RunFolder
 
 
 def worker_loop(config: dict[str, Any]) -> None:
@@ -100,7 +101,7 @@ def worker_loop(config: dict[str, Any]) -> None:
     if settings.phase_timing and rank == 0:
         from grpo_pipeline.backends.local.phases import StepPhases
 
-        StepPhases.attach(trainer, Path(settings.run_dir) / PHASES_FILE)
+        StepPhases.attach(trainer, Path(settings.run_dir) / RunFolder.PHASES)
     native_rollouts = plan.native and trainer.native_refusal is None
     if plan.native and not native_rollouts:
         print(f"rollouts: transformers generate, not native decoding: {trainer.native_refusal}", flush=True)

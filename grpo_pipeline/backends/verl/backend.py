@@ -34,7 +34,7 @@ from pathlib import Path
 
 from grpo_pipeline.backends.base import Backend, TrainingInputs, TrainingInterrupted, TrainingProgress, TrainingRun, TrainResult
 from grpo_pipeline.backends.guards import GuardTrip, check_data_position, check_short_run
-from grpo_pipeline.backends.metrics import METRICS, append_metrics, keep_metrics_up_to, read_metrics
+from grpo_pipeline.backends.metrics import append_metrics, keep_metrics_up_to, read_metrics
 from grpo_pipeline.backends.verl.checkpoint import verl_hf_dir
 from grpo_pipeline.backends.verl.command import entrypoint_problems, verl_command
 from grpo_pipeline.backends.verl.engines import verl_engine
@@ -42,7 +42,7 @@ from grpo_pipeline.backends.verl.failures import diagnose
 from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, total_steps, tracker_step
 from grpo_pipeline.backends.verl.resume import keep_good_checkpoint, missing_dataloader_state
 from grpo_pipeline.backends.verl.steps import planned_steps, step_count_problem
-from grpo_pipeline.backends.verl.job import JOB_DIR, LOST, TERMINAL, JobRecord, job_spec, new_token, read_record, write_record
+from grpo_pipeline.backends.verl.job import LOST, TERMINAL, JobRecord, job_spec, new_token, read_record, write_record
 from grpo_pipeline.backends.verl.job_api import job_client, job_status, stop_job, submit
 from grpo_pipeline.backends.verl.lora import lora_problems, merged_policy, verl_adapter
 from grpo_pipeline.backends.verl.requirements import verl_requirements
@@ -50,7 +50,7 @@ from grpo_pipeline.backends.verl.rewards import job_reward_package, pipeline_rew
 from grpo_pipeline.backends.verl.sizing import one_device_table, size_verl_run, sizing_notes
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.node_tasks import check_paths_on_nodes
-from grpo_pipeline.common.preflight import PREFLIGHT_FILE, NodesCannotRun, run_preflight
+from grpo_pipeline.common.preflight import NodesCannotRun, run_preflight
 from grpo_pipeline.common.ray_cluster import ClusterLost, answer_timeout_s, connect_ray, disconnect_ray, wait_for_nodes
 from grpo_pipeline.common.ray_address import cluster_address, parse_ray_address
 from grpo_pipeline.common.errors import UserError
@@ -61,6 +61,7 @@ from grpo_pipeline.profiles.requirements import NodeRequirement, for_stage
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.rewards.check import check_rewards
 from grpo_pipeline.rewards.plan import RewardPlan
+from grpo_pipeline.run.folder import RunFolder
 
 POLL_S = 1.0
 LOG_LINES_KEPT = 400  # the end of the job's log, where its failure is
@@ -206,7 +207,7 @@ class VerlBackend(Backend):
         inputs, run_dir = run.inputs, Path(run.run_dir)
         checked = run_preflight(self.node_requirements(profile, "train"), resource, "train",
                                 profile.cluster.preflight_timeout_s)
-        write_json_atomic(run_dir / PREFLIGHT_FILE, checked.model_dump(mode="json"))
+        write_json_atomic(run_dir / RunFolder.NODES, checked.model_dump(mode="json"))
         progress.note(checked.summary_line())
         progress.nodes(f"What each node's image has ({checked.stage} stage)", checked.table())
         if refusal := checked.refusal():
@@ -215,20 +216,20 @@ class VerlBackend(Backend):
             entries={},
             readable={"data.root": [*inputs.train_files, *inputs.val_files],
                       "model.root": [inputs.model_path, *filter(None, [inputs.dist_checkpoint_path])]},
-            writable={"--run-dir": [inputs.checkpoint_dir, str(run_dir / JOB_DIR)]},
+            writable={"--run-dir": [inputs.checkpoint_dir, str(run_dir / RunFolder.JOB)]},
         )
         for line in check_rewards(RewardPlan.from_section(profile.reward), inputs.train_files[0],
                                   profile.reward.check_timeout_s):
             progress.note(line)
         if pipeline_reward(profile):
-            job_reward_package(profile, run_dir / JOB_DIR)
+            job_reward_package(profile, run_dir / RunFolder.JOB)
         attempt, token = (record.attempt + 1, record.token) if record else (1, new_token())
         spec = job_spec(profile, inputs, run_dir, run.run_name, run.runtime_env, token, attempt)
         record = JobRecord(token=token, attempt=attempt, submission_id=spec.submission_id, address=client.get_address(),
                            metrics_file=spec.metrics_file, status="SUBMITTED", resumed_from=done,
                            model_path=inputs.model_path)
         write_record(run_dir, record)  # before the submit: a crash in between leaves a job `stop` can find
-        keep_metrics_up_to(run_dir / METRICS, done or 0)
+        keep_metrics_up_to(run_dir / RunFolder.METRICS, done or 0)
         _SUBMITTED_HERE.add(token)
         submit(client, spec)
         progress.note(f"submitted Ray job {spec.submission_id} (attempt {attempt}) to {record.address}")
@@ -238,7 +239,7 @@ class VerlBackend(Backend):
                 progress: TrainingProgress) -> TrainResult:
         run_dir, checkpoints = Path(run.run_dir), Path(run.inputs.checkpoint_dir)
         sid = record.submission_id
-        recorded = read_metrics(run_dir / METRICS)
+        recorded = read_metrics(run_dir / RunFolder.METRICS)
         metrics = VerlMetrics(Path(record.metrics_file), max((r.step for r in recorded), default=0),
                               profile.sequences_per_step, record.resumed_from)
         job_log = JobLog(client, sid)
@@ -253,7 +254,7 @@ class VerlBackend(Backend):
                 progress.output(line)
                 verl_total = total_steps(line) or verl_total
             for step in metrics.new():
-                append_metrics(run_dir / METRICS, step)
+                append_metrics(run_dir / RunFolder.METRICS, step)
                 progress.step(step)
                 last_step_at = time.monotonic()
 
@@ -306,7 +307,7 @@ class VerlBackend(Backend):
         disconnect_ray()
         run_dir = Path(run.run_dir)
         _save_status(run_dir, record, LOST)
-        last = max((r.step for r in read_metrics(run_dir / METRICS)), default=0)
+        last = max((r.step for r in read_metrics(run_dir / RunFolder.METRICS)), default=0)
         checkpoint = tracker_step(checkpoints) or 0
         raise ClusterLost(
             f"the Ray cluster at {cluster_address(run.ray_address)[0]} stopped answering (its job API at {record.address}, "
@@ -351,7 +352,7 @@ class VerlBackend(Backend):
 
     def stop_for_guard(self, run_dir: Path, trip: GuardTrip) -> str:
         self.stop(run_dir)  # through Ray's job API
-        return keep_good_checkpoint(Path(run_dir) / "checkpoints", trip)  # the train stage's checkpoint_dir
+        return keep_good_checkpoint(Path(run_dir) / RunFolder.CHECKPOINTS, trip)  # the train stage's checkpoint_dir
 
     def policy_dir(self, result: TrainResult) -> Path:
         # The base model names a dist checkpoint's tensors where verl saved no HF config (its job record has it),
@@ -366,10 +367,10 @@ class VerlBackend(Backend):
 
 def _record_missing_steps(run_dir: Path, record: JobRecord, responses_per_step: int) -> None:
     """Add to metrics.jsonl what the attempts' verl files hold past its last step (each step once)."""
-    missing = steps_missing_from(read_metrics(run_dir / METRICS), record.attempt_metrics_files(), record.resumed_from,
+    missing = steps_missing_from(read_metrics(run_dir / RunFolder.METRICS), record.attempt_metrics_files(), record.resumed_from,
                                  responses_per_step)
     for step in missing:
-        append_metrics(run_dir / METRICS, step)
+        append_metrics(run_dir / RunFolder.METRICS, step)
 
 
 def _save_status(run_dir: Path, record: JobRecord, status: str) -> None:
@@ -380,6 +381,6 @@ def _result(run_dir: Path, checkpoints: Path, step: int | None, max_steps: int, 
             already_complete: bool) -> TrainResult:
     return TrainResult(
         backend="verl", checkpoint_dir=str(checkpoints / f"global_step_{step}") if step is not None else "",
-        steps_done=step or 0, max_steps=max_steps, metrics_file=str(run_dir / METRICS), resumed_from=resumed_from,
+        steps_done=step or 0, max_steps=max_steps, metrics_file=str(run_dir / RunFolder.METRICS), resumed_from=resumed_from,
         already_complete=already_complete,
     )

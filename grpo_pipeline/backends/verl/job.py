@@ -29,9 +29,8 @@ from grpo_pipeline.backends.verl.rewards import reward_modules
 from grpo_pipeline.common.files import write_json_atomic
 from grpo_pipeline.common.tracking import job_env
 from grpo_pipeline.profiles.schema import RunProfile
+from grpo_pipeline.run.folder import RunFolder
 
-JOB_DIR = "verl"
-JOB_RECORD = "job.json"
 # verl's file logger writes here (its own env var); one file per attempt: verl opens it with "wb".
 FILE_LOGGER_PATH_VAR = "VERL_FILE_LOGGER_PATH"
 # The job's own status values (ray.job_submission.JobStatus).
@@ -81,7 +80,7 @@ class JobRecord(BaseModel):
 
 
 def record_path(run_dir: Path) -> Path:
-    return Path(run_dir) / JOB_DIR / JOB_RECORD
+    return Path(run_dir) / RunFolder.JOB / RunFolder.JOB_RECORD
 
 
 def read_record(run_dir: Path) -> JobRecord | None:
@@ -118,12 +117,12 @@ def job_spec(
             update={"trainer": profile.trainer.model_copy(update={"resume_mode": "auto"})}
         )
     sid = submission_id(run_name, token, attempt)
-    metrics_file = str((Path(run_dir) / JOB_DIR / f"metrics-{sid}.jsonl").resolve())
+    metrics_file = str((Path(run_dir) / RunFolder.JOB / f"metrics-{sid}.jsonl").resolve())
     # verl's loggers continue the run's tracker runs (common/tracking.py) from the variables they read.
     env_vars = {**runtime_env.get("env_vars", {}), **job_env(profile.tracking, run_dir),
                 FILE_LOGGER_PATH_VAR: metrics_file}
     # The reward's code and files travel with the job (backends/verl/rewards.py): no node needs them on its disk.
-    carried = reward_modules(profile, Path(run_dir) / JOB_DIR, write=False)
+    carried = reward_modules(profile, Path(run_dir) / RunFolder.JOB, write=False)
     return JobSpec(
         submission_id=sid,
         entrypoint=shlex.join(verl_command(profile, inputs)),
