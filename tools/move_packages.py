@@ -1,199 +1,209 @@
-"""Move the project's packages into one package, `grpo_pipeline/`, and the Prefect tasks into
-`grpo_pipeline/tasks/` (issue 35, part 4; docs/layout.md says why), and rewrite every reference.
+"""Move grpo_pipeline's modules into rooms named after the project's concerns (issue 46, part 3;
+docs/layout.md says why), and rewrite every reference to them.
 
     python3 tools/move_packages.py           # from anywhere in the checkout; a second run changes nothing
     python3 tools/move_packages.py --check   # exit 1, listing what is left, when a run would change something
 
-What it does, in order:
+It works from MOVES (old module -> new module) alone, never from a saved diff, so it can run again on
+a tree where others have since changed what the modules say. What it does, in order:
 
-1. `git mv` of every tracked file of the old top-level packages (`common/`, `stages/`, ...) to
-   `grpo_pipeline/<package>/`, file by file, so a file added at an old path after an earlier run
-   still moves; a module named in MODULE_MOVES goes to its new package instead (the Prefect task
-   modules into `tasks/`, the plain planning modules they need into `stages/`). A folder left with
-   nothing but `__pycache__` is removed (it would import as an empty namespace package).
-2. In every tracked text file (.py .md .yaml .yml .sh .toml .cfg .txt, Makefile, .ci/run; never
-   this file, never bench's recorded .json results):
-   - import lines: `from common.x import y`, `from backends import backend_for`, `import common.store`
-     (a bare `from flows import lease, run_lock` is split by where each module now lives), and a
-     `from` statement after a `;` on a line (`python -c "import sys; from flows import run_lock"`);
-   - the command line: `-m flows.grpo` and the argv pair `"-m", "flows.grpo"` become
-     `-m grpo_pipeline` (grpo_pipeline/__main__.py), and so does the literal "flows.grpo";
-   - any other dotted module path (a string for Ray, Prefect, monkeypatch or importlib, `-m x.y`,
-     prose) whose first two parts name a module or folder of the moved tree, so that a profile key
-     of the same look (`generation.cache`, `planner.enforce`) is left alone;
-   - paths: `flows/task_policy.py` and the other MODULE_MOVES become their new package-relative
-     path (`tasks/policy.py`), and a `file.py:function` entrypoint (prefect.yaml) gets the
-     `grpo_pipeline/` folder in front;
-   - pyproject.toml's `[tool.setuptools.packages.find] include` becomes `["grpo_pipeline*"]`.
+1. `git mv` of every module in MOVES whose old file is still there (one already moved is passed over;
+   both there stops the run). Each new folder gets an `__init__.py` saying what it holds (PACKAGES);
+   a folder left with only its `__init__.py` (`common/`) is removed, and one left with modules that
+   MOVES does not name is reported, untouched (add them to MOVES and run again).
+2. In every tracked text file (.py .md .yaml .yml .sh .toml .cfg .txt, Makefile, .ci/run; never this
+   file, never recorded .json results):
+   - a `from grpo_pipeline.<package> import a, b` whose names are moved modules is split by where each
+     now lives, and keeps each module's old name (`from grpo_pipeline.run import lock as run_lock`),
+     also after a `;` in a one-line string (`python -c "import sys; from ... import run_lock"`);
+   - any dotted name of a moved module (`grpo_pipeline.common.ray_cluster`, in an import, a string for
+     Ray, Prefect, monkeypatch or importlib, a `-m` command, prose) becomes the new one;
+   - any path of one (`common/ray_cluster.py`, with or without `grpo_pipeline/` in front).
+3. tests/house_map.py gets the new floors (FLOORS, lowest first), their roles and the ground floor,
+   and the map in docs/layout.md is generated again (`tests/house_map.py --write`).
 
-Everything it rewrites is recognised by a form the rewritten text no longer has, which is why a
-second run finds nothing. What it cannot do (new files, the house map's floors, the packages Ray
-ships) is in the commits after the one that is this script's output. It names one thing to look at
-by hand: a file where a plain `import grpo_pipeline.x` (it was `import flows.x`) binds the name
-`grpo_pipeline`, which that file also imports as the flow's function.
+Everything it rewrites is recognised by an old name that the rewritten text no longer has, which is
+why a second run finds nothing. What it cannot do (docs/layout.md's prose about the rooms, new house
+rules) is in the commit after the one that is this script's output. It names, on standard error, what
+is left for a person: mentions of a removed package (`common/`) it cannot place.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 TOP = "grpo_pipeline"
-PACKAGES = ("common", "stages", "profiles", "flows", "backends", "planner", "generation")
-# old dotted module -> new dotted module (under TOP), for modules that change package or name
-MODULE_MOVES = {
-    "flows.stage_tasks": "tasks.stage_tasks",
-    "flows.task_policy": "tasks.policy",
-    "flows.run_record": "tasks.run_record",
-    "flows.tracking": "tasks.tracking",
-    "flows.plan": "stages.plan",
-    "flows.request": "stages.request",
-    "flows.form_rules": "stages.form_rules",
-    "flows.run_lock": "stages.run_lock",
+# old module -> new module, both under TOP. A module moved here keeps its name unless the name only
+# repeated its new folder's (`common/tracker_session.py` -> `tracking/session.py`).
+MOVES = {
+    # the ground floor: how the project speaks to a person, imported by every floor
+    "common.errors": "errors",
+    "common.progress": "progress",
+    # store/: what is kept on disk and fetched: the content store, the hub, files written whole, bounded reads
+    "common.store": "store.content",
+    "common.hub": "store.hub",
+    "common.hub_reach": "store.hub_reach",
+    "common.files": "store.files",
+    "common.bounded_read": "store.bounded_read",
+    "common.file_faults": "store.file_faults",
+    # checkpoints/: HF <-> megatron-core dist checkpoints, shards, staged output, LoRA export
+    "common.dist_checkpoint": "checkpoints.convert",
+    "common.dist_reader": "checkpoints.dist_reader",
+    "common.dist_writer": "checkpoints.dist_writer",
+    "common.megatron_layout": "checkpoints.megatron_layout",
+    "common.hf_shards": "checkpoints.hf_shards",
+    "common.staged_output": "checkpoints.staged_output",
+    "common.lora_export": "checkpoints.lora_export",
+    # data/: what a run trains on and starts from, made or converted here
+    "common.rl_data": "data.rl_data",
+    "common.math_data": "data.math_data",
+    "common.mapped_data": "data.mapped_data",
+    "common.builtin_models": "data.builtin_models",
+    # cluster/: Ray and its nodes
+    "common.ray_address": "cluster.ray_address",
+    "common.ray_probe": "cluster.ray_probe",
+    "common.ray_cluster": "cluster.ray_cluster",
+    "common.node_image": "cluster.node_image",
+    "common.node_tasks": "cluster.node_tasks",
+    "common.preflight": "cluster.preflight",
+    # tracking/: the experiment trackers
+    "common.tracking": "tracking.trackers",
+    "common.tracker_session": "tracking.session",
+    "common.tracker_stores": "tracking.stores",
+    # run/: a run before any work: its request and the form's rules, its folder, its lock
+    "stages.request": "run.request",
+    "stages.form_rules": "run.form_rules",
+    "stages.run_lock": "run.lock",
+}
+# Each new folder's __init__.py, and its role in the map (tests/house_map.py ROLES).
+PACKAGES = {
+    "store": "What is kept on disk and fetched: the content store (content.py), the hub, files written "
+             "whole, bounded reads of what a user brings, file faults said in one line.",
+    "checkpoints": "Checkpoints converted and written: HF safetensors <-> megatron-core dist checkpoints "
+                   "(convert.py), their layouts and shards, staged output, the LoRA export.",
+    "data": "What a run trains on and starts from, made or converted here: verl's RL parquet (the built-in, "
+            "math and mapped datasets) and the built-in models.",
+    "cluster": "Ray and its nodes: the address, the connection and its end, what each node's image has, "
+               "the preflight.",
+    "tracking": "The experiment trackers: one interface over MLflow, W&B and TensorBoard (trackers.py), "
+                "where they keep a run, and the run's tracker session.",
+}
+# The floors after the move, lowest first (tests/house_map.py FLOORS), and the roles of those that change.
+FLOORS = ("store", "profiles", "planner", "rewards", "checkpoints", "data", "cluster", "run", "tracking",
+          "generation", "backends", "stages", "tasks", "flows")
+GONE = ("common",)  # folders the move empties
+GROUND = ("errors", "progress")
+ROLES = {
+    "store": "what is kept on disk and fetched: the content store, the hub, files, bounded reads, file faults",
+    "checkpoints": "checkpoint conversion: HF <-> dist checkpoints, layouts, shards, staged output, LoRA export",
+    "data": "what a run trains on and starts from: verl's RL parquet, the math and mapped datasets, the built-in models",
+    "cluster": "Ray and its nodes: address, connection, node images and tasks, the preflight",
+    "run": "a run before any work: its request and the form's rules, its folder's names, its lock",
+    "tracking": "the experiment trackers: one interface, where they keep a run, the run's session",
+    "stages": "one module per stage: plain functions, no Prefect; the run's plan",
 }
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".toml", ".cfg", ".txt"}
 TEXT_NAMES = {"Makefile", ".ci/run"}
 SELF = "tools/move_packages.py"
+HOUSE_MAP = "tests/house_map.py"
 
-PKG = "|".join(PACKAGES)
 IDENT = r"[A-Za-z_]\w*"
-# A dotted name that starts with an old package and is not itself part of a longer dotted name or a path.
-DOTTED = re.compile(rf"(?<![\w./-])({PKG})((?:\.{IDENT})+)")
-FROM_LINE = re.compile(rf"^(\s*)from\s+({PKG})((?:\.{IDENT})*)(\s+import\s+)(.*)$")
-# The same statement after a `;` on one line: code in a string (`python -c "import sys; from flows import x; ..."`).
-FROM_INLINE = re.compile(rf"(;\s*)from\s+({PKG})((?:\.{IDENT})*)(\s+import\s+)"
-                         rf"({IDENT}(?:\s*,\s*{IDENT})*)(?=\s*[;\"'\\]|\s*$)", re.M)
-IMPORT_LINE = re.compile(r"^(\s*)import\s+(.+)$")
-CLI_M = re.compile(r"(?<![\w.-])-m\s+flows\.grpo(?![\w.])")
-CLI_ARGV = re.compile(r"""(["'])-m\1(\s*,\s*)(["'])flows\.grpo\3""")
-CLI_LITERAL = re.compile(r"""(["'])flows\.grpo\1""")
-MOVED_PATH = re.compile(rf"(?<![\w./-])((?:{TOP}/)?)flows/({'|'.join(m.split('.')[1] for m in MODULE_MOVES)})\.py\b")
-ENTRYPOINT = re.compile(rf"(?<![\w./-])((?:{PKG})/[\w/]*\.py:{IDENT})")
-FIND_INCLUDE = re.compile(r'^include = \[[^\]]*"flows\*"[^\]]*\]$', re.M)
 
 
 def git(root: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=root, check=True, capture_output=True, text=True).stdout
 
 
-def new_module(old: str) -> str:
-    """`flows.task_policy.X` -> `grpo_pipeline.tasks.policy.X`; `common.store` -> `grpo_pipeline.common.store`."""
-    parts = old.split(".")
-    for cut in range(len(parts), 1, -1):
-        head = ".".join(parts[:cut])
-        if head in MODULE_MOVES:
-            return ".".join([TOP, MODULE_MOVES[head], *parts[cut:]])
-    return f"{TOP}.{old}"
-
-
-def names_a_module(root: Path, old: str) -> bool:
-    """Whether `old`'s first two parts are a module or folder of the moved tree."""
-    first_two = new_module(".".join(old.split(".")[:2])).split(".")
-    where = root.joinpath(*first_two)
-    return where.with_suffix(".py").is_file() or where.is_dir()
+def path_of(module: str) -> str:
+    """`common.store` -> `grpo_pipeline/common/store.py`."""
+    return f"{TOP}/{module.replace('.', '/')}.py"
 
 
 # --- 1. the moves -------------------------------------------------------------------------------
 
-def target_of(path: str) -> str:
-    """A tracked file's place after the move (`flows/task_policy.py` -> `grpo_pipeline/tasks/policy.py`)."""
-    package, _, rest = path.partition("/")
-    if f"{package}.{Path(rest).stem}" in MODULE_MOVES and "/" not in rest and rest.endswith(".py"):
-        return f"{TOP}/" + MODULE_MOVES[f"{package}.{Path(rest).stem}"].replace(".", "/") + ".py"
-    return f"{TOP}/{path}"
+def init_text(package: str) -> str:
+    return f'"""{PACKAGES[package]}"""\n'
 
 
 def move(root: Path, check: bool) -> list[str]:
-    moves = []
-    tracked = git(root, "ls-files", "-z", "--", *[f"{p}/" for p in PACKAGES]).split("\0")
-    for path in filter(None, tracked):
-        if not (root / path).exists():
-            continue  # deleted in the work tree: nothing to move
-        target = target_of(path)
-        if (root / target).exists():
-            sys.exit(f"move_packages: both {path} and {target} exist; merge them by hand, then run again")
-        moves.append(f"{path} -> {target}")
-        if not check:
-            (root / target).parent.mkdir(parents=True, exist_ok=True)
-            git(root, "mv", path, target)
-    for package in PACKAGES:
-        folder = root / package
-        if folder.is_dir() and all("__pycache__" in p.parts or p.is_dir() for p in folder.rglob("*")):
-            moves.append(f"{package}/ (only __pycache__ left) removed")
+    done = []
+    for old, new in MOVES.items():
+        source, target = root / path_of(old), root / path_of(new)
+        if source.exists() and target.exists():
+            sys.exit(f"move_packages: both {path_of(old)} and {path_of(new)} exist; merge them by hand, then run again")
+        if not source.exists():
+            continue  # moved already
+        done.append(f"{path_of(old)} -> {path_of(new)}")
+        if check:
+            continue
+        for folder in reversed(Path(path_of(new)).parents[:-2]):  # every folder below grpo_pipeline/
+            init = root / folder / "__init__.py"
+            if not init.exists():
+                init.parent.mkdir(parents=True, exist_ok=True)
+                init.write_text(init_text(folder.name))
+                git(root, "add", str(init.relative_to(root)))
+        git(root, "mv", path_of(old), path_of(new))
+    for package in GONE:
+        folder = root / TOP / package
+        left = [p for p in folder.glob("*.py") if p.name != "__init__.py"] if folder.is_dir() else []
+        if left:
+            print(f"move_packages: {TOP}/{package}/ still holds {', '.join(p.name for p in left)}: add each to MOVES "
+                  "and run again", file=sys.stderr)
+        elif (folder / "__init__.py").exists():
+            done.append(f"{TOP}/{package}/ (emptied) removed")
             if not check:
-                shutil.rmtree(folder)
-        elif folder.is_dir() and not check:
-            print(f"move_packages: {package}/ still holds untracked files; move them by hand", file=sys.stderr)
-    return moves
+                git(root, "rm", "-q", f"{TOP}/{package}/__init__.py")
+                for cache in folder.rglob("__pycache__"):
+                    for stale in cache.iterdir():
+                        stale.unlink()
+                    cache.rmdir()
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+    return done
 
 
 # --- 2. the rewrites ----------------------------------------------------------------------------
 
-def rewrite_from(root: Path, match: re.Match) -> str:
-    indent, package, dotted, keyword, rest = match.groups()
-    if dotted:
-        return f"{indent}from {new_module(package + dotted)}{keyword}{rest}"
-    # `from flows import lease, run_lock`: each name is a module of the package, maybe moved elsewhere
-    comment = ""
-    if "#" in rest:
-        rest, comment = rest.split("#", 1)
-        comment = "  #" + comment
-    if "(" in rest or rest.rstrip().endswith("\\"):
-        moved = [name for name in re.findall(IDENT, rest) if f"{package}.{name}" in MODULE_MOVES]
-        if moved:
-            sys.exit(f"move_packages: cannot split `{match.group(0).strip()}` (parenthesised, names moved modules)")
-        return f"{indent}from {TOP}.{package}{keyword}{rest.rstrip() if comment else rest}{comment}"
-    groups: dict[str, list[str]] = {}
-    for item in (i.strip() for i in rest.split(",") if i.strip()):
-        name = item.split()[0]
-        home = new_module(f"{package}.{name}").rpartition(".")[0]
-        groups.setdefault(home, []).append(item)
-    lines = [f"{indent}from {home} import {', '.join(items)}" for home, items in groups.items()]
-    lines[0] += comment
-    return "\n".join(lines)
+# `from grpo_pipeline.common import dist_writer, store as s`: the names may be moved modules. On a line of
+# its own (group 1: indent), or after a `;` in a one-line string (group 1: the `;` and its spaces).
+FROM_PACKAGE = re.compile(rf"(^[ \t]*|;[ \t]*)from {TOP}\.({IDENT})[ \t]+import[ \t]+"
+                          rf"({IDENT}(?:[ \t]+as[ \t]+{IDENT})?(?:[ \t]*,[ \t]*{IDENT}(?:[ \t]+as[ \t]+{IDENT})?)*)"
+                          rf"(?=[ \t]*(?:#.*)?$|[ \t]*[;\"'\\])", re.M)
+FROM_PARENS = re.compile(rf"^[ \t]*from {TOP}\.({IDENT})[ \t]+import[ \t]*\(", re.M)
+DOTTED = {old: re.compile(rf"(?<![\w.]){re.escape(f'{TOP}.{old}')}(?!\w)") for old in MOVES}
+PATHS = {old: re.compile(rf"(?<![\w./-])((?:{TOP}/)?){re.escape(old.replace('.', '/'))}\.py\b") for old in MOVES}
 
 
-def rewrite_import(match: re.Match) -> str:
-    indent, rest = match.groups()
-    comment = ""
-    if "#" in rest:
-        rest, comment = rest.split("#", 1)
-        comment = "  #" + comment
-    items = []
-    for item in rest.split(","):
-        words = item.split()
-        if words and re.fullmatch(rf"({PKG})(\.{IDENT})*", words[0]):
-            words[0] = new_module(words[0])
-        items.append(" ".join(words))
-    return f"{indent}import {', '.join(items)}{comment}"
+def split_from(match: re.Match) -> str:
+    lead, package, names = match.groups()
+    homes: dict[str, list[str]] = {}
+    for item in (i.strip() for i in names.split(",")):
+        name, _, alias = (w.strip() for w in item.partition(" as "))
+        alias = alias or name
+        new = MOVES.get(f"{package}.{name}")
+        home, new_name = (new.rpartition(".")[0], new.rpartition(".")[2]) if new else (package, name)
+        home = f"{TOP}.{home}" if home else TOP
+        homes.setdefault(home, []).append(new_name if new_name == alias else f"{new_name} as {alias}")
+    statements = [f"from {home} import {', '.join(items)}" for home, items in homes.items()]
+    joiner = "; " if lead.startswith(";") else "\n" + lead
+    return lead + joiner.join(statements)
 
 
-def rewrite_inline_from(root: Path, match: re.Match) -> str:
-    """`; from flows import run_lock` inside a one-line string: as rewrite_from, statements joined by `; `."""
-    separator = match.group(1)
-    statements = rewrite_from(root, FROM_LINE.match(match.group(0)[len(separator):])).split("\n")
-    return separator + "; ".join(statements)
-
-
-def rewrite_text(root: Path, text: str) -> str:
-    lines = []
-    for line in text.split("\n"):
-        if (m := FROM_LINE.match(line)):
-            line = rewrite_from(root, m)
-        elif (m := IMPORT_LINE.match(line)) and re.search(rf"(^|,)\s*({PKG})(\.|\s|,|$)", m.group(2).split("#")[0]):
-            line = rewrite_import(m)
-        lines.append(FROM_INLINE.sub(lambda m: rewrite_inline_from(root, m), line))
-    text = "\n".join(lines)
-    text = CLI_ARGV.sub(lambda m: f"{m.group(1)}-m{m.group(1)}{m.group(2)}{m.group(3)}{TOP}{m.group(3)}", text)
-    text = CLI_M.sub(f"-m {TOP}", text)
-    text = CLI_LITERAL.sub(lambda m: f"{m.group(1)}{TOP}{m.group(1)}", text)
-    text = MOVED_PATH.sub(lambda m: m.group(1) + MODULE_MOVES[f"flows.{m.group(2)}"].replace(".", "/") + ".py", text)
-    text = ENTRYPOINT.sub(lambda m: f"{TOP}/{m.group(1)}", text)
-    text = DOTTED.sub(lambda m: new_module(m.group(0)) if names_a_module(root, m.group(0)) else m.group(0), text)
+def rewrite_text(text: str) -> str:
+    for match in FROM_PARENS.finditer(text):
+        if any(key.startswith(f"{match.group(1)}.") for key in MOVES):
+            tail = text[match.end():text.index(")", match.end())]
+            if any(f"{match.group(1)}.{name}" in MOVES for name in re.findall(IDENT, tail)):
+                sys.exit(f"move_packages: cannot split the parenthesised `{match.group(0).strip()}...`: write it "
+                         "one import a line, then run again")
+    text = FROM_PACKAGE.sub(split_from, text)
+    for old, new in MOVES.items():
+        text = DOTTED[old].sub(f"{TOP}.{new}", text)
+        text = PATHS[old].sub(lambda m, new=new: m.group(1) + new.replace(".", "/") + ".py", text)
     return text
 
 
@@ -203,13 +213,33 @@ def text_files(root: Path) -> list[str]:
             and (root / path).is_file()]
 
 
+def house_map_text(text: str) -> str:
+    """tests/house_map.py with the floors after the move (FLOORS, GROUND, and ROLES's changed lines)."""
+    floors = re.search(r"^FLOORS = \((.*)\)$", text, re.M)
+    known = set(FLOORS) | set(GONE)
+    unplaced = [p for p in re.findall(r'"(\w+)"', floors.group(1)) if p not in known] if floors else []
+    if unplaced:
+        sys.exit(f"move_packages: {HOUSE_MAP} has floors this script does not place: {', '.join(unplaced)}; "
+                 "add them to FLOORS here, then run again")
+    text = re.sub(r"^FLOORS = \(.*\)$", "FLOORS = (" + ", ".join(f'"{p}"' for p in FLOORS) + ")", text, flags=re.M)
+    text = re.sub(r"^GROUND = \(.*\)$", "GROUND = (" + ", ".join(f'"{TOP}.{g}"' for g in GROUND) + ")", text, flags=re.M)
+    block = re.search(r"^ROLES = \{\n(.*?)^\}$", text, re.M | re.S)
+    roles = dict(re.findall(r'^    ("?\w+"?): (".*"),$', block.group(1), re.M))
+    for package in GONE:
+        roles.pop(f'"{package}"', None)
+    roles.update({f'"{p}"': f'"{role}"' for p, role in ROLES.items()})
+    order = [f'"{p}"' for p in FLOORS] + [k for k in roles if not k.startswith('"')]
+    lines = "".join(f"    {key}: {roles[key]},\n" for key in order if key in roles)
+    return text[:block.start(1)] + lines + text[block.end(1):]
+
+
 def rewrite(root: Path, check: bool) -> list[str]:
     changed = []
     for path in text_files(root):
         old = (root / path).read_text()
-        new = rewrite_text(root, old)
-        if path == "pyproject.toml":
-            new = FIND_INCLUDE.sub(f'include = ["{TOP}*"]', new)
+        new = rewrite_text(old)
+        if path == HOUSE_MAP:
+            new = house_map_text(new)
         if new != old:
             changed.append(path)
             if not check:
@@ -217,12 +247,12 @@ def rewrite(root: Path, check: bool) -> list[str]:
     return changed
 
 
-def name_clashes(root: Path) -> list[str]:
-    """Files where `import grpo_pipeline.x` (no `as`) rebinds the name of the flow they also import."""
-    plain = re.compile(rf"^\s*import {TOP}\.[\w.]+\s*(#.*)?$", re.M)
-    flow = re.compile(rf"^\s*from \S+ import (\([^)]*\b{TOP}\b|[^#\n(]*\b{TOP}\b)", re.M)
-    return [path for path in text_files(root) if path.endswith(".py")
-            and plain.search(text := (root / path).read_text()) and flow.search(text)]
+def leftovers(root: Path) -> list[str]:
+    """Mentions of a removed package that no rule placed: prose for a person to write again."""
+    gone = "|".join(GONE)
+    mention = re.compile(rf"(?<![\w./-])(?:{TOP}/)?(?:{gone})/|{TOP}\.(?:{gone})\b")
+    return [f"{path}:{n}" for path in text_files(root) for n, line in enumerate((root / path).read_text().splitlines(), 1)
+            if mention.search(line)]
 
 
 def main(argv: list[str]) -> int:
@@ -240,9 +270,14 @@ def main(argv: list[str]) -> int:
         print(line)
     if not moves and not changed:
         print("nothing to move or rewrite")
-    for path in name_clashes(root):
-        print(f"by hand: {path}: a plain `import {TOP}.x` rebinds `{TOP}`, the flow's name there; "
-              f"use `from {TOP}.x import y`", file=sys.stderr)
+    stranded = [package for package in GONE if any(p.name != "__init__.py" for p in (root / TOP / package).glob("*.py"))]
+    if stranded:
+        return 1  # the map would place modules on a floor that is gone; move() said what to add to MOVES
+    if not args.check:
+        python = root / ".venv" / "bin" / "python"
+        subprocess.run([str(python) if python.exists() else sys.executable, HOUSE_MAP, "--write"], cwd=root, check=True)
+    for where in leftovers(root):
+        print(f"by hand: {where}: names a folder the move removed", file=sys.stderr)
     return 1 if args.check and changed else 0
 
 
