@@ -8,7 +8,7 @@ file's size, mtime and ctime are compared with the manifest and only a file whos
 hashed. This builds three entries in a fresh store (the `arith` dataset, the `tiny` model, and a
 synthetic entry of `--mb` MB in 100 MB files, like shards of a checkpoint) and times, side by side
 in each round, the cache-hit check (`verify_entry(entry)`), the full hash
-(`verify_entry(entry, deep=True)`, also `python -m grpo_pipeline.common.store ENTRY --deep`) and the size-only look
+(`verify_entry(entry, deep=True)`, also `python -m grpo_pipeline.store.content ENTRY --deep`) and the size-only look
 the cache used before (`deep=False`, which missed a flipped byte). Medians, in ms; files are in the
 page cache after the first round, so the full hash measures sha256, not the disk.
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from grpo_pipeline.stages.plan import resolve_profile  # noqa: E402
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset  # noqa: E402
 from grpo_pipeline.stages.model import ModelSpec, prepare_model  # noqa: E402
-from grpo_pipeline.common.store import Built, Store, verify_entry, what_is_checked  # noqa: E402
+from grpo_pipeline.store.content import Built, Store, verify_entry, what_is_checked  # noqa: E402
 
 SHARD_MB = 100
 

@@ -195,7 +195,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
 
     begun, tokenizer = time.perf_counter(), train_tiny_tokenizer(512, seed=0)
     log = lambda line: print(f"[{time.perf_counter() - begun:.0f} s] {line}", flush=True)

@@ -13,7 +13,7 @@ page cache dropped before each (root only; else noted: warm for every side alike
 Per child: peak RSS (VmHWM) and the peaks of RssAnon and RssFile polled every 50 ms from
 /proc/<pid>/status (touched pages of an mmapped shard are RssFile). Goals of `stream`: >= 0.7 x the
 disk's read+write speed, peak RSS < 2 x the largest tensor group it holds at once + the fixed
-overhead (the RSS of a child that only imports torch, safetensors and grpo_pipeline.common.dist_checkpoint).
+overhead (the RSS of a child that only imports torch, safetensors and grpo_pipeline.checkpoints.convert).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def run_child(mode: str, model: Path, out: Path) -> None:
     import safetensors.torch  # noqa: F401
     import torch  # noqa: F401
 
-    from grpo_pipeline.common import megatron_layout as dist_checkpoint
+    from grpo_pipeline.checkpoints import megatron_layout as dist_checkpoint
 
     started = time.perf_counter()
     if mode == "stream":
@@ -188,7 +188,7 @@ def save_whole(model: Path, out: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
-    from grpo_pipeline.common.megatron_layout import fused_qkv as _fused_qkv
+    from grpo_pipeline.checkpoints.megatron_layout import fused_qkv as _fused_qkv
 
     config = json.loads((model / "config.json").read_text())
     where = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
@@ -259,7 +259,7 @@ def main() -> None:
     print(f"page cache: {'dropped before each read' if dropped else 'NOT dropped (not root): warm for every side alike'}; "
           f"medians of {args.rounds} round(s)")
     print(f"largest group: {group_name} {group / GB:.3f} GB; fixed overhead (child importing torch, safetensors, "
-          f"grpo_pipeline.common.dist_checkpoint): {overhead / GB:.3f} GB; RSS budget 2 x group + overhead = {budget / GB:.2f} GB")
+          f"grpo_pipeline.checkpoints.convert): {overhead / GB:.3f} GB; RSS budget 2 x group + overhead = {budget / GB:.2f} GB")
     print(f"disk: read {model_bytes / median('disk', 'read') / GB:.2f} GB/s ({median('disk', 'read'):.1f} s), "
           f"write+fsync {model_bytes / median('disk', 'write') / GB:.2f} GB/s ({median('disk', 'write'):.1f} s), "
           f"read+write {both:.1f} s = {model_bytes / both / GB:.2f} GB/s")

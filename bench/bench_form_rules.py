@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_form_rules.py [--chars 50000]
 
-The Prefect API runs the form's rules (stages/form_rules.py, Python's `re`) on every flow run a
+The Prefect API runs the form's rules (run/form_rules.py, Python's `re`) on every flow run a
 deployment is asked for, on text anyone with the form sends. A backtracking regex with two runs of
 blanks side by side (`[ \\t]*x?[ \\t]*`) tries every split of a long run on a line that fails: its
 time grows with the square of the length (a 50,000-character line took 40-130 s before the rules
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from grpo_pipeline.stages.form_rules import FORM_RULES
+from grpo_pipeline.run.form_rules import FORM_RULES
 
 PROBES = {  # a hostile line of about n characters, by what it repeats
     "blanks after a secret's '='": lambda n: "env.HF_TOKEN=" + " " * n + "x",

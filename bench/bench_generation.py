@@ -31,7 +31,7 @@ from grpo_pipeline.generation.engines import transformers_generate  # noqa: E402
 from grpo_pipeline.generation.plan import GenerationPlan  # noqa: E402
 from grpo_pipeline.stages.evaluate import EvalSettings  # noqa: E402
 from grpo_pipeline.stages.model import ModelSpec, prepare_model  # noqa: E402
-from grpo_pipeline.common.rl_data import arith_splits  # noqa: E402
+from grpo_pipeline.data.rl_data import arith_splits  # noqa: E402
 
 
 def model_dir_for(name: str) -> Path:

@@ -43,7 +43,7 @@ import pyarrow.parquet as pq  # noqa: E402
 
 from grpo_pipeline.backends.local.phases import PHASES  # noqa: E402
 from grpo_pipeline.backends.local.settings import plan_local_training, prompt_length  # noqa: E402
-from grpo_pipeline.common.rl_data import arith_splits  # noqa: E402
+from grpo_pipeline.data.rl_data import arith_splits  # noqa: E402
 from grpo_pipeline.generation.plan import plan_generation  # noqa: E402
 from grpo_pipeline.profiles.loader import resolve_profile  # noqa: E402
 from grpo_pipeline.run.folder import RunFolder
@@ -65,7 +65,7 @@ def make_model(shape: str, vocab: int, out: Path, dtype: str, device: str):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(512, seed=0)
     # Qwen3 up to 4B ties the head to the embedding.

@@ -40,8 +40,8 @@ from grpo_pipeline.backends.local.settings import LocalTrainSettings, plan_local
 from grpo_pipeline.generation.plan import plan_generation  # noqa: E402
 from grpo_pipeline.backends.local.worker import GenerationTimer, training_rows  # noqa: E402
 from grpo_pipeline.stages.plan import resolve_profile  # noqa: E402
-from grpo_pipeline.common.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
-from grpo_pipeline.common.rl_data import arith_splits  # noqa: E402
+from grpo_pipeline.data.builtin_models import build_tiny, train_tiny_tokenizer  # noqa: E402
+from grpo_pipeline.data.rl_data import arith_splits  # noqa: E402
 
 
 def make_model(name: str, out: Path) -> None:

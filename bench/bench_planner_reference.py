@@ -39,7 +39,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from grpo_pipeline.common.errors import ProfileError  # noqa: E402
+from grpo_pipeline.errors import ProfileError  # noqa: E402
 from grpo_pipeline.stages.plan import checked_profile  # noqa: E402
 from grpo_pipeline.planner.memory import GIB, MemoryPlan, plan_for  # noqa: E402
 

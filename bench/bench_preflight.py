@@ -1,4 +1,4 @@
-"""The cluster preflight's cost (common/preflight.py) on simulated clusters of 2 and 16 nodes, beside
+"""The cluster preflight's cost (cluster/preflight.py) on simulated clusters of 2 and 16 nodes, beside
 what submitting the job itself takes (submit to RUNNING), measured in one run.
 
     .venv/bin/python bench/bench_preflight.py                    # 2 and 16 nodes, 3 rounds each
@@ -37,12 +37,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from grpo_pipeline.common.ray_cluster import FREE_PORTS  # noqa: E402
+from grpo_pipeline.cluster.ray_cluster import FREE_PORTS  # noqa: E402
 from ray.job_submission import JobStatus, JobSubmissionClient  # noqa: E402
 
 from grpo_pipeline.backends import backend_for  # noqa: E402
-from grpo_pipeline.common.preflight import run_preflight  # noqa: E402
-from grpo_pipeline.common.ray_cluster import connect_ray  # noqa: E402
+from grpo_pipeline.cluster.preflight import run_preflight  # noqa: E402
+from grpo_pipeline.cluster.ray_cluster import connect_ray  # noqa: E402
 from node_images import node_image  # noqa: E402
 from grpo_pipeline.stages.plan import resolve_profile  # noqa: E402
 from grpo_pipeline.stages.environment import resolve_environment  # noqa: E402

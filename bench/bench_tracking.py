@@ -68,8 +68,8 @@ def run(model: str, root: Path, name: str, steps: int, settings: list[str], env:
 def log_step_cost(root: Path, url: str, calls: int) -> dict[str, float]:
     """Milliseconds per logged step, per tool (median of the blocks)."""
     from grpo_pipeline.backends.metrics import StepMetrics
-    from grpo_pipeline.common.tracker_session import tracking_session
-    from grpo_pipeline.common.tracking import start_tracking
+    from grpo_pipeline.tracking.session import tracking_session
+    from grpo_pipeline.tracking.trackers import start_tracking
     from grpo_pipeline.tasks.tracking import step_values
     from grpo_pipeline.profiles.tracking import TrackingSection
 

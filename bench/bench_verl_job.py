@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from grpo_pipeline.common.ray_cluster import FREE_PORTS  # noqa: E402
+from grpo_pipeline.cluster.ray_cluster import FREE_PORTS  # noqa: E402
 from ray.job_submission import JobSubmissionClient  # noqa: E402
 
 from grpo_pipeline.backends import backend_for  # noqa: E402

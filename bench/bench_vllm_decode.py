@@ -79,7 +79,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from decode_models import chat_prompts
-    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(512, seed=0)
     floor = json.loads(args.floor.read_text())

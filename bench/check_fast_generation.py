@@ -26,7 +26,7 @@ def main() -> None:
     from bench_generation import model_dir_for
     from grpo_pipeline.generation.compiled import greedy_with_logprobs
     from grpo_pipeline.rewards.builtin import score
-    from grpo_pipeline.common.rl_data import arith_splits
+    from grpo_pipeline.data.rl_data import arith_splits
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2-135m", "qwen3-0.6b"])

@@ -162,7 +162,7 @@ def probe(shape: str, vocab: int, device: str, batch: int) -> dict:
     import torch  # noqa: F401
 
     from decode_models import build_model, chat_prompts
-    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
     from grpo_pipeline.generation.decoding import NativeDecoder, Sampling
 
     imported = time.time()

@@ -29,7 +29,7 @@ def build_model(shape: str, vocab: int, device: str, tokenizer):
 
 def chat_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     """`count` arith prompts (the pipeline's demo task) as token ids, chat template applied."""
-    from grpo_pipeline.common.rl_data import arith_splits
+    from grpo_pipeline.data.rl_data import arith_splits
 
     rows = arith_splits(8, count, seed=seed)["test"].to_pylist()
     return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -1,4 +1,4 @@
-"""HF -> megatron-core torch_dist (`grpo_pipeline.common.dist_checkpoint.hf_to_dist`) at a real model size: the
+"""HF -> megatron-core torch_dist (`grpo_pipeline.checkpoints.convert.hf_to_dist`) at a real model size: the
 checkpoint loads strictly into megatron-core's GPTModel (local layer spec, TP=PP=1), whose logits are
 compared with the HF model's, in bf16 and in fp32 (fp32's near-zero difference is the yardstick
 against which bf16's rounding noise is read).
@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch
 
-from grpo_pipeline.common.dist_writer import cpu_megatron
-from grpo_pipeline.common.megatron_layout import hf_to_dist
+from grpo_pipeline.checkpoints.dist_writer import cpu_megatron
+from grpo_pipeline.checkpoints.megatron_layout import hf_to_dist
 
 SHAPES = {
     "qwen3-1.7b": {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,

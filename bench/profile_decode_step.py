@@ -200,7 +200,7 @@ def main() -> None:
         args.model, args.vocabs, args.sequences, args.new_tokens, args.variants = "tiny", "512", 4, 16, "default"
     import torch
 
-    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
 
     device = "cuda" if args.device == "gpu" else "cpu"
     begun, tokenizer = time.perf_counter(), train_tiny_tokenizer(512, seed=0)

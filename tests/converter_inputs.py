@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_pipeline.common.megatron_layout import hf_to_dist
+from grpo_pipeline.checkpoints.megatron_layout import hf_to_dist
 
 ROOT = Path(__file__).resolve().parents[1]
 HANG_GUARD_S = 600  # a run takes seconds, a minute on a loaded 2-core machine: this only stops a hang
@@ -106,7 +106,7 @@ class RunsCode:
 
 
 def cli(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "grpo_pipeline.common.dist_checkpoint", *argv]
+    return [sys.executable, "-m", "grpo_pipeline.checkpoints.convert", *argv]
 
 
 def env() -> dict[str, str]:
@@ -117,14 +117,14 @@ def env() -> dict[str, str]:
 # as the test wants, with a real partial on disk.
 STOPS_MID_WAY = """
 import os, signal, sys
-from grpo_pipeline.common import dist_writer
+from grpo_pipeline.checkpoints import dist_writer
 add_chunk = dist_writer.DistCheckpointWriter.add_chunk
 def add_then_stop(writer, *args):
     add_chunk(writer, *args)
     if len(writer.storage) == 1:
         os.kill(os.getpid(), signal.SIGSTOP)
 dist_writer.DistCheckpointWriter.add_chunk = add_then_stop
-from grpo_pipeline.common.dist_checkpoint import main
+from grpo_pipeline.checkpoints.convert import main
 raise SystemExit(main(sys.argv[1:]))
 """
 

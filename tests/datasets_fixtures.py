@@ -58,7 +58,7 @@ def geo3k_repo_files(rows: int = 6) -> dict[str, bytes]:
     }
 
 
-# --- the math datasets, in the layouts their hub repos publish (common/math_data.py) -----------------
+# --- the math datasets, in the layouts their hub repos publish (data/math_data.py) -----------------
 
 MATH_ANSWERS = ["\\frac{1}{2}", "3\\sqrt{2}", "[2,5)", "24", "-\\frac{2}{3}", "10", "\\pi", "(1,2)"]
 

@@ -7,7 +7,7 @@ generated into docs/layout.md (between its `<!-- generated -->` markers) from th
 A module's line is the first sentence of its docstring. tests/test_house.py checks the floors (no
 import goes up one, no cycle) and that the doc is current. A new package of grpo_pipeline/ gets its
 floor in FLOORS first (lowest first): what it may import is everything below it. Names are dotted in
-full (`grpo_pipeline.common.errors`); paths are relative to grpo_pipeline/ (`common/errors.py`), as
+full (`grpo_pipeline.errors`); paths are relative to grpo_pipeline/ (`errors.py`), as
 the docs write them.
 """
 
@@ -25,19 +25,23 @@ TOP = "grpo_pipeline"
 PACKAGE = ROOT / TOP
 # Lowest first: a package imports only from the floors below it. The package's own modules
 # (`__main__.py`: the command line) stand above them all.
-FLOORS = ("run", "profiles", "planner", "rewards", "common", "generation", "backends", "stages", "tasks", "flows")
+FLOORS = ("store", "profiles", "planner", "rewards", "checkpoints", "data", "cluster", "run", "tracking", "generation", "backends", "stages", "tasks", "flows")
 # The ground floor: modules of common/ that import nothing of the project, so that every floor can
 # raise the project's errors and read what a user brings within bounds.
-GROUND = ("grpo_pipeline.common.errors", "grpo_pipeline.common.bounded_read")
+GROUND = ("grpo_pipeline.errors", "grpo_pipeline.progress")
 ROLES = {
-    "run": "a run before any work: the names of everything in its folder",
+    "store": "what is kept on disk and fetched: the content store, the hub, files, bounded reads, file faults",
     "profiles": "the profile: schema, layers, loading, validation, the device table, the table of backends",
     "planner": "verl's planning: layout rules, device memory per role (Megatron, FSDP), --suggest-layout",
     "rewards": "what scores completions: the built-in rewards, the ones users bring (verl, TRL, a server), their checks",
-    "common": "what the stages, backends and generation share: store, hub, Ray, checkpoints, RL data",
+    "checkpoints": "checkpoint conversion: HF <-> dist checkpoints, layouts, shards, staged output, LoRA export",
+    "data": "what a run trains on and starts from: verl's RL parquet, the math and mapped datasets, the built-in models",
+    "cluster": "Ray and its nodes: address, connection, node images and tasks, the preflight",
+    "run": "a run before any work: its request and the form's rules, its folder's names, its lock",
+    "tracking": "the experiment trackers: one interface, where they keep a run, the run's session",
     "generation": "rollouts' and evaluation's generation: the plan, the protocol, engines, the decoder",
     "backends": "training engines behind one interface: local (TRL on Ray Train), verl (a Ray job)",
-    "stages": "one module per stage: plain functions, no Prefect; the run request and its plan",
+    "stages": "one module per stage: plain functions, no Prefect; the run's plan",
     "tasks": "each stage as a Prefect task, how Prefect runs them, what a flow run keeps and logs",
     "flows": "the Prefect flow, the command line, the deployments' form",
     TOP: "`python -m grpo_pipeline`, and nothing else on import",
@@ -54,7 +58,7 @@ def packages() -> list[str]:
 
 
 def floor_of(name: str) -> str:
-    """`grpo_pipeline.common.store` -> `common`; the package's own modules -> TOP."""
+    """`grpo_pipeline.store.content` -> `common`; the package's own modules -> TOP."""
     parts = name.split(".")
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FLOORS) else TOP
 

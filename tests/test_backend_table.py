@@ -35,7 +35,7 @@ def test_the_profile_the_command_line_and_the_form_offer_the_tables_names():
 
     from grpo_pipeline.flows.form import run_from_form
     from grpo_pipeline.flows.grpo import build_parser
-    from grpo_pipeline.stages.request import RunRequest
+    from grpo_pipeline.run.request import RunRequest
     from grpo_pipeline.profiles.schema import RunProfile
 
     assert RunProfile.model_json_schema()["properties"]["backend"]["enum"] == list(BACKEND_NAMES)

@@ -13,8 +13,8 @@ from grpo_pipeline.profiles.backend_table import BACKEND_NAMES
 from grpo_pipeline.backends.base import Backend
 from grpo_pipeline.flows.grpo import main
 from grpo_pipeline.stages.plan import check_plan
-from grpo_pipeline.stages.request import RunRequest
-from grpo_pipeline.common.errors import ProfileError, UserError
+from grpo_pipeline.run.request import RunRequest
+from grpo_pipeline.errors import ProfileError, UserError
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.device import detect_device
 

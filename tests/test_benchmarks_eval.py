@@ -16,8 +16,8 @@ import pytest
 
 from datasets_fixtures import math500_rows
 from grpo_pipeline.backends.base import TrainResult
-from grpo_pipeline.common.math_data import CONVERTERS
-from grpo_pipeline.common.rl_data import arith_splits
+from grpo_pipeline.data.math_data import CONVERTERS
+from grpo_pipeline.data.rl_data import arith_splits
 from grpo_pipeline.generation.protocol import Response
 from grpo_pipeline.stages.eval_metrics import metrics_from_samples, pass_at_k
 from grpo_pipeline.stages.evaluate import EvalSettings, evaluate

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_pipeline.common.errors import HEADLINE_CHARS
+from grpo_pipeline.errors import HEADLINE_CHARS
 
 SECRET = "hf_sEcReT_vAlUe_123"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from probes import NO_ACCELERATOR
-from grpo_pipeline.common.errors import DeviceError
+from grpo_pipeline.errors import DeviceError
 from grpo_pipeline.stages.device import detect_device, requested_device, run_probe
 
 STATUSES = {"absent", "toolkit-missing", "no-devices", "available", "error"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.profiles.engine import FsdpEngine, MegatronEngine
 from grpo_pipeline.profiles.loader import resolve_profile, resolve_run_profile
 from grpo_pipeline.profiles.schema import RunProfile

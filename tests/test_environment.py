@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.environment import NO_PROXY_VARS, PROXY_VARS, ray_head_host, redact, resolve_environment
 

@@ -13,11 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from datasets_fixtures import geo3k_table, gsm8k_table
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.stages.evaluate import EvalSettings, Response, evaluate, pass_at_k
 from grpo_pipeline.rewards.builtin import score
-from grpo_pipeline.common.rl_data import arith_splits, convert_geo3k, convert_gsm8k
+from grpo_pipeline.data.rl_data import arith_splits, convert_geo3k, convert_gsm8k
 
 
 def write(table: pa.Table, path: Path) -> Path:

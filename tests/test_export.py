@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from grpo_pipeline.backends.base import TrainResult
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.stages.export import export_checkpoint
 from grpo_pipeline.stages.model import ModelFormatError
 

@@ -11,12 +11,12 @@ import pytest
 
 from datasets_fixtures import geo3k_repo_files, gsm8k_repo_files
 from hub_server import HubServer
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.schema import DataSection, ModelArchitecture, ModelSection
 from grpo_pipeline.stages.dataset import DataSpec, dataset_dir, fetch_dataset
-from grpo_pipeline.common.hub import SourceError, TransientFetchError
+from grpo_pipeline.store.hub import SourceError, TransientFetchError
 from grpo_pipeline.stages.model import ModelSpec, model_dir, prepare_model
-from grpo_pipeline.common.store import verify_entry
+from grpo_pipeline.store.content import verify_entry
 
 ARCH = ModelArchitecture(num_layers=2, num_attention_heads=4, num_kv_heads=2, hidden_size=64, vocab_size=512)
 

@@ -1,4 +1,4 @@
-"""Which file-system errors a retry cannot fix (common/file_faults.py), however they reach the flow:
+"""Which file-system errors a retry cannot fix (store/file_faults.py), however they reach the flow:
 raised, wrapped by Ray (the cause chain), or only named in a library's text."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import errno
 
 import pytest
 
-from grpo_pipeline.common.file_faults import FileFault, file_fault
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.store.file_faults import FileFault, file_fault
+from grpo_pipeline.errors import UserError
 
 
 def _raised_from(outer: Exception, inner: BaseException) -> Exception:

@@ -1,4 +1,4 @@
-"""The deployments' form (flows/form.py, stages/form_rules.py): one table of cases, each checked three
+"""The deployments' form (flows/form.py, run/form_rules.py): one table of cases, each checked three
 ways. The form: the Prefect API's own validator against the deployment's parameter schema, as it
 runs before a flow run (and its parameters) is stored. The run: `RunRequest.from_form`, what the flow
 does with the form's fields. The run's YAML-based secret rules (profiles/secrets.py, what every
@@ -13,9 +13,9 @@ import random
 import pytest
 
 from grpo_pipeline.flows.form import run_from_form
-from grpo_pipeline.stages.form_rules import FORM_RULES, override_lines
-from grpo_pipeline.stages.request import RunRequest
-from grpo_pipeline.common.errors import ProfileError, UserError
+from grpo_pipeline.run.form_rules import FORM_RULES, override_lines
+from grpo_pipeline.run.request import RunRequest
+from grpo_pipeline.errors import ProfileError, UserError
 from grpo_pipeline.profiles.loader import overrides_to_layer
 from grpo_pipeline.profiles.secrets import secret_literal_problems
 

@@ -19,7 +19,7 @@ from grpo_pipeline.backends.local.checkpoints import missing_data_position
 from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, read_metrics
 from grpo_pipeline.backends.verl.follow import TRACKER, VerlMetrics, total_steps, tracker_step
 from grpo_pipeline.backends.verl.resume import keep_good_checkpoint, missing_dataloader_state
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.profiles.guards import GuardsSection
 from grpo_pipeline.stages import guard_panel
 from grpo_pipeline.stages.plan import resolve_profile

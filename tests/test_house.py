@@ -62,7 +62,7 @@ def test_every_package_has_a_floor():
 
 def test_no_import_goes_up_a_floor():
     """Each package imports only from the floors below it (profiles < planner < common < generation <
-    backends < stages < tasks < flows; common/errors.py and common/bounded_read.py stand below them
+    backends < stages < tasks < flows; errors.py and store/bounded_read.py stand below them
     all): common/ is shared by everything above, generation/ by the backends' rollouts and
     the evaluation stage; an import back up would make them unreadable apart (and Ray job packaging
     used to import every package only to find its folder). Imports inside functions count too."""
@@ -94,7 +94,7 @@ def test_nothing_below_tasks_imports_prefect():
 
 
 def test_the_package_a_ray_job_carries_is_the_projects_one_package():
-    from grpo_pipeline.common.ray_cluster import project_modules
+    from grpo_pipeline.cluster.ray_cluster import project_modules
 
     assert [Path(folder) for folder in project_modules()] == [PACKAGE]
     assert (PACKAGE / "__init__.py").is_file()

@@ -1,5 +1,5 @@
 """A hub that cannot be reached, and a tracker without its credentials, are refused before the flow
-starts: one line with the fix, the settings below it, exit 2, nothing started (common/hub_reach.py,
+starts: one line with the fix, the settings below it, exit 2, nothing started (store/hub_reach.py,
 stages/plan.py). Real sockets on 127.0.0.1: a closed port refuses, a listening one accepts.
 
     .venv/bin/python -m pytest -q tests/test_hub_reach.py
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_pipeline.common.errors import HEADLINE_CHARS
-from grpo_pipeline.common.hub import HubSettings, fetch_snapshot
-from grpo_pipeline.common.hub_reach import HubUnreachable, first_hop, reach_problem
+from grpo_pipeline.errors import HEADLINE_CHARS
+from grpo_pipeline.store.hub import HubSettings, fetch_snapshot
+from grpo_pipeline.store.hub_reach import HubUnreachable, first_hop, reach_problem
 
 
 @pytest.fixture
@@ -35,7 +35,7 @@ def listening_port():
 
 @pytest.fixture(autouse=True)
 def quick_tries(monkeypatch):
-    monkeypatch.setattr("grpo_pipeline.common.hub_reach.REACH_PAUSE_S", 0.05)
+    monkeypatch.setattr("grpo_pipeline.store.hub_reach.REACH_PAUSE_S", 0.05)
 
 
 def refusal(done) -> tuple[str, list[str]]:

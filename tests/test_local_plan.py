@@ -9,9 +9,9 @@ import pytest
 from grpo_pipeline.backends.local.mapping import grpo_fields
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.backends.local.settings import check_prompt_lengths, plan_local_training
-from grpo_pipeline.common.errors import ProfileError, UserError
+from grpo_pipeline.errors import ProfileError, UserError
 from grpo_pipeline.stages.plan import resolve_profile
-from grpo_pipeline.common.rl_data import arith_splits
+from grpo_pipeline.data.rl_data import arith_splits
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +122,7 @@ def one_host_with(gpus: int) -> dict:
 
 def test_a_model_directory_on_gpu_plans_for_the_gpus_found(tiny_model_dir):
     from grpo_pipeline.stages.plan import check_plan, profile_for
-    from grpo_pipeline.stages.request import RunRequest
+    from grpo_pipeline.run.request import RunRequest
     from grpo_pipeline.stages.device import detect_device
 
     request = RunRequest(model=str(tiny_model_dir), device="gpu")

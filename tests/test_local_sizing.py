@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.backends.local.sizing import micro_batch_candidates
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.backends.local.train_memory import HEADROOM, step_memory
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.profiles.loader import given_settings

@@ -14,7 +14,7 @@ from grpo_pipeline.backends.local.train_memory import GIB, checkpointing_choice,
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.stages.device import detect_device
 from grpo_pipeline.stages.plan import check_plan, profile_for, resolve_profile
-from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.run.request import RunRequest
 
 # config.json of Qwen3-0.6B and Qwen3-8B as the hub has them (the fields the planner reads).
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_key_value_heads": 8, "head_dim": 128,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from grpo_pipeline.common.errors import HEADLINE_CHARS
+from grpo_pipeline.errors import HEADLINE_CHARS
 from grpo_pipeline.stages.plan import resolve_profile
 
 

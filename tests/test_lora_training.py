@@ -1,6 +1,6 @@
 """A LoRA run of TRL's GRPOTrainer as the local backend makes it (backends/local/lora.py): the reference policy
 is the base model with the adapter disabled (no second copy of the weights), and the export writes the adapter
-alone and the merged model (common/lora_export.py), which reload to the trained policy's logits; verl's LoRA
+alone and the merged model (checkpoints/lora_export.py), which reload to the trained policy's logits; verl's LoRA
 checkpoint (the PEFT model's state dict in actor/huggingface) exports the same way (backends/verl/lora.py)."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_the_adapter_alone_and_the_merged_model_reload_to_the_trained_policys_lo
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from grpo_pipeline.common.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_lora_policy
+    from grpo_pipeline.checkpoints.lora_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, export_lora_policy
     from grpo_pipeline.stages.model import verify_hf_dir
 
     trainer, _ = trained

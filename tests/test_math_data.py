@@ -11,7 +11,7 @@ import pytest
 
 from datasets_fixtures import (aime_repo_files, dapo_repo_files, math500_repo_files, math_repo_files, parquet_bytes)
 from test_fetch_hub import data_spec, hub  # noqa: F401  (the fake hub fixture)
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.datasets import DataColumns
 from grpo_pipeline.rewards.builtin import score
 from grpo_pipeline.stages.dataset import fetch_dataset

@@ -116,7 +116,7 @@ def test_a_correctly_sharded_directory_passes(tiny_model_dir, tmp_path):
 
 
 def test_unknown_builtin_and_missing_local_paths_are_user_errors(tmp_path):
-    from grpo_pipeline.common.errors import UserError
+    from grpo_pipeline.errors import UserError
 
     arch = resolve_profile("tiny", "cpu").model.architecture
     with pytest.raises(UserError, match="no such built-in model; use one of builtin:tiny, builtin:smollm2-135m"):

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.backends import backend_for
-from grpo_pipeline.common.node_image import look
-from grpo_pipeline.common.preflight import Preflight
+from grpo_pipeline.cluster.node_image import look
+from grpo_pipeline.cluster.preflight import Preflight
 from node_images import TORCH_RELEASE
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.profiles.requirements import NodeFacts, NodeRequirement, node_problems
@@ -108,7 +108,7 @@ def test_torch_npu_and_vllm_ascend_must_be_releases_of_torch_and_vllm():
 @pytest.mark.parametrize("version", ["=>banana", "==", "0.9.1", ">=1.0;<2"])
 def test_a_version_that_is_no_specifier_is_refused_at_planning(version):
     """It passed planning and then matched no node's version: every node was blamed."""
-    from grpo_pipeline.common.errors import ProfileError
+    from grpo_pipeline.errors import ProfileError
 
     with pytest.raises(ProfileError, match=f"requires.vllm.version={version!r}: .* is not a PEP 440 version specifier; "
                        "write one like ==0.9.1"):

@@ -98,8 +98,8 @@ def test_a_ray_node_whose_image_has_same_named_packages_runs_the_project_and_kee
     from ray import cloudpickle
     from ray.cluster_utils import Cluster
 
-    from grpo_pipeline.common.node_tasks import check_paths_on_nodes
-    from grpo_pipeline.common.ray_cluster import FREE_PORTS, connect_ray
+    from grpo_pipeline.cluster.node_tasks import check_paths_on_nodes
+    from grpo_pipeline.cluster.ray_cluster import FREE_PORTS, connect_ray
 
     image = others_packages(tmp_path / "image-site", "WHOSE = \"the image's {name}\"\n")
     # Ray adds the driver's working directory to its workers' path: here that would be this checkout,
@@ -112,7 +112,7 @@ def test_a_ray_node_whose_image_has_same_named_packages_runs_the_project_and_kee
     cluster = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 1, "env_vars": {"PYTHONPATH": str(image)}})
     try:
         connect_ray(cluster.address, {})  # as a run joins a cluster: the job's py_modules are the package
-        # The project's own node task, pickled by reference: the worker imports grpo_pipeline.common.node_tasks.
+        # The project's own node task, pickled by reference: the worker imports grpo_pipeline.cluster.node_tasks.
         assert check_paths_on_nodes({}, {"data.root": [str(tmp_path)]}, {}) == 1
         cloudpickle.register_pickle_by_value(sys.modules[__name__])
         try:

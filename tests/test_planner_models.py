@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.planner.activations import mlp_bytes
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.profiles.hf_config import architecture_from_hf_config
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.profiles.loader import resolve_run_profile

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.stages.plan import resolve_profile
 
 Q122 = "qwen3.5-122b-a10b"

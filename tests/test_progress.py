@@ -14,14 +14,14 @@ import textwrap
 
 import pytest
 
-from grpo_pipeline.common.progress import Bar, reporting_to
+from grpo_pipeline.progress import Bar, reporting_to
 
 # A run's console in miniature: two bars (one nested), log lines through a StreamHandler made before the
 # terminal was taken (as Prefect's is) and one made after (as Ray's is), and a print.
 CONSOLE = textwrap.dedent("""
     import logging, sys
     early = logging.getLogger("early"); early.addHandler(logging.StreamHandler(sys.stderr)); early.propagate = False
-    from grpo_pipeline.common.progress import Bar, terminal_owned
+    from grpo_pipeline.progress import Bar, terminal_owned
     with terminal_owned():
         late = logging.getLogger("late"); late.addHandler(logging.StreamHandler(sys.stderr)); late.propagate = False
         with Bar(total=3, desc="GRPO steps") as outer:
@@ -62,7 +62,7 @@ def test_a_local_rays_default_token_auth_is_kept_without_its_warning():
     setup = pytest.importorskip("ray._private.authentication.authentication_token_setup")
     if not hasattr(setup, "_warn_token_auth_enabled"):
         pytest.skip("this Ray announces its default differently")
-    from grpo_pipeline.common.ray_cluster import RAY_AUTH_DEFAULT_NOTICE, quiet_default_token_auth
+    from grpo_pipeline.cluster.ray_cluster import RAY_AUTH_DEFAULT_NOTICE, quiet_default_token_auth
 
     said: list[str] = []
     heard = logging.Handler()

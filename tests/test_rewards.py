@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.rewards.builtin import arith_score, boxed_content, geo3k_score, gsm8k_score, score
 
 

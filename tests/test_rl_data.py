@@ -10,7 +10,7 @@ import pytest
 from datasets_fixtures import geo3k_table, gsm8k_table, parquet_bytes
 from grpo_pipeline.profiles.schema import DataSection
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
-from grpo_pipeline.common.rl_data import (
+from grpo_pipeline.data.rl_data import (
     ARITH_SOURCE,
     DatasetFormatError,
     arith_splits,
@@ -140,7 +140,7 @@ def _verl_config(tmp_path, **extra):
 
 
 def test_verl_rlhf_dataset_reads_arith_and_gsm8k(tmp_path, verl_dataset_class):
-    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(512, seed=0)
     arith = fetch_dataset(DataSpec.from_profile(DataSection(root=str(tmp_path), arith_train_rows=16, arith_test_rows=4)))
@@ -157,7 +157,7 @@ def test_verl_rlhf_dataset_reads_arith_and_gsm8k(tmp_path, verl_dataset_class):
 
 
 def test_verl_rlhf_dataset_builds_image_messages_for_geo3k(tmp_path, verl_dataset_class):
-    from grpo_pipeline.common.builtin_models import train_tiny_tokenizer
+    from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
 
     path = tmp_path / "geo3k-train.parquet"
     pq.write_table(convert_geo3k(geo3k_table(2), "train"), path)

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from grpo_pipeline.backends.local.checkpoints import LATEST, TRAINER_DIR, latest_step, publish_step
-from grpo_pipeline.common.files import current_umask
+from grpo_pipeline.store.files import current_umask
 
 
 def _mode(path) -> int:

@@ -9,8 +9,8 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from grpo_pipeline.stages.request import RunRequest
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.run.request import RunRequest
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.profiles.secrets import is_secret, parse_reference, redact, scrub, secret_literal_problems
 from grpo_pipeline.stages.environment import resolve_environment
@@ -197,7 +197,7 @@ def test_the_run_plan_prefect_stores_as_a_flow_parameter_holds_no_secret_value(m
 def test_a_stage_error_quoting_a_secret_is_raised_scrubbed_and_keeps_its_kind(monkeypatch):
     """Prefect stores a failed task's message and pickles its exception: neither may hold the value."""
     from grpo_pipeline.tasks.policy import errors_scrubbed
-    from grpo_pipeline.common.errors import UserError
+    from grpo_pipeline.errors import UserError
 
     monkeypatch.setenv("HF_TOKEN", "made-up-token-value-5150")
 

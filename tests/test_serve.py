@@ -8,9 +8,9 @@ import pytest
 import yaml
 
 from grpo_pipeline.flows.form import run_from_form
-from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.run.request import RunRequest
 from grpo_pipeline.flows.serve import PREFECT_YAML, deployments_in, to_runner_deployment
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 
 FORM_DEFAULTS = {name: p.default for name, p in inspect.signature(run_from_form.fn).parameters.items()

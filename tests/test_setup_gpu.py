@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from grpo_pipeline.stages.device import detect_device
-from grpo_pipeline.common.errors import DeviceError
+from grpo_pipeline.errors import DeviceError
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "setup_gpu.py"

@@ -135,7 +135,7 @@ def grpo_phases(model_dir, tmp_path, beta: float, steps_per_generation: int, pac
     from grpo_pipeline.backends.local.trl_hooks import grpo_trainer_class
 
     from grpo_pipeline.backends.local.phases import StepPhases
-    from grpo_pipeline.common.rl_data import arith_splits
+    from grpo_pipeline.data.rl_data import arith_splits
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

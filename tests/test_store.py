@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-import grpo_pipeline.common.store
-from grpo_pipeline.common.store import MANIFEST, Built, Store, verify_entry
+import grpo_pipeline.store.content
+from grpo_pipeline.store.content import MANIFEST, Built, Store, verify_entry
 
 IDENTITY = {"source": "unit", "revision": "r1"}
 
@@ -119,7 +119,7 @@ def test_concurrent_runs_build_once_and_never_see_half_an_entry(tmp_path):
 
 def test_a_large_entry_edited_with_its_mtime_set_back_is_still_hashed_and_caught(tmp_path, monkeypatch):
     """Setting the mtime back (touch -r) changes the ctime, which no call can set: the edit is seen."""
-    monkeypatch.setattr("grpo_pipeline.common.store.DEEP_VERIFY_MAX_BYTES", 100)
+    monkeypatch.setattr("grpo_pipeline.store.content.DEEP_VERIFY_MAX_BYTES", 100)
     entry = Store(tmp_path).get_or_build("thing", IDENTITY, build_two_files([]))
     blob = entry.path / "sub" / "b.bin"
     before = blob.stat()
@@ -134,11 +134,11 @@ def test_a_large_entry_edited_with_its_mtime_set_back_is_still_hashed_and_caught
 def test_a_large_entry_hashes_only_files_whose_times_changed_and_only_once(tmp_path, monkeypatch):
     """Unchanged files are trusted on their size, mtime and ctime; a file whose times changed but not
     its bytes (a copied store) is hashed, and the manifest then records its new times."""
-    monkeypatch.setattr("grpo_pipeline.common.store.DEEP_VERIFY_MAX_BYTES", 100)  # the entry (2.5 kB) counts as large
+    monkeypatch.setattr("grpo_pipeline.store.content.DEEP_VERIFY_MAX_BYTES", 100)  # the entry (2.5 kB) counts as large
     entry = Store(tmp_path).get_or_build("thing", IDENTITY, build_two_files([]))
     hashed = []
-    real = grpo_pipeline.common.store.sha256_files
-    monkeypatch.setattr("grpo_pipeline.common.store.sha256_files", lambda paths, desc: hashed.append(len(paths)) or real(paths, desc))
+    real = grpo_pipeline.store.content.sha256_files
+    monkeypatch.setattr("grpo_pipeline.store.content.sha256_files", lambda paths, desc: hashed.append(len(paths)) or real(paths, desc))
     assert verify_entry(entry.path) == [] and hashed == [0]
     blob = entry.path / "sub" / "b.bin"
     os.utime(blob, ns=(blob.stat().st_atime_ns, blob.stat().st_mtime_ns + 10**9))
@@ -159,7 +159,7 @@ def test_entries_are_readable_by_everyone_whatever_the_builders_umask(tmp_path):
 
 
 def test_run_files_follow_the_umask_and_private_ones_are_owner_only(tmp_path):
-    from grpo_pipeline.common.files import write_text_atomic
+    from grpo_pipeline.store.files import write_text_atomic
 
     old = os.umask(0o022)
     try:
@@ -172,7 +172,7 @@ def test_run_files_follow_the_umask_and_private_ones_are_owner_only(tmp_path):
 
 
 def test_the_deep_check_command_reports_each_entry(tmp_path, capsys):
-    from grpo_pipeline.common.store import main
+    from grpo_pipeline.store.content import main
 
     good = Store(tmp_path).get_or_build("thing", IDENTITY, build_two_files([]))
     bad = Store(tmp_path).get_or_build("thing", {**IDENTITY, "revision": "r2"}, build_two_files([]))

@@ -26,12 +26,12 @@ from grpo_pipeline.backends.metrics import StepMetrics
 from grpo_pipeline.backends.verl.command import verl_command
 from grpo_pipeline.backends.verl.job import job_spec
 from grpo_pipeline.backends.verl.rewards import reward_modules
-from grpo_pipeline.common.tracker_session import tracking_session
-from grpo_pipeline.common.tracking import FINISHED, read_state
+from grpo_pipeline.tracking.session import tracking_session
+from grpo_pipeline.tracking.trackers import FINISHED, read_state
 from grpo_pipeline.tasks.tracking import StepTracking, close_tracker_runs, open_tracker_run, tracking_lines
 from mlflow_server import free_port, mlflow_server
-from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.rl_data import arith_splits
+from grpo_pipeline.errors import UserError
+from grpo_pipeline.data.rl_data import arith_splits
 from grpo_pipeline.profiles.loader import resolve_profile
 from grpo_pipeline.stages.device import DeviceInfo
 from grpo_pipeline.stages.environment import resolve_environment
@@ -228,7 +228,7 @@ def test_an_unknown_tracker_is_refused_at_planning_in_one_line():
 
 def test_the_forms_tracker_choice_is_the_profiles_tracking_trackers():
     from grpo_pipeline.flows.form import run_from_form
-    from grpo_pipeline.stages.request import RunRequest
+    from grpo_pipeline.run.request import RunRequest
     from prefect.utilities.callables import parameter_schema
 
     schema = parameter_schema(run_from_form.fn).model_dump()

@@ -11,7 +11,7 @@ import pytest
 
 from grpo_pipeline.backends.local.mapping import GrpoFields
 from grpo_pipeline.backends.local.trl_hooks import PRIVATE_METHODS, TRL_CHECKED, check_trl, signature_drift
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 
 @pytest.mark.parametrize("name", sorted(PRIVATE_METHODS))

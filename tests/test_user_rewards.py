@@ -9,7 +9,7 @@ import pytest
 
 from reward_files import RAISES_ON_ONE, TRL_STYLE, VERL_STYLE, write
 from reward_server import RewardServer
-from grpo_pipeline.common.rl_data import RL_SCHEMA, rl_row
+from grpo_pipeline.data.rl_data import RL_SCHEMA, rl_row
 from grpo_pipeline.rewards.check import check_rewards
 from grpo_pipeline.rewards.functions import RewardError, UserReward
 from grpo_pipeline.rewards.plan import FunctionEntry, RewardParts, RewardPlan, batch_of

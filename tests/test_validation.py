@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grpo_pipeline.common.errors import HEADLINE_CHARS, ProfileError
+from grpo_pipeline.errors import HEADLINE_CHARS, ProfileError
 from grpo_pipeline.stages.plan import resolve_profile
 
 Q122 = "qwen3.5-122b-a10b"

@@ -19,7 +19,7 @@ from hydra.errors import ConfigCompositionException
 from grpo_pipeline.backends.verl.command import ADD_OR_OVERRIDE, entrypoint, verl_settings
 from grpo_pipeline.backends.verl.job import FILE_LOGGER_PATH_VAR, job_spec
 from grpo_pipeline.stages.train import PLANNED_DIST_CHECKPOINT, training_inputs
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.profiles.loader import PROFILES_DIR
 from grpo_pipeline.profiles.yaml_files import load_yaml_mapping

@@ -15,7 +15,7 @@ import importlib.util
 import re
 from pathlib import Path
 
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.stages.plan import resolve_profile
 
 VERL = Path(importlib.util.find_spec("verl").submodule_search_locations[0])

@@ -17,7 +17,7 @@ from grpo_pipeline.backends.verl.steps import planned_steps
 from grpo_pipeline.backends.verl.failures import diagnose
 from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from, tracker_step
 from grpo_pipeline.backends.verl.job import JobRecord, job_spec, submission_id
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.train import training_inputs
 

@@ -22,7 +22,7 @@ from grpo_pipeline.backends.verl.steps import planned_steps, step_count_problem
 from grpo_pipeline.backends.verl.checkpoint import verl_hf_dir
 from grpo_pipeline.backends.verl.failures import diagnose
 from grpo_pipeline.backends.verl.follow import JobLog, VerlMetrics, steps_missing_from
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.loader import resolve_profile
 from verl_config import compose_verl
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from ray.cluster_utils import Cluster
 
 from grpo_pipeline.backends.metrics import read_metrics
-from grpo_pipeline.common.ray_cluster import FREE_PORTS
+from grpo_pipeline.cluster.ray_cluster import FREE_PORTS
 from node_images import node_image
 
 ROOT = Path(__file__).resolve().parents[1]

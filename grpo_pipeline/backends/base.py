@@ -160,7 +160,7 @@ class Backend(ABC):
 
     def node_requirements(self, profile: RunProfile, stage: str) -> dict[str, NodeRequirement]:
         """What every node of the run's cluster must have for `stage` (`train`, `evaluate`), checked on
-        each node before anything is started there (common/preflight.py); empty for an engine that runs
+        each node before anything is started there (cluster/preflight.py); empty for an engine that runs
         in the flow's own process."""
         return {}
 
@@ -189,7 +189,7 @@ class Backend(ABC):
     @abstractmethod
     def policy_dir(self, result: TrainResult) -> Path:
         """The Hugging Face directory of the trained policy (converted from the engine's checkpoint if need be; a
-        LoRA run's: the base model with the adapter merged, common/lora_export.py)."""
+        LoRA run's: the base model with the adapter merged, checkpoints/lora_export.py)."""
 
     def adapter_dir(self, result: TrainResult) -> Path | None:
         """A LoRA run's adapter alone, in PEFT's format (written by `policy_dir`); None for full fine-tuning."""

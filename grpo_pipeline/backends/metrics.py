@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from grpo_pipeline.common.files import write_text_atomic
+from grpo_pipeline.store.files import write_text_atomic
 
 
 class StepMetrics(BaseModel):

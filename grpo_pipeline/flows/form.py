@@ -10,7 +10,7 @@ flat fields: text boxes where empty means the default, enums as dropdowns, the s
 multi-select, `model` required. What a JSON schema can decide (the override box's grammar, secrets
 given as literals, credentials in a URL, control characters, a run name's characters) is checked by
 the Prefect API before it stores a run, and by the run again, from one definition
-(stages/form_rules.py); what only the run can check fails it in its first seconds with one line as
+(run/form_rules.py); what only the run can check fails it in its first seconds with one line as
 the state's message, and no traceback in its logs.
 """
 
@@ -23,11 +23,11 @@ from prefect.states import Failed
 from pydantic import Field
 
 from grpo_pipeline.flows.pipeline import FLOW_OPTIONS, run_pipeline
-from grpo_pipeline.stages.form_rules import json_schema
-from grpo_pipeline.stages.request import STAGES, RunRequest
+from grpo_pipeline.run.form_rules import json_schema
+from grpo_pipeline.run.request import STAGES, RunRequest
 from grpo_pipeline.tasks.policy import filter_run_logs
 from grpo_pipeline.profiles.backend_table import BackendChoice
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.profiles.tracking import TrackerName
 

@@ -23,8 +23,8 @@ import yaml
 from pydantic import ValidationError
 
 from grpo_pipeline.flows.local_api import LocalAPIError, flush_prefect, local_api_unless_configured
-from grpo_pipeline.stages.request import RERUN_COMMAND, STAGES, RunRequest
-from grpo_pipeline.common.errors import EXIT_USER_ERROR, UserError
+from grpo_pipeline.run.request import RERUN_COMMAND, STAGES, RunRequest
+from grpo_pipeline.errors import EXIT_USER_ERROR, UserError
 from grpo_pipeline.profiles.backend_table import BackendChoice, backend_help, layout_planner
 from grpo_pipeline.profiles.loader import builtin_models
 from grpo_pipeline.planner.memory import memory_table
@@ -283,7 +283,7 @@ def run_flow(request: RunRequest, plan: RunPlan) -> int:
     process's lease (flows/lease.py), with Prefect's local API unless one is configured. A stop
     (SIGTERM, Ctrl-C) ends it in order (Prefect marks it crashed, its hooks stop the Ray job and
     write the report) and exits with the signal's conventional code."""
-    from grpo_pipeline.common.progress import terminal_owned
+    from grpo_pipeline.progress import terminal_owned
     from grpo_pipeline.flows import lease
 
     configured = os.environ.get("PREFECT_API_URL")

@@ -42,9 +42,9 @@ from uuid import UUID
 
 from pydantic import BaseModel, Field, ValidationError
 
-from grpo_pipeline.common.bounded_read import read_regular, short
-from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.files import write_json_atomic
+from grpo_pipeline.store.bounded_read import read_regular, short
+from grpo_pipeline.errors import UserError
+from grpo_pipeline.store.files import write_json_atomic
 
 LEASE_VAR = "GRPO_PIPELINE_LEASE"
 # setproctitle's switch (Ray vendors it): a new title stays within the command line's bytes and leaves
@@ -177,7 +177,7 @@ def held(database: str | None = None, required: bool = False) -> Iterator[Lease]
     `required` (the command line's local API keeps its database there too)."""
     import psutil
 
-    from grpo_pipeline.common.ray_cluster import LOCAL_RAY_STARTED
+    from grpo_pipeline.cluster.ray_cluster import LOCAL_RAY_STARTED
 
     if (lease := current()) is not None:
         yield lease
@@ -227,7 +227,7 @@ def note_flow_run(flow_run_id) -> None:
 
 
 def note_ray_session(session: str) -> None:
-    """Record a local Ray session this process started (common/ray_cluster.py tells), by its id."""
+    """Record a local Ray session this process started (cluster/ray_cluster.py tells), by its id."""
     if (lease := current()) is not None and re.fullmatch(RAY_SESSION, session) and session not in lease.ray_sessions:
         lease.ray_sessions.append(session)
         lease.save()

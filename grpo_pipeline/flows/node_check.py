@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import sys
 
-from grpo_pipeline.common.preflight import run_preflight
-from grpo_pipeline.common.ray_cluster import connect_ray, disconnect_ray
-from grpo_pipeline.common.ray_address import cluster_address
+from grpo_pipeline.cluster.preflight import run_preflight
+from grpo_pipeline.cluster.ray_cluster import connect_ray, disconnect_ray
+from grpo_pipeline.cluster.ray_address import cluster_address
 from grpo_pipeline.stages.plan import RunPlan
-from grpo_pipeline.stages.request import RunRequest
-from grpo_pipeline.common.errors import EXIT_USER_ERROR, UserError
+from grpo_pipeline.run.request import RunRequest
+from grpo_pipeline.errors import EXIT_USER_ERROR, UserError
 
 
 def check_nodes(request: RunRequest, plan: RunPlan) -> int:

@@ -18,11 +18,11 @@ from prefect import flow, get_run_logger
 from prefect.context import get_run_context
 from prefect.exceptions import TerminationSignal
 
-from grpo_pipeline.common.node_tasks import check_shared
+from grpo_pipeline.cluster.node_tasks import check_shared
 from grpo_pipeline.flows import lease
-from grpo_pipeline.stages import run_lock
+from grpo_pipeline.run import lock as run_lock
 from grpo_pipeline.stages.plan import RunPlan, training_command
-from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.run.request import RunRequest
 from grpo_pipeline.tasks.run_record import RUNS, RunRecord, after_failure, close_cancelled_run
 from grpo_pipeline.tasks.stage_tasks import (
     convert_checkpoint_task,
@@ -38,7 +38,7 @@ from grpo_pipeline.tasks.stage_tasks import (
     train_task,
 )
 from grpo_pipeline.tasks.policy import filter_run_logs, reuse_only_if_intact
-from grpo_pipeline.common.tracking import FINISHED
+from grpo_pipeline.tracking.trackers import FINISHED
 from grpo_pipeline.tasks.tracking import open_tracker_run, tracking_lines
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, benchmark_specs, dataset_dir
 from grpo_pipeline.stages.model import ModelSpec, dist_checkpoint_dir, model_dir, source_digest

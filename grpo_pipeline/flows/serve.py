@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 PREFECT_YAML = Path(__file__).resolve().parents[2] / "prefect.yaml"  # the checkout's, beside pyproject.toml
 EXIT_USER_ERROR = 2

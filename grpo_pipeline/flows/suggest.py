@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 import sys
 
-from grpo_pipeline.common.errors import EXIT_USER_ERROR, UserError
+from grpo_pipeline.errors import EXIT_USER_ERROR, UserError
 from grpo_pipeline.profiles.backend_table import layout_planner
 from grpo_pipeline.profiles.model_size import size_problems
-from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.run.request import RunRequest
 
 
 def print_layouts(request: RunRequest, as_json: bool) -> int:

@@ -10,7 +10,7 @@ generation/sharding.py spreads one over the host's accelerators or a cluster's n
 from __future__ import annotations
 
 from pathlib import Path
-from grpo_pipeline.common.progress import Bar
+from grpo_pipeline.progress import Bar
 from grpo_pipeline.generation.protocol import Generate, GenerationSettings, Response
 
 def transformers_generate(model_dir: Path, prompts: list[list[dict]], settings: GenerationSettings) -> list[list[Response]]:

@@ -35,7 +35,7 @@ def sharded(generate: Generate, shards: int, platform: Platform) -> Generate:
     def generate_sharded(model_dir: Path, prompts: list[list[dict]], settings: GenerationSettings) -> list[list[Response]]:
         import ray
 
-        from grpo_pipeline.common.ray_cluster import connect_ray
+        from grpo_pipeline.cluster.ray_cluster import connect_ray
 
         connect_ray(None, None)
         run = ray.remote(**platform.ray_task_options())(generate)
@@ -94,7 +94,7 @@ def on_cluster(platform: Platform, replicas: int, devices_each: int, ray_address
     def generate_on_cluster(model_dir: Path, prompts: list[list[dict]], settings: GenerationSettings) -> list[list[Response]]:
         import ray
 
-        from grpo_pipeline.common.ray_cluster import connect_ray
+        from grpo_pipeline.cluster.ray_cluster import connect_ray
 
         connect_ray(ray_address, runtime_env)
         while unchecked:

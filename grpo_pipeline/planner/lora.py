@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from grpo_pipeline.common.errors import HEADLINE_CHARS
+from grpo_pipeline.errors import HEADLINE_CHARS
 from grpo_pipeline.profiles.lora import ALL_LINEAR
 
 if TYPE_CHECKING:

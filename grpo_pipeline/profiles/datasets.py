@@ -5,7 +5,7 @@ brings any other hub or local dataset.
     python -m grpo_pipeline --model tiny --device cpu --set data.dataset=mapped --set data.source=/data/my-qa \\
         --set data.columns.prompt=question --set data.columns.answer=final --stages fetch_dataset
 
-Where each built-in comes from and how it is converted is common/math_data.py's (and common/rl_data.py's
+Where each built-in comes from and how it is converted is data/math_data.py's (and data/rl_data.py's
 for arith, gsm8k and geo3k); the data_source picks the built-in reward (rewards/builtin.py).
 """
 
@@ -26,7 +26,7 @@ DATA_SOURCES = {
 }
 
 # Where each built-in comes from (a hub dataset repo) and which of its files, as published there
-# (common/math_data.py's table says more); arith is generated.
+# (data/math_data.py's table says more); arith is generated.
 SOURCES = {
     "gsm8k": ("openai/gsm8k", ["main/*.parquet"]),
     "geo3k": ("hiyouga/geometry3k", ["data/*.parquet"]),

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
-from grpo_pipeline.common.bounded_read import short
+from grpo_pipeline.store.bounded_read import short
 from grpo_pipeline.profiles.section import MAX_DEVICES_PER_NODE, MAX_EXPERTS, MAX_LAYERS, MAX_SEQUENCES, MAX_TOKENS, Section
 
 STRATEGY_DESCRIPTION = (

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from grpo_pipeline.common.bounded_read import MAX_JSON_BYTES, read_regular
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.store.bounded_read import MAX_JSON_BYTES, read_regular
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.profiles.model_size import vision_tower_parameters
 from grpo_pipeline.profiles.yaml_files import shown
 

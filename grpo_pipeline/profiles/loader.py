@@ -18,8 +18,8 @@ from typing import Any, get_args
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from grpo_pipeline.common.bounded_read import short
-from grpo_pipeline.common.errors import ProfileError, headline_and_details
+from grpo_pipeline.store.bounded_read import short
+from grpo_pipeline.errors import ProfileError, headline_and_details
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, without_accelerators
 from grpo_pipeline.profiles.engine import ENGINES
 from grpo_pipeline.profiles.hf_config import architecture_from_hf_config

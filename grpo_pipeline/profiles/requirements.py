@@ -7,7 +7,7 @@ they fill everything else: the device profile adds its runtime (vLLM, or torch_n
 CANN), a model recipe what its layers need (TransformerEngine and flash-linear-attention for Gated
 DeltaNet), and the training backend what it runs (verl adds verl itself, megatron-core and the
 bridge that must know the model: `Backend.node_requirements`). `--set requires.<name>=null` drops
-one. The preflight (common/node_image.py) asks every node and `node_problems` judges each answer.
+one. The preflight (cluster/node_image.py) asks every node and `node_problems` judges each answer.
 
 Names the probe answers that are not distributions: `python`, `cann` (the Ascend toolkit's version),
 `nvidia-driver` (the driver NVML reports), and `devices`: the node must have at least the devices
@@ -75,7 +75,7 @@ class NodeRequirement(Section):
 
 
 class NodeFacts(BaseModel):
-    """One node's answer (common/node_image.py)."""
+    """One node's answer (cluster/node_image.py)."""
 
     node: str = Field(..., description="`<address> (<node id>)`.")
     versions: dict[str, str | None] = Field(default_factory=dict, description="Installed version of each name asked "

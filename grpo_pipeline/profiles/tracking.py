@@ -2,7 +2,7 @@
 
     python -m grpo_pipeline --model tiny --device cpu --set 'tracking.trackers=[mlflow,tensorboard]'
 
-One choice drives both backends: the flow opens one tracker run per pipeline run (common/tracking.py)
+One choice drives both backends: the flow opens one tracker run per pipeline run (tracking/trackers.py)
 and the verl backend renders verl's own loggers to continue that same run from the cluster. Each tool
 keeps its own conventions: MLflow's `MLFLOW_TRACKING_URI`, W&B's `WANDB_API_KEY` (read from the
 environment where the flow runs, never from a profile), TensorBoard's log folder. The section is made

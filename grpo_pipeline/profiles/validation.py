@@ -15,7 +15,7 @@ import ast
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from grpo_pipeline.common.errors import ProfileError, headline_and_details
+from grpo_pipeline.errors import ProfileError, headline_and_details
 from grpo_pipeline.profiles.datasets import mapping_problems
 from grpo_pipeline.profiles.evaluation import eval_problems
 from grpo_pipeline.profiles.rewards import RewardSection
@@ -99,7 +99,7 @@ def generation_problems(p: RunProfile) -> list[str]:
 
 
 def conversion_problems(p: RunProfile) -> list[str]:
-    """A dist checkpoint asked for a model the converter cannot write (common/dist_checkpoint.py)."""
+    """A dist checkpoint asked for a model the converter cannot write (checkpoints/convert.py)."""
     if p.model.dist_checkpoint and p.model.architecture.linear_num_key_heads:
         return [
             f"model.dist_checkpoint=true: {p.model.name} has Gated DeltaNet (linear attention) layers, which "

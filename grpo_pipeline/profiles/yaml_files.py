@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 
 # What one profile file may hold: far more than any real profile, far less than a parser bomb.
 MAX_PROFILE_BYTES = 1 << 20

@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 from pydantic import BaseModel
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 
 class Score(BaseModel):
@@ -112,7 +112,7 @@ def arith_score(response: str, ground_truth: str) -> Score:
     return Score(reward=0.9 * correct + 0.1 * formatted, correct=correct, formatted=formatted)
 
 
-# The data sources of the math datasets (common/math_data.py writes them; verl's own names where verl has one).
+# The data sources of the math datasets (data/math_data.py writes them; verl's own names where verl has one).
 MATH_SOURCES = ("DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo", "aime24", "aime25")
 # Data sources whose reward here is verl's own default reward, on the same responses: a verl run of them
 # with no reward of the user's needs no reward of the pipeline's.

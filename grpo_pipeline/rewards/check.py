@@ -19,7 +19,7 @@ import json
 import subprocess
 import sys
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.rewards.functions import RewardError
 
 DRY_ROWS = 2

@@ -30,7 +30,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, Literal
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 Style = Literal["verl", "trl"]
 VERL_PARAMETERS = ("data_source", "solution_str", "ground_truth")

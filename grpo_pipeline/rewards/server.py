@@ -22,7 +22,7 @@ import os
 import time
 from typing import Any
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.secrets import hold_by_reference, parse_reference, scrub
 from grpo_pipeline.rewards.functions import Batch, RewardError, Scored, number
 

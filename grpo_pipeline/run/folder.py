@@ -30,10 +30,10 @@ class RunFolder:
     POLICY = "policy.json"  # the exported policy's directory
     BEST = "best"  # a link to the best checkpoint's policy (stages/export.py)
     BEST_RECORD = "best.json"  # which checkpoint is the best, and why
-    # What the flow keeps (tasks/, common/tracking.py).
+    # What the flow keeps (tasks/, tracking/trackers.py).
     TIMINGS = "timings.json"  # seconds per stage
     TRACKING = "tracking.json"  # the tracker runs' ids and the last step logged
-    LOCK = ".run.lock"  # the live run that holds the folder (stages/run_lock.py)
+    LOCK = ".run.lock"  # the live run that holds the folder (run/lock.py)
     # The report and its plots (stages/report.py, benchmark_report.py, guard_panel.py).
     REPORT = "report.md"
     REWARD_CURVE = "reward_curve.png"

@@ -5,7 +5,7 @@
     HF_ENDPOINT=https://hf-mirror.com python -m grpo_pipeline --set data.dataset=geo3k \\
         --set data.source=tyzhu/geo3k --stages fetch_dataset
 
-The result is a content-store entry (`common/store.py`) under `data.root`, keyed by source, revision,
+The result is a content-store entry (`store/content.py`) under `data.root`, keyed by source, revision,
 file patterns and converter version: the second run with the same inputs reads only the manifest
 and hashes the files (no network), and a damaged entry is built again.
 """
@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.yaml_files import path_kind
 from grpo_pipeline.profiles.schema import DataSection
-from grpo_pipeline.common.store import Built, Store
+from grpo_pipeline.store.content import Built, Store
 from grpo_pipeline.profiles.evaluation import HELDOUT
 from grpo_pipeline.profiles.datasets import EVALUATION_ONLY, SOURCES, DataColumns, DatasetName, data_source_of
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 # pyarrow and huggingface_hub are imported where files are made, so planning a run (a dry run
 # renders paths of this stage) stays fast.
 ARITH = "arith"
-# Bumped whenever a converter's output (common/rl_data.py) changes, so cached datasets are rebuilt.
+# Bumped whenever a converter's output (data/rl_data.py) changes, so cached datasets are rebuilt.
 CONVERTER_VERSION = 2
 
 SPLITS = ("train", "test")
@@ -124,7 +124,7 @@ def dataset_problems(d: DataSection) -> list[str]:
     """Splits the arith generator cannot make, refused at planning (found minutes in, at this stage, otherwise)."""
     if d.dataset != "arith" or d.source:
         return []
-    from grpo_pipeline.common.rl_data import arith_rows_problem  # pyarrow: only for arith runs
+    from grpo_pipeline.data.rl_data import arith_rows_problem  # pyarrow: only for arith runs
 
     problem = arith_rows_problem(d.arith_train_rows, d.arith_test_rows, d.seed)
     return [problem] if problem else []
@@ -164,8 +164,8 @@ def fetch_dataset(spec: DataSpec, log=print) -> DatasetFiles:
 def _build(spec: DataSpec, scratch: Path, out: Path) -> Built:
     import pyarrow.parquet as pq
 
-    from grpo_pipeline.common.hub import fetch_snapshot
-    from grpo_pipeline.common.rl_data import arith_splits, check_rl_file
+    from grpo_pipeline.store.hub import fetch_snapshot
+    from grpo_pipeline.data.rl_data import arith_splits, check_rl_file
 
     details: dict[str, Any] = {}
     if spec.source_kind == "builtin":
@@ -196,7 +196,7 @@ def _read_splits(directory: Path, patterns: list[str], source: str) -> dict[str,
     """The source's files grouped by split (file name), shards concatenated."""
     import pyarrow as pa
 
-    from grpo_pipeline.common.rl_data import DatasetFormatError
+    from grpo_pipeline.data.rl_data import DatasetFormatError
 
     shards: dict[str, list[Path]] = {}
     for path in _matching_files(directory, patterns):
@@ -224,9 +224,9 @@ def _read_table(path: Path) -> pa.Table:
 
 
 def _convert(spec: DataSpec, raw: dict[str, pa.Table]) -> dict[str, pa.Table]:
-    from grpo_pipeline.common.mapped_data import convert_mapped
-    from grpo_pipeline.common.math_data import CONVERTERS, complete_splits
-    from grpo_pipeline.common.rl_data import DatasetFormatError, convert_geo3k, convert_gsm8k, is_rl_table, rl_schema_problems
+    from grpo_pipeline.data.mapped_data import convert_mapped
+    from grpo_pipeline.data.math_data import CONVERTERS, complete_splits
+    from grpo_pipeline.data.rl_data import DatasetFormatError, convert_geo3k, convert_gsm8k, is_rl_table, rl_schema_problems
 
     converters = {"gsm8k": convert_gsm8k, "geo3k": convert_geo3k,
                   "mapped": lambda table, split: convert_mapped(table, split, spec.columns, spec.data_source),

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.errors import DeviceError
+from grpo_pipeline.errors import DeviceError
 from grpo_pipeline.profiles.loader import DEVICE_KINDS, platform_for
 
 if TYPE_CHECKING:

@@ -22,10 +22,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.errors import ProfileError
+from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.secrets import hold_by_reference, is_secret, is_secret_entry, is_secret_value, parse_reference, redact
-from grpo_pipeline.common.ray_address import parse_ray_address
+from grpo_pipeline.cluster.ray_address import parse_ray_address
 
 PROXY_VARS = ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY")
 NO_PROXY_VARS = ("no_proxy", "NO_PROXY")

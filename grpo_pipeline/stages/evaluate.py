@@ -29,10 +29,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.evaluation import HELDOUT, pass_ks
 from grpo_pipeline.profiles.schema import RunProfile
-from grpo_pipeline.common.files import write_text_atomic
+from grpo_pipeline.store.files import write_text_atomic
 from grpo_pipeline.generation.decoding import compile_cache_dir
 from grpo_pipeline.generation.engines import engine_label, transformers_generate
 from grpo_pipeline.generation.plan import GenerationPlan

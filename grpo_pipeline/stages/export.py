@@ -4,7 +4,7 @@
 
 The backend that trained says where its policy is (`Backend.policy_dir`: the local backend's
 `global_step_N` holds it; verl's step is merged from its Megatron shards when need be; a LoRA run's is the
-adapter merged into the base model, written beside the adapter alone: common/lora_export.py). The
+adapter merged into the base model, written beside the adapter alone: checkpoints/lora_export.py). The
 directory is checked like a base model (config loads, weights complete, shapes) and every tensor is
 scanned for NaN / Inf: a diverged run must not be evaluated or shipped as if fine.
 
@@ -24,8 +24,8 @@ from pydantic import BaseModel, Field
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainResult
-from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.files import write_json_atomic
+from grpo_pipeline.errors import UserError
+from grpo_pipeline.store.files import write_json_atomic
 from grpo_pipeline.stages.model import ModelFormatError, verify_hf_dir
 from grpo_pipeline.run.folder import RunFolder
 

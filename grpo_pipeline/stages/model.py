@@ -4,7 +4,7 @@
     python -m grpo_pipeline --model Qwen/Qwen3-0.6B --set model.revision=<commit> --stages prepare_checkpoint
 
 Sources, from `model.path`:
-- `builtin:tiny`, `builtin:smollm2-135m`: made here (`common/builtin_models.py`), once, into the store;
+- `builtin:tiny`, `builtin:smollm2-135m`: made here (`data/builtin_models.py`), once, into the store;
 - a hub repo id: the config, tokenizer and safetensors files (`model.files`) at the pinned revision,
   fetched once into the store under `model.root` with the same retry / verify / atomic rules as data;
 - a local HF directory: used in place, after checking that it is complete.
@@ -23,13 +23,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.hf_config import architecture_from_hf_config
 from grpo_pipeline.profiles.yaml_files import path_kind
 from grpo_pipeline.profiles.schema import ModelArchitecture, ModelSection
-from grpo_pipeline.common.bounded_read import MAX_JSON_BYTES, read_regular, short
-from grpo_pipeline.common.builtin_models import BUILDERS
-from grpo_pipeline.common.store import Built, Store, fingerprint, read_manifest
+from grpo_pipeline.store.bounded_read import MAX_JSON_BYTES, read_regular, short
+from grpo_pipeline.data.builtin_models import BUILDERS
+from grpo_pipeline.store.content import Built, Store, fingerprint, read_manifest
 
 BUILTIN_PREFIX = "builtin:"
 INDEX_FILE = "model.safetensors.index.json"
@@ -143,7 +143,7 @@ def source_digest(model_path: Path) -> str:
 
 def dist_identity(model_path: Path) -> dict[str, Any]:
     """The dist checkpoint's store key: the source weights, the target layout, the converter."""
-    from grpo_pipeline.common.megatron_layout import CONVERTER_VERSION, DIST_LAYOUT
+    from grpo_pipeline.checkpoints.megatron_layout import CONVERTER_VERSION, DIST_LAYOUT
 
     return {"source": source_digest(model_path), "layout": DIST_LAYOUT, "converter": CONVERTER_VERSION}
 
@@ -156,7 +156,7 @@ def dist_checkpoint_dir(spec: ModelSpec, model_path: Path) -> Path:
 def prepare_dist_checkpoint(spec: ModelSpec, model_path: Path, log=print) -> DistCheckpoint:
     """The base model as a megatron-core dist checkpoint, converted once (streamed, on CPU) into the
     store next to the HF weights, so each rank of a large run reads only its shard."""
-    from grpo_pipeline.common.megatron_layout import CONVERTER_VERSION, hf_to_dist
+    from grpo_pipeline.checkpoints.megatron_layout import CONVERTER_VERSION, hf_to_dist
 
     identity = dist_identity(model_path)
 
@@ -191,7 +191,7 @@ def check_architecture(path: Path, expected: ModelArchitecture | None) -> None:
 
 
 def _build(spec: ModelSpec, scratch: Path, out: Path) -> Built:
-    from grpo_pipeline.common.hub import fetch_snapshot
+    from grpo_pipeline.store.hub import fetch_snapshot
 
     built = Built()
     if spec.source_kind == "builtin":

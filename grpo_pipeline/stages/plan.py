@@ -21,10 +21,10 @@ from pydantic import BaseModel, Field
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingRun
-from grpo_pipeline.common.file_faults import run_folder_problem
-from grpo_pipeline.stages import run_lock
-from grpo_pipeline.stages.request import RERUN_COMMAND, RunRequest
-from grpo_pipeline.common.errors import DoesNotFit, ProfileError, UserError
+from grpo_pipeline.store.file_faults import run_folder_problem
+from grpo_pipeline.run import lock as run_lock
+from grpo_pipeline.run.request import RERUN_COMMAND, RunRequest
+from grpo_pipeline.errors import DoesNotFit, ProfileError, UserError
 from grpo_pipeline.generation.plan import GenerationPlan, plan_generation
 from grpo_pipeline.profiles.loader import given_settings, resolve_run_profile
 from grpo_pipeline.profiles.validation import profile_problems, refuse
@@ -39,10 +39,10 @@ from grpo_pipeline.stages.device import DeviceInfo, detect_device, requested_dev
 from grpo_pipeline.stages.environment import RuntimeEnv, resolve_environment
 from grpo_pipeline.stages.model import ModelCheckpoint, ModelSpec, model_dir
 from grpo_pipeline.stages.train import training_inputs
-from grpo_pipeline.common.hub_reach import hub_endpoint, hub_offline, reach_problem, unreachable
-from grpo_pipeline.common.ray_address import check_reachable, cluster_address, parse_ray_address
-from grpo_pipeline.common.store import read_manifest
-from grpo_pipeline.common.tracking import missing_credentials, store_problem
+from grpo_pipeline.store.hub_reach import hub_endpoint, hub_offline, reach_problem, unreachable
+from grpo_pipeline.cluster.ray_address import check_reachable, cluster_address, parse_ray_address
+from grpo_pipeline.store.content import read_manifest
+from grpo_pipeline.tracking.trackers import missing_credentials, store_problem
 from grpo_pipeline.run.folder import RunFolder
 
 log = logging.getLogger(__name__)
@@ -236,7 +236,7 @@ def check_tracker_credentials(profile: RunProfile, environ: dict[str, str]) -> N
 
 def check_run_dir(run_dir: Path, dry_run: bool) -> None:
     """The run's folder can exist here: each name within the file system's limit and, for a run, the
-    folder made, written to, and held for this run alone (stages/run_lock.py); a dry run writes nothing:
+    folder made, written to, and held for this run alone (run/lock.py); a dry run writes nothing:
     it only checks the names."""
     ancestor = next(p for p in (run_dir, *run_dir.parents) if _exists(p))
     try:
@@ -272,7 +272,7 @@ def plan_run(request: RunRequest, dry_run: bool = False) -> RunPlan:
     """The run's plan, checked: the first task of every flow run (flows/pipeline.py), whichever door it came
     in by (the command line plans before Prefect starts and hands the flow this plan; the form, a deployment
     and a schedule plan in that task), and what `--dry-run` prints. A refusal is one line (UserError),
-    before anything is fetched or started. A real run's plan holds its run folder (stages/run_lock.py)."""
+    before anything is fetched or started. A real run's plan holds its run folder (run/lock.py)."""
     device = detect_device(requested_device(request.device), dry_run=dry_run, cluster=cluster_address(request.ray_address)[0])
     try:
         profile, backend_reason, generation = profile_for(request, device)

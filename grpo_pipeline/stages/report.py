@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from grpo_pipeline.backends.metrics import read_metrics
-from grpo_pipeline.common.files import write_text_atomic
-from grpo_pipeline.common.preflight import Preflight
+from grpo_pipeline.store.files import write_text_atomic
+from grpo_pipeline.cluster.preflight import Preflight
 from grpo_pipeline.planner.memory import MemoryPlan, memory_table
 from grpo_pipeline.stages import guard_panel
 from grpo_pipeline.rewards.builtin import BUILTIN_REWARD_RANGE

@@ -17,7 +17,7 @@ from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingProgress, TrainingRun, TrainResult
 from grpo_pipeline.backends.guards import GuardTripped, StepGuards
 from grpo_pipeline.backends.metrics import StepMetrics, read_metrics
-from grpo_pipeline.common.files import write_json_atomic
+from grpo_pipeline.store.files import write_json_atomic
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.stages.dataset import DatasetFiles, DataSpec, dataset_dir

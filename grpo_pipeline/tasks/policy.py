@@ -30,10 +30,10 @@ from prefect.tasks import exponential_backoff
 from grpo_pipeline.backends.base import TrainingInterrupted
 from grpo_pipeline.backends.guards import GuardTripped
 from grpo_pipeline.backends.metrics import StepMetrics, read_metrics
-from grpo_pipeline.common.file_faults import file_fault
-from grpo_pipeline.common.progress import reporting_to
-from grpo_pipeline.common.store import fingerprint, verify_entry, what_is_checked
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.store.file_faults import file_fault
+from grpo_pipeline.progress import reporting_to
+from grpo_pipeline.store.content import fingerprint, verify_entry, what_is_checked
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.secrets import scrub, secret_values
 
 # Task settings, per stage. Every stage fails at once on a config error (`retry_unless_user_error`).
@@ -214,7 +214,7 @@ def errors_scrubbed(fn):
     credentials, say) raises it scrubbed: Prefect stores a failed task's message in its database and
     pickles the exception into its result storage. The kind of error stays: a config error (UserError)
     is still one, never retried; an OSError no retry can fix (a full disk, a file where a folder
-    belongs: common/file_faults.py) becomes one; anything else is still retried. (functools.wraps: the task's cache key
+    belongs: store/file_faults.py) becomes one; anything else is still retried. (functools.wraps: the task's cache key
     is still its own source.)"""
 
     signature = inspect.signature(fn)

@@ -27,10 +27,10 @@ from prefect.logging import get_logger
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainResult
-from grpo_pipeline.common.files import write_json_atomic
-from grpo_pipeline.common.ray_cluster import stop_ray_job
-from grpo_pipeline.common.tracking import FAILED, KILLED
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.store.files import write_json_atomic
+from grpo_pipeline.cluster.ray_cluster import stop_ray_job
+from grpo_pipeline.tracking.trackers import FAILED, KILLED
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.stages.dataset import DatasetFiles
 from grpo_pipeline.stages.evaluate import EvalReport

@@ -19,13 +19,13 @@ from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainResult
 from grpo_pipeline.backends.guards import GuardTripped
 from grpo_pipeline.backends.metrics import StepMetrics
-from grpo_pipeline.common.files import write_json_atomic, write_text_atomic
-from grpo_pipeline.common.progress import Bar
+from grpo_pipeline.store.files import write_json_atomic, write_text_atomic
+from grpo_pipeline.progress import Bar
 from grpo_pipeline.stages.plan import RunPlan, plan_run
-from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.run.request import RunRequest
 from grpo_pipeline.tasks.run_record import RunRecord, write_run_report
 from grpo_pipeline.tasks.policy import CACHED_ACROSS_RUNS, StepTable, progress_artifact, stage_task
-from grpo_pipeline.common.tracking import FINISHED
+from grpo_pipeline.tracking.trackers import FINISHED
 from grpo_pipeline.tasks.tracking import StepTracking, tell_trackers
 from grpo_pipeline.generation.engines import engine_label
 from grpo_pipeline.generation.plan import GenerationPlan

@@ -1,4 +1,4 @@
-"""What the flow logs to the run's experiment trackers (common/tracking.py), and when.
+"""What the flow logs to the run's experiment trackers (tracking/trackers.py), and when.
 
     python -m grpo_pipeline --model tiny --device cpu --set 'tracking.trackers=[mlflow]'
 
@@ -7,7 +7,7 @@ the resolved profile (secrets redacted, as in profile.yaml) and the environment 
 naming the Prefect flow run (its id; its URL when a Prefect server is used), the model, the device and
 the backend. During training: each step's metrics, for a backend whose job does not log them itself
 (`Backend.logs_to_trackers`), the guards' numbers among them, each once, from metrics.jsonl when a tracker did not answer
-(common/tracker_session.py); a guard that stops the run, at its step. At the end, whichever way the run ends: every tracker filled up to the
+(tracking/session.py); a guard that stops the run, at its step. At the end, whichever way the run ends: every tracker filled up to the
 last step, the report (which links the tracker runs and names steps one missed), the base and trained
 evaluation on each benchmark with its intervals, each saved step's at its step (eval.checkpoints=all|best:
 the curve) and the best checkpoint's name, the report, its plots and the run's records as files, and the
@@ -24,8 +24,8 @@ from uuid import UUID
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.guards import GuardTrip
 from grpo_pipeline.backends.metrics import StepMetrics, read_metrics
-from grpo_pipeline.common.tracker_session import StepSource, tracking_session
-from grpo_pipeline.common.tracking import TrackingState, read_state, start_tracking
+from grpo_pipeline.tracking.session import StepSource, tracking_session
+from grpo_pipeline.tracking.trackers import TrackingState, read_state, start_tracking
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.stages.device import DeviceInfo
@@ -104,7 +104,7 @@ def metrics_steps(run_dir: Path) -> StepSource:
 class StepTracking:
     """Training's steps to the trackers, for a backend whose job does not log them itself. A tracker
     that goes away once training runs costs a warning and at most a few seconds every RETRY_S, never
-    the training; its steps are sent when it answers, or at the end (common/tracker_session.py)."""
+    the training; its steps are sent when it answers, or at the end (tracking/session.py)."""
 
     def __init__(self, profile: RunProfile, run_dir: Path, logs_itself: bool, warn):
         self._context, self.session = None, None

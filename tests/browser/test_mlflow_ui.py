@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from grpo_pipeline.common.tracking import read_state
+from grpo_pipeline.tracking.trackers import read_state
 from mlflow_server import mlflow_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.browser]

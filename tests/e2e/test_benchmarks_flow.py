@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpo_pipeline.common.tracking import read_state
+from grpo_pipeline.tracking.trackers import read_state
 from hub_server import HubServer
 from tools.benchmark_demo import repos
 from tracker_readers import tensorboard_scalars, tensorboard_texts

@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_pipeline.common.rl_data import arith_splits
+from grpo_pipeline.data.rl_data import arith_splits
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_a_bad_dataset_fails_the_flow_with_one_line_and_exit_2(tmp_path):
 
 
 def test_evaluate_any_directories_without_training_and_refuse_one_without_weights(tmp_path):
-    from grpo_pipeline.common.builtin_models import build_tiny
+    from grpo_pipeline.data.builtin_models import build_tiny
 
     first, second = tmp_path / "policy-a", tmp_path / "policy-b"
     build_tiny(first)

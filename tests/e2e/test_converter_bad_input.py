@@ -1,4 +1,4 @@
-"""The converter's command line against hostile input (`python -m grpo_pipeline.common.dist_checkpoint`): each bad
+"""The converter's command line against hostile input (`python -m grpo_pipeline.checkpoints.convert`): each bad
 input is exactly one `error:` line on stderr and exit 2, no traceback, and nothing left behind (no
 OUT, no partial, no parent it made, a foreign OUT untouched); a crafted `.metadata` runs nothing.
 Most cases call `main` in this process; a few run the command line as a subprocess, one of them
@@ -43,7 +43,7 @@ from converter_inputs import (
 )
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
-from grpo_pipeline.common.dist_checkpoint import main
+from grpo_pipeline.checkpoints.convert import main
 
 QKV = "decoder.layers.self_attention.linear_qkv.weight"
 

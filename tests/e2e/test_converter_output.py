@@ -1,4 +1,4 @@
-"""What a conversion leaves, when it is killed and when two run at once (common/staged_output.py):
+"""What a conversion leaves, when it is killed and when two run at once (checkpoints/staged_output.py):
 a conversion killed with -9 leaves a partial that the next conversion of the same OUT removes, while
 a live writer's partial is left alone and its late rename refused; what a conversion writes has the
 modes of the umask.
@@ -15,8 +15,8 @@ import subprocess
 import pytest
 from converter_inputs import HANG_GUARD_S, ROOT, cli, env, llama, stopped_mid_way
 
-from grpo_pipeline.common.dist_reader import DistCheckpointReader
-from grpo_pipeline.common.megatron_layout import dist_plan, dist_to_hf, hf_to_dist, model_shape
+from grpo_pipeline.checkpoints.dist_reader import DistCheckpointReader
+from grpo_pipeline.checkpoints.megatron_layout import dist_plan, dist_to_hf, hf_to_dist, model_shape
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_a_live_writer_s_partial_is_left_alone_and_its_late_rename_refused(llama
 
 @pytest.mark.parametrize("umask", [0o022, 0o002])
 def test_what_a_conversion_writes_has_the_modes_of_the_umask(tiny_model_dir, tmp_path, umask):
-    """Run files are for the team (common/files.py): 0666 / 0777 less the umask, both ways, although
+    """Run files are for the team (store/files.py): 0666 / 0777 less the umask, both ways, although
     safetensors writes its files 0600 and the source's files may have other modes."""
     previous = os.umask(umask)
     try:

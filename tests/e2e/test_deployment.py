@@ -102,7 +102,7 @@ def test_the_form_is_the_fields_a_person_fills_each_described_and_checked(deploy
     validate(ok, schema, raise_on_error=True)
     for bad in ({"overrides": "env.HF_TOKEN=made-up-value-1234"}, {"overrides": "no equals sign"},
                 {"overrides": "data.source=https://user:made-up-pass@mirror/x"}, {"run_name": "has space"}):
-        with pytest.raises(Exception, match=" was expected$") as refused:  # the rule's words (stages/form_rules.py)
+        with pytest.raises(Exception, match=" was expected$") as refused:  # the rule's words (run/form_rules.py)
             validate({**deployment.parameters, **bad}, schema, raise_on_error=True)
         assert "made-up" not in str(refused.value) and "has space" not in str(refused.value)  # never the value
 

@@ -1,4 +1,4 @@
-"""HF <-> megatron-core dist checkpoints (common/megatron_layout.py and the modules it uses): a
+"""HF <-> megatron-core dist checkpoints (checkpoints/megatron_layout.py and the modules it uses): a
 converted model loads into megatron-core's GPTModel (local layer spec, TP=PP=1) with strict key
 checking and gives the HF model's logits (dense, MoE with per-expert and grouped-GEMM experts, HF
 experts one module each or packed, SmolLM2-135M's real weights); HF -> dist -> HF is bit-exact,
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_pipeline.common.dist_writer import cpu_megatron
-from grpo_pipeline.common.hf_shards import HFTensors
-from grpo_pipeline.common.megatron_layout import dist_to_hf, hf_to_dist
+from grpo_pipeline.checkpoints.dist_writer import cpu_megatron
+from grpo_pipeline.checkpoints.hf_shards import HFTensors
+from grpo_pipeline.checkpoints.megatron_layout import dist_to_hf, hf_to_dist
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_the_metadata_unpickler_admits_every_class_megatron_core_and_this_conver
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
-    from grpo_pipeline.common.dist_reader import MetadataUnpickler, load_metadata
+    from grpo_pipeline.checkpoints.dist_reader import MetadataUnpickler, load_metadata
 
     class Listing(pickle.Unpickler):
         def find_class(self, module, name):
@@ -299,7 +299,7 @@ def test_a_verl_step_exports_from_either_layout_and_is_scored(tiny_model_dir, tm
 
 def test_a_step_without_a_policy_is_one_line_naming_what_is_missing(tmp_path):
     from grpo_pipeline.backends.verl.checkpoint import verl_hf_dir
-    from grpo_pipeline.common.errors import UserError
+    from grpo_pipeline.errors import UserError
 
     (tmp_path / "global_step_2" / "actor" / "model" / "huggingface").mkdir(parents=True)
     with pytest.raises(UserError, match="no policy to export: neither HF weights in actor/model/huggingface or "

@@ -24,7 +24,7 @@ from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 
 from datasets_fixtures import gsm8k_repo_files
 from grpo_pipeline.flows.pipeline import grpo_pipeline
-from grpo_pipeline.stages.request import STAGES, RunRequest
+from grpo_pipeline.run.request import STAGES, RunRequest
 from hub_server import HubServer
 
 
@@ -213,7 +213,7 @@ def test_a_damaged_store_entry_is_never_served_from_the_cache(prefect_api, tmp_p
     """The probe: stage a hub dataset (gsm8k) and the tiny model, flip a byte in the middle of the stored
     train.parquet and model.safetensors, run again: both stages run (not Cached), find the damage and
     build the entries again; a third run with intact entries is served from the cache."""
-    from grpo_pipeline.common.store import verify_entry
+    from grpo_pipeline.store.content import verify_entry
 
     with HubServer() as hub:
         hub.add_repo("openai/gsm8k", gsm8k_repo_files())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from grpo_pipeline.flows.form import run_from_form
-from grpo_pipeline.stages.form_rules import FORM_RULES
+from grpo_pipeline.run.form_rules import FORM_RULES
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ from grpo_pipeline.backends.local.driver import train_local
 from grpo_pipeline.backends.local.phases import PHASES
 from grpo_pipeline.backends.local.settings import plan_local_training
 from grpo_pipeline.generation.plan import plan_generation
-from grpo_pipeline.stages.request import RunRequest
+from grpo_pipeline.run.request import RunRequest
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
 from grpo_pipeline.stages.model import ModelSpec, prepare_model

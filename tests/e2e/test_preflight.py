@@ -21,7 +21,7 @@ from ray.job_submission import JobSubmissionClient
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingRun
-from grpo_pipeline.common.preflight import NodesCannotRun
+from grpo_pipeline.cluster.preflight import NodesCannotRun
 from grpo_pipeline.generation.plan import plan_generation
 from node_images import node_image
 from grpo_pipeline.stages.plan import resolve_profile

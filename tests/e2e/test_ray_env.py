@@ -9,7 +9,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from grpo_pipeline.common.ray_cluster import FREE_PORTS
+from grpo_pipeline.cluster.ray_cluster import FREE_PORTS
 
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.environment import PROXY_VARS, resolve_environment

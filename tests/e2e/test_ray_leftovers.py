@@ -31,7 +31,7 @@ RAY_OWNER = """
 import sys, time
 from contextlib import nullcontext
 from grpo_pipeline.flows import lease
-from grpo_pipeline.common.ray_cluster import connect_ray
+from grpo_pipeline.cluster.ray_cluster import connect_ray
 with (lease.held(None) if sys.argv[1] == "with_lease" else nullcontext()):
     connect_ray(None, None)
     import ray

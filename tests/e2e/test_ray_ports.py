@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo_pipeline.common.ray_cluster import FREE_PORTS
+from grpo_pipeline.cluster.ray_cluster import FREE_PORTS
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,7 @@ AGENT_DEFAULT_PORT = 52365
 # The flow's local Ray, started as the train stage starts it; it says when it is up, then waits.
 LOCAL_RAY = """
 import time
-from grpo_pipeline.common.ray_cluster import connect_ray
+from grpo_pipeline.cluster.ray_cluster import connect_ray
 connect_ray(None, None)
 print("up", flush=True)
 time.sleep(600)
@@ -94,7 +94,7 @@ holder.bind(("0.0.0.0", 0))
 holder.listen()
 os.environ["RAY_GCS_SERVER_PORT"] = str(holder.getsockname()[1])  # a port the user gave Ray, already taken
 print(holder.getsockname()[1], flush=True)
-from grpo_pipeline.common.ray_cluster import connect_ray
+from grpo_pipeline.cluster.ray_cluster import connect_ray
 try:
     connect_ray(None, None)
 except Exception as exc:

@@ -1,4 +1,4 @@
-"""A run folder belongs to one live run (stages/run_lock.py): a second run of the same --run-name is
+"""A run folder belongs to one live run (run/lock.py): a second run of the same --run-name is
 refused in one line while the first lives, and the folder of a run killed outright is free again. The
 lock cannot be turned against its users: a link planted at .run.lock is never followed nor written
 through, deleting or replacing .run.lock during a run does not free the folder, and a directory or a
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from grpo_pipeline.stages import run_lock
+from grpo_pipeline.run import lock as run_lock
 from grpo_pipeline.flows.grpo import main
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.run.folder import RunFolder
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def _cli_args(tmp_path: Path, name: str) -> list[str]:
 def _holder_process(run_dir: Path) -> subprocess.Popen:
     """Another process that claims the folder as a run does (the same `claim`), then lives on."""
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from grpo_pipeline.stages import run_lock; "
+        [sys.executable, "-c", "import sys, time; from grpo_pipeline.run import lock as run_lock; "
          "run_lock.claim(sys.argv[1]); print('held', flush=True); time.sleep(600)", str(run_dir)],
         cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -113,7 +113,7 @@ def test_deleting_or_replacing_the_lock_file_during_a_run_does_not_free_the_fold
 
         line = _one_line_refusal(capsys, _cli_args(tmp_path, "held"))
         assert f"the run folder {run_dir.resolve()} is in use by another live run" in line
-        other = subprocess.run([sys.executable, "-c", "import sys; from grpo_pipeline.stages import run_lock; "
+        other = subprocess.run([sys.executable, "-c", "import sys; from grpo_pipeline.run import lock as run_lock; "
                                 "run_lock.claim(sys.argv[1])", str(run_dir)], cwd=ROOT, capture_output=True, text=True,
                                timeout=120)  # and from a third process
         assert other.returncode == 1 and "RunFolderBusy" in other.stderr, other.stderr[-2000:]

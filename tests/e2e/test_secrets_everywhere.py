@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from grpo_pipeline.common.tracking import job_env, read_state
+from grpo_pipeline.tracking.trackers import job_env, read_state
 from grpo_pipeline.profiles.tracking import TrackingSection
 from mlflow_server import mlflow_server
 

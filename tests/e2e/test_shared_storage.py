@@ -18,11 +18,11 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from grpo_pipeline.common.ray_cluster import FREE_PORTS
+from grpo_pipeline.cluster.ray_cluster import FREE_PORTS
 
 from grpo_pipeline.profiles.schema import DataSection
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
-from grpo_pipeline.common.node_tasks import NotSharedError, check_visible_on_nodes
+from grpo_pipeline.cluster.node_tasks import NotSharedError, check_visible_on_nodes
 
 RAY_CLI = Path(sys.executable).with_name("ray")
 

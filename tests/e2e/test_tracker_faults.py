@@ -22,8 +22,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from grpo_pipeline.backends.metrics import StepMetrics, append_metrics
-from grpo_pipeline.common import tracker_session
-from grpo_pipeline.common.tracking import FAILED, FINISHED, read_state, write_state
+from grpo_pipeline.tracking import session as tracker_session
+from grpo_pipeline.tracking.trackers import FAILED, FINISHED, read_state, write_state
 from grpo_pipeline.profiles.loader import resolve_profile
 from grpo_pipeline.stages.device import DeviceInfo
 from grpo_pipeline.tasks.tracking import StepTracking, close_tracker_runs, open_tracker_run

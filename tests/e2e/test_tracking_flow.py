@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from grpo_pipeline.common.tracking import read_state
+from grpo_pipeline.tracking.trackers import read_state
 from mlflow_server import mlflow_server
 from tracker_readers import tensorboard_scalars, wandb_offline_run
 

@@ -32,11 +32,11 @@ from grpo_pipeline.backends.verl.backend import JobStopped
 from grpo_pipeline.backends.verl.job import JobRecord, job_spec, read_record, write_record
 from grpo_pipeline.backends.verl.job_api import submit
 from grpo_pipeline.backends.verl.rewards import job_reward_package, pipeline_reward
-from grpo_pipeline.common.hf_shards import HFTensors
+from grpo_pipeline.checkpoints.hf_shards import HFTensors
 from grpo_pipeline.flows.pipeline import grpo_pipeline
 from grpo_pipeline.stages.plan import plan_run
-from grpo_pipeline.stages.request import RunRequest
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.run.request import RunRequest
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.profiles.schema import DataSection

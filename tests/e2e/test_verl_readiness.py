@@ -25,14 +25,14 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from grpo_pipeline.common.ray_cluster import FREE_PORTS
+from grpo_pipeline.cluster.ray_cluster import FREE_PORTS
 from ray.job_submission import JobSubmissionClient
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.base import TrainingInputs, TrainingRun
-from grpo_pipeline.common.node_tasks import NotSharedError, check_paths_on_nodes
-from grpo_pipeline.common.ray_cluster import ClusterNotReady, wait_for_nodes
-from grpo_pipeline.common.ray_address import check_reachable, job_api_url, parse_ray_address
+from grpo_pipeline.cluster.node_tasks import NotSharedError, check_paths_on_nodes
+from grpo_pipeline.cluster.ray_cluster import ClusterNotReady, wait_for_nodes
+from grpo_pipeline.cluster.ray_address import check_reachable, job_api_url, parse_ray_address
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.generation.plan import plan_generation
 from verl_cluster import ENTRYPOINT, EVENT_WAIT_S, wait_for

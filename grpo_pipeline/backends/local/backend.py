@@ -13,7 +13,7 @@ from grpo_pipeline.backends.local.settings import check_prompt_lengths, check_wo
 from grpo_pipeline.backends.local.sizing import micro_batch_note, no_fit_refusal, one_device_table, size_rounds, size_step
 from grpo_pipeline.backends.local.train_memory import checkpointing_choice
 from grpo_pipeline.backends.local.trl_hooks import check_trl
-from grpo_pipeline.common.errors import DoesNotFit
+from grpo_pipeline.errors import DoesNotFit
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.run.folder import RunFolder
@@ -94,7 +94,7 @@ class LocalBackend(Backend):
         return result
 
     def stop(self, run_dir: Path) -> bool:
-        from grpo_pipeline.common.ray_cluster import stop_ray_job
+        from grpo_pipeline.cluster.ray_cluster import stop_ray_job
 
         return stop_ray_job()  # the workers are this process's Ray job
 
@@ -106,7 +106,7 @@ class LocalBackend(Backend):
         return f"checkpoint global_step_{step}, the latest" if step is not None else "no checkpoint (none was saved)"
 
     def policy_dir(self, result: TrainResult) -> Path:
-        from grpo_pipeline.common.lora_export import export_lora_policy, has_adapter
+        from grpo_pipeline.checkpoints.lora_export import export_lora_policy, has_adapter
 
         checkpoint = Path(result.checkpoint_dir)
         if has_adapter(checkpoint):  # a LoRA run's step holds the adapter: merged into the base model
@@ -114,7 +114,7 @@ class LocalBackend(Backend):
         return checkpoint  # global_step_N holds the HF policy itself
 
     def adapter_dir(self, result: TrainResult) -> Path | None:
-        from grpo_pipeline.common.lora_export import export_adapter, has_adapter
+        from grpo_pipeline.checkpoints.lora_export import export_adapter, has_adapter
 
         checkpoint = Path(result.checkpoint_dir)
         return export_adapter(checkpoint) if has_adapter(checkpoint) else None

@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from grpo_pipeline.common.files import share_tree, write_text_atomic
-from grpo_pipeline.common.bounded_read import MAX_JSON_BYTES, read_regular
+from grpo_pipeline.store.files import share_tree, write_text_atomic
+from grpo_pipeline.store.bounded_read import MAX_JSON_BYTES, read_regular
 
 LATEST = "latest"
 TRAINER_DIR = ".trainer"  # where TRL writes checkpoint-N before it is published

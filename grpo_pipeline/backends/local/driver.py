@@ -24,9 +24,9 @@ from grpo_pipeline.backends.guards import GuardTripped, check_data_position, che
 from grpo_pipeline.backends.local.checkpoints import latest_step, missing_data_position
 from grpo_pipeline.backends.local.settings import LocalTrainSettings
 from grpo_pipeline.backends.metrics import MetricsFollower, StepMetrics, keep_metrics_up_to
-from grpo_pipeline.common.file_faults import file_fault
-from grpo_pipeline.common.ray_cluster import connect_ray, stop_ray_job
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.store.file_faults import file_fault
+from grpo_pipeline.cluster.ray_cluster import connect_ray, stop_ray_job
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.run.folder import RunFolder
 
 POLL_S = 1.0
@@ -120,7 +120,7 @@ def partial_result(settings: LocalTrainSettings, step: int | None) -> TrainResul
 
 def _as_project_error(error: BaseException, run_dir: Path) -> Exception:
     """A worker's UserError stays one (never retried), a guard that stopped it stays one, and so does an
-    OSError no retry can fix (a full disk, a file where the run keeps a folder: common/file_faults.py);
+    OSError no retry can fix (a full disk, a file where the run keeps a folder: store/file_faults.py);
     anything else interrupted training, said by the first worker's own error (Ray's first line names none)."""
     failures = list(getattr(error, "worker_failures", {}).values()) or [error]
     for failure in failures:

@@ -8,7 +8,7 @@ moments for them alone. With a KL term the reference policy is the same model wi
 (TRL's `use_adapter(model, None)`): no second copy of the weights. Rollouts: transformers' `generate` runs the
 PEFT model's forward; the native decoder reads each adapted layer merged (generation/adapted.py). Checkpoints
 hold the adapter (TRL saves the PEFT model); the export stage writes the adapter alone and the merged model
-(common/lora_export.py), and evaluation runs on the merged one.
+(checkpoints/lora_export.py), and evaluation runs on the merged one.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from grpo_pipeline.backends.local.mapping import GrpoFields, grpo_fields
 from grpo_pipeline.backends.local.packing import padding_free
-from grpo_pipeline.common.errors import ProfileError, UserError
+from grpo_pipeline.errors import ProfileError, UserError
 from grpo_pipeline.generation.decoding import compile_cache_dir
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.profiles.guards import GuardsSection

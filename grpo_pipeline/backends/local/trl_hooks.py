@@ -32,7 +32,7 @@ from importlib.metadata import version as installed_version
 
 from packaging.specifiers import SpecifierSet
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 TRL_CHECKED = SpecifierSet("==1.16.*")  # the releases whose GRPOTrainer the signatures below were read from
 

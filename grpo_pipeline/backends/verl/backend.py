@@ -14,7 +14,7 @@ profile is resolved. An attempt of the train stage:
    (only the stage's own retries resume whatever it says);
 2. follows the run's job if it is still pending or running, or ended while no flow followed it, else waits until
    the cluster has the nodes and devices the layout needs, every node can read the data and the model and write
-   the checkpoints, and every node's image can run the job (common/preflight.py), then submits the next attempt;
+   the checkpoints, and every node's image can run the job (cluster/preflight.py), then submits the next attempt;
 3. lets go of Ray (following needs only the job API), streams the job's log into the task's log and verl's
    per-step metrics into the run's records (follow.py); stops the job when no step ends in trainer.step_timeout_s;
 4. ends on the job's status: SUCCEEDED at the tracker's step; FAILED with a config error (not
@@ -48,12 +48,12 @@ from grpo_pipeline.backends.verl.lora import lora_problems, merged_policy, verl_
 from grpo_pipeline.backends.verl.requirements import verl_requirements
 from grpo_pipeline.backends.verl.rewards import job_reward_package, pipeline_reward
 from grpo_pipeline.backends.verl.sizing import one_device_table, size_verl_run, sizing_notes
-from grpo_pipeline.common.files import write_json_atomic
-from grpo_pipeline.common.node_tasks import check_paths_on_nodes
-from grpo_pipeline.common.preflight import NodesCannotRun, run_preflight
-from grpo_pipeline.common.ray_cluster import ClusterLost, answer_timeout_s, connect_ray, disconnect_ray, wait_for_nodes
-from grpo_pipeline.common.ray_address import cluster_address, parse_ray_address
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.store.files import write_json_atomic
+from grpo_pipeline.cluster.node_tasks import check_paths_on_nodes
+from grpo_pipeline.cluster.preflight import NodesCannotRun, run_preflight
+from grpo_pipeline.cluster.ray_cluster import ClusterLost, answer_timeout_s, connect_ray, disconnect_ray, wait_for_nodes
+from grpo_pipeline.cluster.ray_address import cluster_address, parse_ray_address
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.planner.memory import MemoryPlan, plan_for
 from grpo_pipeline.profiles.model_size import size_problems

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 EXPORT_DIR = "huggingface-export"
 FSDP_CONFIG = "fsdp_config.json"  # written by verl's FSDP checkpoint manager with every save
@@ -35,7 +35,7 @@ def verl_hf_dir(step_dir: Path, base_model: Path | None = None) -> Path:
     """The step's policy as an HF directory: verl's own HF weights (Megatron's `model/huggingface`,
     FSDP's `huggingface`), else its dist checkpoint converted. `base_model`: the HF directory the run
     trained from, whose config names a dist checkpoint's tensors when verl saved no HF config."""
-    from grpo_pipeline.common.megatron_layout import dist_to_hf
+    from grpo_pipeline.checkpoints.megatron_layout import dist_to_hf
 
     actor = step_dir / "actor"
     for exported in (actor / "model" / "huggingface", actor / "huggingface"):

@@ -26,8 +26,8 @@ from pydantic import BaseModel, Field, ValidationError
 from grpo_pipeline.backends.base import TrainingInputs
 from grpo_pipeline.backends.verl.command import verl_command
 from grpo_pipeline.backends.verl.rewards import reward_modules
-from grpo_pipeline.common.files import write_json_atomic
-from grpo_pipeline.common.tracking import job_env
+from grpo_pipeline.store.files import write_json_atomic
+from grpo_pipeline.tracking.trackers import job_env
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.run.folder import RunFolder
 
@@ -118,7 +118,7 @@ def job_spec(
         )
     sid = submission_id(run_name, token, attempt)
     metrics_file = str((Path(run_dir) / RunFolder.JOB / f"metrics-{sid}.jsonl").resolve())
-    # verl's loggers continue the run's tracker runs (common/tracking.py) from the variables they read.
+    # verl's loggers continue the run's tracker runs (tracking/trackers.py) from the variables they read.
     env_vars = {**runtime_env.get("env_vars", {}), **job_env(profile.tracking, run_dir),
                 FILE_LOGGER_PATH_VAR: metrics_file}
     # The reward's code and files travel with the job (backends/verl/rewards.py): no node needs them on its disk.

@@ -3,7 +3,7 @@
     python -m grpo_pipeline --model qwen3.5-122b-a10b --device npu --ray-address head:6379
 
 The job API is the head's dashboard (http://host:port). For a GCS address its URL is read from the
-GCS over gRPC (common/ray_address.py `job_api_url`): Ray's own client would look it up through a Ray
+GCS over gRPC (cluster/ray_address.py `job_api_url`): Ray's own client would look it up through a Ray
 core client that stays in the process, and a Ray core client connected to a head that dies aborts
 its process a minute later.
 """
@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from grpo_pipeline.backends.verl.job import TERMINAL, JobSpec
-from grpo_pipeline.common.ray_cluster import RAY_CONNECT_TIMEOUT_VAR, ClusterNotReady, answer_timeout_s
-from grpo_pipeline.common.ray_address import cluster_address, job_api_url
+from grpo_pipeline.cluster.ray_cluster import RAY_CONNECT_TIMEOUT_VAR, ClusterNotReady, answer_timeout_s
+from grpo_pipeline.cluster.ray_address import cluster_address, job_api_url
 
 STOP_WAIT_S = 60.0
 API_SERVER_VAR = "RAY_API_SERVER_ADDRESS"

@@ -22,7 +22,7 @@ What verl 0.9.1 reads (its own config and source):
 Checkpoints: verl's FSDP checkpoint manager writes `lora_train_meta.json` (rank, alpha) beside the shards and, with
 `hf_model` in save_contents, the PEFT model's full state dict to `actor/huggingface/` (utils/checkpoint/
 fsdp_checkpoint_manager.py): the adapter's tensors are taken from there into PEFT's format, and merged into the
-base model by common/lora_export.py.
+base model by checkpoints/lora_export.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from grpo_pipeline.backends.verl.engines import verl_engine
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 if TYPE_CHECKING:
     from grpo_pipeline.profiles.schema import RunProfile
@@ -80,7 +80,7 @@ def verl_adapter(step_dir: Path) -> Path | None:
 
 def merged_policy(step_dir: Path, base_model: Path | None) -> Path | None:
     """A LoRA step's policy: the adapter merged into the base model the run trained from (`actor/merged/`)."""
-    from grpo_pipeline.common.lora_export import MERGED_DIR, base_model_dir, merge_adapter
+    from grpo_pipeline.checkpoints.lora_export import MERGED_DIR, base_model_dir, merge_adapter
 
     if (adapter := verl_adapter(step_dir)) is None:
         return None
@@ -93,8 +93,8 @@ def adapter_from_verl(actor: Path, target_modules: list[str] | str | None = None
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from grpo_pipeline.common.lora_export import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, has_adapter
-    from grpo_pipeline.common.staged_output import StagedOutput
+    from grpo_pipeline.checkpoints.lora_export import ADAPTER_CONFIG, ADAPTER_DIR, ADAPTER_WEIGHTS, has_adapter
+    from grpo_pipeline.checkpoints.staged_output import StagedOutput
 
     out = actor / ADAPTER_DIR
     if has_adapter(out):

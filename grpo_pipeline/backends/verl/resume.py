@@ -21,7 +21,7 @@ from pathlib import Path
 
 from grpo_pipeline.backends.guards import GuardTrip
 from grpo_pipeline.backends.verl.follow import TRACKER, tracker_step
-from grpo_pipeline.common.files import write_text_atomic
+from grpo_pipeline.store.files import write_text_atomic
 
 DATALOADER_STATE = "data.pt"
 POISONED = "poisoned-"

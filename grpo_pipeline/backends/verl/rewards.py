@@ -17,8 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from grpo_pipeline.common.files import write_json_atomic
-from grpo_pipeline.common.ray_cluster import project_modules
+from grpo_pipeline.store.files import write_json_atomic
+from grpo_pipeline.cluster.ray_cluster import project_modules
 from grpo_pipeline.profiles.schema import RunProfile
 from grpo_pipeline.rewards.builtin import VERL_SAME
 from grpo_pipeline.rewards.plan import RewardPlan

@@ -153,7 +153,7 @@ class MlflowTracker(Tracker):
 def _mlflow_answers_soon(timeout_s: float) -> Iterator[None]:
     """MLflow retries a request for minutes by default (7 retries, 120 s each): reaching the server at
     the start is a yes/no, and a step is never held up by a server that went away (its steps wait in
-    metrics.jsonl: common/tracker_session.py)."""
+    metrics.jsonl: tracking/session.py)."""
     saved = {k: os.environ.get(k) for k in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT")}
     os.environ.update(MLFLOW_HTTP_REQUEST_MAX_RETRIES="0", MLFLOW_HTTP_REQUEST_TIMEOUT=str(int(timeout_s)))
     try:

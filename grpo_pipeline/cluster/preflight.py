@@ -1,5 +1,5 @@
 """The cluster preflight: before a job is submitted (or the cluster evaluates), every node's image is
-asked what it has (common/node_image.py) and judged against what the run needs (profiles/requirements.py).
+asked what it has (cluster/node_image.py) and judged against what the run needs (profiles/requirements.py).
 
     python -m grpo_pipeline --model qwen3.5-122b-a10b --device gpu --ray-address head:6379
     # "preflight: 4 nodes answered in 2.1 s, 1 image; every node can run the train stage"
@@ -18,10 +18,10 @@ import time
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.node_image import STACK, look
-from grpo_pipeline.common.node_tasks import on_every_node
-from grpo_pipeline.common.ray_cluster import node_label
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.cluster.node_image import STACK, look
+from grpo_pipeline.cluster.node_tasks import on_every_node
+from grpo_pipeline.cluster.ray_cluster import node_label
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.requirements import NodeFacts, NodeProblem, NodeRequirement, node_problems
 
 NODES_NAMED = 3  # a group of nodes names this many, then counts the rest

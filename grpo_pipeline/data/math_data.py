@@ -1,5 +1,5 @@
 """The math datasets people train and report on, and any dataset by column mapping, converted to verl's
-RL parquet schema (common/rl_data.py).
+RL parquet schema (data/rl_data.py).
 
     python -m grpo_pipeline --model tiny --device cpu --set data.dataset=math --stages fetch_dataset
     python -m grpo_pipeline --model tiny --device cpu --set data.dataset=math500 --stages fetch_dataset
@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import pyarrow as pa
 
-from grpo_pipeline.common.rl_data import RL_SCHEMA, DatasetFormatError, rl_row
+from grpo_pipeline.data.rl_data import RL_SCHEMA, DatasetFormatError, rl_row
 from grpo_pipeline.profiles.datasets import DATA_SOURCES
 from grpo_pipeline.rewards.builtin import boxed_content
 

@@ -1,6 +1,6 @@
 """A torch DCP (megatron-core `torch_dist`) checkpoint read a chunk at a time, trusting nothing in it.
 
-    python -m grpo_pipeline.common.dist_checkpoint to-hf DIST_DIR HF_CONFIG_DIR OUT
+    python -m grpo_pipeline.checkpoints.convert to-hf DIST_DIR HF_CONFIG_DIR OUT
 
 `.metadata` is a pickle: it is loaded by `MetadataUnpickler`, which builds only the classes torch's
 and megatron-core's writers put there, so a crafted file cannot run code in this process (torch's
@@ -28,8 +28,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from grpo_pipeline.common.bounded_read import MAX_PICKLE_DEPTH, pickle_depth, read_regular, short
-from grpo_pipeline.common.hf_shards import CheckpointError
+from grpo_pipeline.store.bounded_read import MAX_PICKLE_DEPTH, pickle_depth, read_regular, short
+from grpo_pipeline.checkpoints.hf_shards import CheckpointError
 
 # Megatron's metadata is ~300 bytes a chunk: a 1T-parameter model saved by 1,024 ranks stays far below.
 MAX_METADATA_BYTES = 2 * 1024**3

@@ -37,10 +37,10 @@ from huggingface_hub.errors import (
 from huggingface_hub.hf_api import RepoFile
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.hub_reach import hub_endpoint, hub_offline, reach_problem, unreachable
-from grpo_pipeline.common.progress import Bar
-from grpo_pipeline.common.store import HASH_THREADS, sha256_file, sha256_files
+from grpo_pipeline.errors import UserError
+from grpo_pipeline.store.hub_reach import hub_endpoint, hub_offline, reach_problem, unreachable
+from grpo_pipeline.progress import Bar
+from grpo_pipeline.store.content import HASH_THREADS, sha256_file, sha256_files
 
 # A 429's Retry-After is honoured up to this long inside the attempt; longer waits are left to the
 # task's own retry delay.

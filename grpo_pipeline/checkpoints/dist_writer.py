@@ -1,7 +1,7 @@
 """megatron-core's `torch_dist` checkpoint, as this converter writes it and as megatron-core reads it
 on a host without CUDA (`cpu_megatron`).
 
-    python -m grpo_pipeline.common.dist_checkpoint to-dist HF_DIR OUT
+    python -m grpo_pipeline.checkpoints.convert to-dist HF_DIR OUT
 
 The format is torch DCP, as megatron-core's `torch_dist` strategy writes it: one key per sharded
 tensor, each chunk a `torch.save` stream in `__0_0.distcp` at the offset `.metadata` (a pickled
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from grpo_pipeline.common.dist_reader import tiling_problem
+from grpo_pipeline.checkpoints.dist_reader import tiling_problem
 
 DATA_FILE = "__0_0.distcp"
 

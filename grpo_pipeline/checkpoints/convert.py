@@ -1,11 +1,11 @@
 """HF safetensors <-> megatron-core distributed checkpoints (`torch_dist`), streamed, on a CPU host.
 
-    python -m grpo_pipeline.common.dist_checkpoint to-dist HF_DIR OUT
-    python -m grpo_pipeline.common.dist_checkpoint to-hf DIST_DIR HF_CONFIG_DIR OUT
+    python -m grpo_pipeline.checkpoints.convert to-dist HF_DIR OUT
+    python -m grpo_pipeline.checkpoints.convert to-hf DIST_DIR HF_CONFIG_DIR OUT
 
-The converter's command line. common/megatron_layout.py is the layout (which tensors a config
-implies, where each goes) and the conversions; common/hf_shards.py and common/dist_reader.py read
-the files, common/dist_writer.py writes the dist checkpoint, common/staged_output.py owns OUT.
+The converter's command line. checkpoints/megatron_layout.py is the layout (which tensors a config
+implies, where each goes) and the conversions; checkpoints/hf_shards.py and checkpoints/dist_reader.py read
+the files, checkpoints/dist_writer.py writes the dist checkpoint, checkpoints/staged_output.py owns OUT.
 
 Its guarantees: OUT is checked before anything is read; the input is checked whole against its
 config.json before a byte is written; bad input is one `error:` line on stderr and exit 2 with
@@ -19,15 +19,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from grpo_pipeline.common.bounded_read import short
-from grpo_pipeline.common.errors import EXIT_USER_ERROR, UserError
+from grpo_pipeline.store.bounded_read import short
+from grpo_pipeline.errors import EXIT_USER_ERROR, UserError
 
 EXIT_INTERRUPTED = 130
 MAX_ERROR_LINE = 2000  # characters: two paths near PATH_MAX's 4096 would be longer, but not usefully
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m grpo_pipeline.common.dist_checkpoint",
+    parser = argparse.ArgumentParser(prog="python -m grpo_pipeline.checkpoints.convert",
                                      description="Convert between HF safetensors and megatron-core torch_dist, streamed, on CPU.")
     commands = parser.add_subparsers(dest="command", required=True)
     to_dist = commands.add_parser("to-dist", help="HF directory -> dist checkpoint")
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     to_hf.add_argument("config_dir", type=Path)
     to_hf.add_argument("out", type=Path)
     args = parser.parse_args(argv)
-    from grpo_pipeline.common.megatron_layout import dist_to_hf, hf_to_dist  # torch, once the arguments parse
+    from grpo_pipeline.checkpoints.megatron_layout import dist_to_hf, hf_to_dist  # torch, once the arguments parse
 
     try:
         # by hand OUT is new (the store gives hf_to_dist an empty directory of its own)

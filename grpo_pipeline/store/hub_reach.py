@@ -1,5 +1,5 @@
 """Can the hub be reached from here? Asked before a run starts (stages/plan.py) for what is not in the
-store yet, and again when a transfer fails to connect (common/hub.py).
+store yet, and again when a transfer fails to connect (store/hub.py).
 
     HF_ENDPOINT=http://127.0.0.1:9 .venv/bin/python -m grpo_pipeline --model tiny --device cpu --set data.dataset=gsm8k
 
@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 # Reaching the hub's first hop: tries, seconds each, the pause between them (about 11 s at most in all).

@@ -1,7 +1,7 @@
 """A conversion's output directory OUT: checked before anything is read, written beside itself in
 `<OUT>.partial-<id>`, renamed into place when complete, removed on every failure.
 
-    python -m grpo_pipeline.common.dist_checkpoint to-dist HF_DIR OUT
+    python -m grpo_pipeline.checkpoints.convert to-dist HF_DIR OUT
 
 - OUT must not exist (the store's empty staging directory is accepted where the caller says so),
   must not be a link, and must be creatable: making its partial, parents included, is the check, so
@@ -11,7 +11,7 @@
   live one's, and removes only the dead ones, saying so. The lock is taken before the partial gets
   its name (it is made under a hidden name and renamed), so no live writer's partial is seen unlocked.
 - Modes: every file gets what a plain file created here gets (0666 less the umask; safetensors
-  writes 0600), every directory 0777 less the umask: run files are for the team (common/files.py).
+  writes 0600), every directory 0777 less the umask: run files are for the team (store/files.py).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from grpo_pipeline.common.files import share_tree
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.store.files import share_tree
+from grpo_pipeline.errors import UserError
 
 LOCK = ".writer.lock"
 

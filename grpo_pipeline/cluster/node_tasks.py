@@ -1,5 +1,5 @@
 """Small tasks run once on every alive node of the run's Ray cluster: whether the run's paths are
-there (here), and what each node's image has (common/preflight.py).
+there (here), and what each node's image has (cluster/preflight.py).
 
     python -m grpo_pipeline --model tiny --device cpu --ray-address head-node:6379
 
@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from grpo_pipeline.common.ray_cluster import connect_ray, node_label
-from grpo_pipeline.common.ray_address import cluster_address
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.cluster.ray_cluster import connect_ray, node_label
+from grpo_pipeline.cluster.ray_address import cluster_address
+from grpo_pipeline.errors import UserError
 
 NODE_CHECK_TIMEOUT_S = 120
 
@@ -30,7 +30,7 @@ def _problems_on_this_node(entries: list[str], readable: list[str], writable: li
     """What this node cannot do with each path: see an intact store entry (sizes only: hashing a
     244 GB checkpoint on every node would take minutes; its builder hashed it), read a file or
     folder, write into a folder."""
-    from grpo_pipeline.common.store import verify_entry
+    from grpo_pipeline.store.content import verify_entry
 
     problems = {path: verify_entry(Path(path), deep=False) for path in entries}
     for path in readable:

@@ -1,7 +1,7 @@
 """HF Llama / Qwen2 / Qwen3 / Qwen3-MoE weights in megatron-core 0.16's GPTModel layout, both ways.
 
-    python -m grpo_pipeline.common.dist_checkpoint to-dist HF_DIR OUT
-    python -m grpo_pipeline.common.dist_checkpoint to-hf DIST_DIR HF_CONFIG_DIR OUT
+    python -m grpo_pipeline.checkpoints.convert to-dist HF_DIR OUT
+    python -m grpo_pipeline.checkpoints.convert to-hf DIST_DIR HF_CONFIG_DIR OUT
 
 HF safetensors -> the checkpoint GPTModel loads with `dist_checkpointing.load(model.sharded_state_dict(),
 path, strict=...)` (global shapes: at any TP / PP / EP; grouped-GEMM and per-expert MoE experts
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from grpo_pipeline.common.dist_reader import DistCheckpointReader
-from grpo_pipeline.common.dist_writer import DistCheckpointWriter
-from grpo_pipeline.common.hf_shards import INDEX, CheckpointError, HFTensors, read_json
-from grpo_pipeline.common.staged_output import StagedOutput, note
+from grpo_pipeline.checkpoints.dist_reader import DistCheckpointReader
+from grpo_pipeline.checkpoints.dist_writer import DistCheckpointWriter
+from grpo_pipeline.checkpoints.hf_shards import INDEX, CheckpointError, HFTensors, read_json
+from grpo_pipeline.checkpoints.staged_output import StagedOutput, note
 
 # Bumped when the files written for the same weights change, so stored conversions are made again.
 CONVERTER_VERSION = 1

@@ -7,12 +7,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from grpo_pipeline.common.errors import ProfileError, UserError
+from grpo_pipeline.errors import ProfileError, UserError
 from grpo_pipeline.profiles.backend_table import BackendChoice, backend_help
 from grpo_pipeline.profiles.loader import overrides_to_layer
 from grpo_pipeline.profiles.secrets import has_url_credentials, secret_holder, secret_literal_problems
-from grpo_pipeline.common.ray_address import parse_ray_address
-from grpo_pipeline.stages.form_rules import FORM_RULES, ONE_LINE, RUN_NAME, first_broken, override_lines
+from grpo_pipeline.cluster.ray_address import parse_ray_address
+from grpo_pipeline.run.form_rules import FORM_RULES, ONE_LINE, RUN_NAME, first_broken, override_lines
 
 # The stages of the flow in order. `--stages` picks a subset.
 PLANNING_STAGES = ("detect_device", "resolve_profile", "prepare_environment")
@@ -80,7 +80,7 @@ class RunRequest(BaseModel):
     def from_form(cls, *, overrides: str, profile_file: str, run_name: str, ray_address: str,
                   trackers: list[str] | None = None, **fields) -> RunRequest:
         """The request a deployment's form makes: text boxes, where empty means the default and the
-        overrides are one KEY=VALUE a line. The form's rules (stages/form_rules.py) first, as the
+        overrides are one KEY=VALUE a line. The form's rules (run/form_rules.py) first, as the
         Prefect API checked them, so a run from the form accepts exactly what the form accepts. The
         trackers picked are the profile's `tracking.trackers`, ahead of the typed overrides (a typed
         line still wins)."""

@@ -5,7 +5,7 @@
 
 A tracker run is the whole pipeline run. `start_tracking` opens it once the run is planned (or finds it
 again: its ids are kept in the run folder's `tracking.json`, so a retried or resumed run continues the
-same tracker run), a `TrackingSession` (common/tracker_session.py) logs to it, and `job_env` gives the
+same tracker run), a `TrackingSession` (tracking/session.py) logs to it, and `job_env` gives the
 variables verl's own loggers read to continue it from a cluster job. Each tracker (MLflow, Weights &
 Biases, TensorBoard) is a class of profiles/trackers/; this module asks them, by the names in
 `tracking.trackers`, and knows none of them.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.files import write_json_atomic
+from grpo_pipeline.errors import UserError
+from grpo_pipeline.store.files import write_json_atomic
 from grpo_pipeline.profiles.secrets import scrub
 from grpo_pipeline.profiles.trackers import (  # noqa: F401  (the run's end statuses: the flow imports them from here)
     FAILED,

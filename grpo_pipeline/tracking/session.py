@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from grpo_pipeline.common.tracking import (
+from grpo_pipeline.tracking.trackers import (
     TrackingState,
     one_line,
     read_state,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from grpo_pipeline.common.rl_data import DatasetFormatError
+from grpo_pipeline.data.rl_data import DatasetFormatError
 
 NAMED_ROWS = 5
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 GSM8K_SOURCE = "openai/gsm8k"
 GEO3K_SOURCE = "hiyouga/geometry3k"

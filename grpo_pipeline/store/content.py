@@ -1,6 +1,6 @@
 """A content store for datasets and models: built once, verified, never seen half-written.
 
-    python -m grpo_pipeline.common.store ~/data/arith/b19035b198d99ff6 --deep   # check an entry, hashing every file
+    python -m grpo_pipeline.store.content ~/data/arith/b19035b198d99ff6 --deep   # check an entry, hashing every file
 
 An entry lives at `<root>/<name>/<key>/`, where the key hashes everything that determines its content
 (source, revision, file patterns, preprocessing version), so a second run with the same inputs finds
@@ -27,8 +27,8 @@ from typing import Any
 from filelock import FileLock
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.common.files import write_json_atomic
-from grpo_pipeline.common.progress import Bar
+from grpo_pipeline.store.files import write_json_atomic
+from grpo_pipeline.progress import Bar
 
 MANIFEST = "manifest.json"
 HASH_CHUNK = 8 << 20
@@ -285,10 +285,10 @@ class Store:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m grpo_pipeline.common.store ENTRY... [--deep]`: check store entries; exit 1 if one is damaged."""
+    """`python -m grpo_pipeline.store.content ENTRY... [--deep]`: check store entries; exit 1 if one is damaged."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m grpo_pipeline.common.store", description="Check content-store entries.")
+    parser = argparse.ArgumentParser(prog="python -m grpo_pipeline.store.content", description="Check content-store entries.")
     parser.add_argument("entries", nargs="+", type=Path, help="entry directories (each holds a manifest.json)")
     parser.add_argument("--deep", action="store_true", help="hash every file, whatever its timestamps say")
     args = parser.parse_args(argv)

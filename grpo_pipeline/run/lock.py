@@ -37,7 +37,7 @@ import stat
 import time
 from pathlib import Path
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.run.folder import RunFolder
 
 _HOLDER_RECORD_MAX = 4096  # bytes of .run.lock read for the holder's record

@@ -16,8 +16,8 @@ import importlib.util
 import random
 from pathlib import Path
 
-from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.progress import Bar
+from grpo_pipeline.errors import UserError
+from grpo_pipeline.progress import Bar
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -62,7 +62,7 @@ def train_tiny_tokenizer(vocab_size: int, seed: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from grpo_pipeline.common.rl_data import ARITH_INSTRUCTION, GSM8K_INSTRUCTION, arith_problem
+    from grpo_pipeline.data.rl_data import ARITH_INSTRUCTION, GSM8K_INSTRUCTION, arith_problem
 
     rng = random.Random(seed)
     corpus = []

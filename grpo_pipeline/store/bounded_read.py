@@ -2,7 +2,7 @@
 regular file (a FIFO would block the reader forever, /dev/zero would fill memory), only up to a
 size a file of its kind has, and a pickle only as deep as its reader can hash it.
 
-Used by the converter (common/hf_shards.py, common/dist_reader.py) and by the profile's and the
+Used by the converter (checkpoints/hf_shards.py, checkpoints/dist_reader.py) and by the profile's and the
 base-model stage's reading of config.json (profiles/hf_config.py, stages/model.py).
 """
 

@@ -1,6 +1,6 @@
 """The tensors of an HF safetensors directory, read a tensor at a time, trusting nothing in the files.
 
-    python -m grpo_pipeline.common.dist_checkpoint to-dist HF_DIR OUT
+    python -m grpo_pipeline.checkpoints.convert to-dist HF_DIR OUT
 
 A shard's header must lie inside its file and describe tensors whose bytes do too; `check` holds the
 directory to the tensors a config implies (each there, of its shape, the parts of one fused tensor of
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy
 import torch
 
-from grpo_pipeline.common.bounded_read import MAX_JSON_BYTES, read_regular, short
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.store.bounded_read import MAX_JSON_BYTES, read_regular, short
+from grpo_pipeline.errors import UserError
 
 INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,

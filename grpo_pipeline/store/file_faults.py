@@ -17,7 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 
 _FIXES = {
     errno.ENOSPC: "free space on that file system (or give --run-dir on another) and run again: training resumes "

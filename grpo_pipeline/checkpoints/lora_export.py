@@ -9,7 +9,7 @@ checkpoint's own files:
 - `merged/`: the base model with W + (alpha / r) B A in every adapted layer (PEFT's `merge_and_unload`), a plain HF
   model directory in the base model's dtype, with the tokenizer: what the evaluation stage generates with and what
   ships without PEFT.
-Each is written beside itself and renamed into place when complete (common/staged_output.py), so a killed export
+Each is written beside itself and renamed into place when complete (checkpoints/staged_output.py), so a killed export
 leaves nothing half-written and the next one writes it again; one already there is used as it is.
 """
 
@@ -19,9 +19,9 @@ import json
 import shutil
 from pathlib import Path
 
-from grpo_pipeline.common.bounded_read import MAX_JSON_BYTES, read_regular
-from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.staged_output import StagedOutput
+from grpo_pipeline.store.bounded_read import MAX_JSON_BYTES, read_regular
+from grpo_pipeline.errors import UserError
+from grpo_pipeline.checkpoints.staged_output import StagedOutput
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

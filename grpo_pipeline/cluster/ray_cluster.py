@@ -2,9 +2,9 @@
 
     python -m grpo_pipeline --model tiny --device cpu --ray-address head-node:6379
 
-The address is checked first (common/ray_address.py). A cluster that stops answering later is let go
+The address is checked first (cluster/ray_address.py). A cluster that stops answering later is let go
 of within a bounded time: a Ray core client left connected to a dead head aborts its process a minute
-later. What runs on every node is common/node_tasks.py.
+later. What runs on every node is cluster/node_tasks.py.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from grpo_pipeline.common.errors import UserError
-from grpo_pipeline.common.ray_address import RayAddressError, check_reachable, cluster_address, parse_ray_address
+from grpo_pipeline.errors import UserError
+from grpo_pipeline.cluster.ray_address import RayAddressError, check_reachable, cluster_address, parse_ray_address
 
-# Ray's own connection to a cluster's head (after common/ray_address.py's TCP probe); a slow head may need more.
+# Ray's own connection to a cluster's head (after cluster/ray_address.py's TCP probe); a slow head may need more.
 RAY_CONNECT_TIMEOUT_VAR, RAY_CONNECT_TIMEOUT_S = "GRPO_PIPELINE_RAY_CONNECT_TIMEOUT_S", 60.0
 # ray.shutdown when the head no longer answers takes ~15 s (Ray's own retries); it is not waited on longer.
 DISCONNECT_TIMEOUT_S = 60.0

@@ -1,5 +1,5 @@
 """A Ray cluster's address: its form, checked when the run is requested, and an answer from its head
-(as Ray, common/ray_probe.py), before anything starts, so a typo or a port that is not Ray's fails in
+(as Ray, cluster/ray_probe.py), before anything starts, so a typo or a port that is not Ray's fails in
 seconds with the address in the message, not minutes later inside Ray's own retries.
 
     python -m grpo_pipeline --model tiny --device cpu --ray-address head-node:6379
@@ -12,7 +12,7 @@ import re
 import socket
 from typing import NamedTuple
 
-from grpo_pipeline.common.errors import UserError
+from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.secrets import redact_url_credentials
 
 # Reaching a cluster's head: a TCP connect first (a wrong host or port fails in seconds), then
@@ -91,7 +91,7 @@ def parse_ray_address(address: str, origin: str = "--ray-address") -> RayAddress
 def check_reachable(address: RayAddress, origin: str = "--ray-address") -> None:
     """A TCP connection to the head, then one call only Ray answers (the GCS's, or the Ray client
     server's for ray://), so a wrong host, port or service fails in seconds with its address."""
-    from grpo_pipeline.common.ray_probe import ask_ray
+    from grpo_pipeline.cluster.ray_probe import ask_ray
 
     try:
         with socket.create_connection((address.host, address.port), timeout=TCP_PROBE_TIMEOUT_S):
@@ -119,7 +119,7 @@ def job_api_url(address: str | None) -> str | None:
     """The cluster's job API (its dashboard, http://host:port) for `address`: an http(s) address is
     one already; a GCS address's is recorded in the GCS (asked over gRPC, no Ray client left behind);
     anything else (ray://, auto) is left to Ray's job client. None: the head runs no dashboard."""
-    from grpo_pipeline.common.ray_probe import dashboard_address
+    from grpo_pipeline.cluster.ray_probe import dashboard_address
 
     found, origin = cluster_address(address)
     parsed = parse_ray_address(found or "auto", origin)
