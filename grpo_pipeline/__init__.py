@@ -2,7 +2,7 @@
 
 One installed name, so that nothing of the project collides with a same-named package on a user's
 path or a cluster's image (docs/layout.md): the folders below are the design card's, one level down,
-each on its floor (`flows/` > `tasks/` > `stages/` > `backends/` > `generation/` > `common/` >
-`planner/` > `profiles/`). Importing this package imports nothing else, so the command line's dry
+each on its floor (docs/layout.md draws them: `flows/` > `tasks/` > `stages/` > `backends/` > ... >
+`profiles/` > `store/`, and `errors.py`, `progress.py` below them all). Importing this package imports nothing else, so the command line's dry
 run stays fast.
 """

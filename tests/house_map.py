@@ -26,8 +26,8 @@ PACKAGE = ROOT / TOP
 # Lowest first: a package imports only from the floors below it. The package's own modules
 # (`__main__.py`: the command line) stand above them all.
 FLOORS = ("store", "profiles", "planner", "rewards", "checkpoints", "data", "cluster", "run", "tracking", "generation", "backends", "stages", "tasks", "flows")
-# The ground floor: modules of common/ that import nothing of the project, so that every floor can
-# raise the project's errors and read what a user brings within bounds.
+# The ground floor: modules of the package's own (grpo_pipeline/*.py) that import nothing of the
+# project, so that every floor can raise the project's errors and show its progress.
 GROUND = ("grpo_pipeline.errors", "grpo_pipeline.progress")
 ROLES = {
     "store": "what is kept on disk and fetched: the content store, the hub, files, bounded reads, file faults",

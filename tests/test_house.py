@@ -61,11 +61,11 @@ def test_every_package_has_a_floor():
 
 
 def test_no_import_goes_up_a_floor():
-    """Each package imports only from the floors below it (profiles < planner < common < generation <
-    backends < stages < tasks < flows; errors.py and store/bounded_read.py stand below them
-    all): common/ is shared by everything above, generation/ by the backends' rollouts and
-    the evaluation stage; an import back up would make them unreadable apart (and Ray job packaging
-    used to import every package only to find its folder). Imports inside functions count too."""
+    """Each package imports only from the floors below it (tests/house_map.py FLOORS, drawn in
+    docs/layout.md; errors.py and progress.py stand below them all): store/ is read by everything
+    above, generation/ by the backends' rollouts and the evaluation stage; an import back up would
+    make them unreadable apart (and Ray job packaging used to import every package only to find its
+    folder). Imports inside functions count too."""
     found = house_map.upward_imports()
     assert found - set(house_map.PENDING) == set(), "an import goes up a floor"
     assert set(house_map.PENDING) - found == set(), "gone: delete its line from tests/house_map.py's PENDING"
@@ -131,6 +131,20 @@ def test_only_the_tracker_classes_name_a_tracker():
              if p.parent.name != "trackers" for node in ast.walk(ast.parse(p.read_text()))
              if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.lower() in names]
     assert found == []
+
+
+def test_the_ground_floor_stands_at_the_package_root():
+    """The ground floor's modules are the package's own (`grpo_pipeline/errors.py`), not a folder's:
+    one inside a folder (it was inside common/) makes every floor below that folder import up into
+    it, as a tool that draws folders sees the house."""
+    assert [g for g in house_map.GROUND if g.count(".") != 1] == []
+
+
+def test_no_folder_is_named_for_no_concern():
+    """A folder named for no concern (`common/`, `utils/`) gathers whatever has no home until it is
+    the largest room of the house; name a folder for what its modules are about (docs/layout.md, "The
+    rooms")."""
+    assert [p for p in house_map.packages() if p in {"common", "utils", "util", "misc", "helpers", "shared", "lib"}] == []
 
 
 def test_the_ground_floor_imports_nothing_of_the_project():

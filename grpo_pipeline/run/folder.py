@@ -10,6 +10,8 @@ tests/test_house.py keeps each name out of every other module.
 
 from __future__ import annotations
 
+from grpo_pipeline.profiles.trackers.tensorboard_tracker import TensorboardTracker
+
 
 class RunFolder:
     """The names in a run's folder, relative to it. Files first, then folders and what they hold."""
@@ -45,7 +47,7 @@ class RunFolder:
     EVAL = "eval"  # the evaluation's per-sample files
     EVAL_REPORT = "eval/eval.json"  # the evaluation's result
     RAY = "ray"  # Ray Train's storage (local backend)
-    TENSORBOARD = "tensorboard"  # TensorBoard's events, unless the profile names another folder
+    TENSORBOARD = TensorboardTracker.folder  # TensorBoard's events, unless the profile names another (the class's)
     JOB = "verl"  # the verl job's folder: its record, reward package and metrics per attempt
     JOB_RECORD = "job.json"  # in JOB: the submitted job, for a retry to find
 

@@ -3,7 +3,7 @@
     python -m grpo_pipeline --model tiny --device cpu --dry-run \
         --set model.architecture.max_position_embeddings=33554432 --set data.max_response_length=16777216   # refused
 
-Each worker decodes its share of a generation round at once (common/decoding.py's static cache,
+Each worker decodes its share of a generation round at once (generation/decoding.py's static cache,
 sized by backends/local/rollouts.py): per sequence, prompt + response positions of keys and values
 in every full-attention layer, the step's token ids and log-probs, and any linear-attention state;
 beside it the worker's own copy of the weights. That is a floor (training adds gradients, the

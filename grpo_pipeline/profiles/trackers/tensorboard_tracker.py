@@ -26,7 +26,7 @@ class TensorboardTracker(Tracker):
     label, settings_class = "TensorBoard", TensorboardSettings
     package, imports = "tensorboard", ("torch.utils.tensorboard",)
     local_ui = "http://localhost:6006"  # where `tensorboard` serves a folder by default
-    folder = "tensorboard"  # in the run's folder (run/folder.py's RunFolder.TENSORBOARD), unless the profile names one
+    folder = "tensorboard"  # in the run's folder (RunFolder.TENSORBOARD reads it), unless the profile names one
 
     def __init__(self, settings: TensorboardSettings, run_dir: Path):
         super().__init__(settings, run_dir)
