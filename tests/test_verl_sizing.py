@@ -13,7 +13,7 @@ import pytest
 from grpo_pipeline.backends.verl.sizing import HEADROOM, with_settings
 from grpo_pipeline.planner.memory import plan_for
 from grpo_pipeline.planner.rules import divisors
-from test_local_train_memory import QWEN3, SHAPES, host_with, planned, write_configs
+from test_local_train_memory import QWEN3, host_with, planned, write_configs
 
 # The one-GPU case: 16 prompts x 8 responses, 256-token prompts, 1,024 new tokens, on FSDP.
 ONE_GPU = ["backend=verl", "engine.strategy=fsdp", "cluster.devices_per_node=1", "data.train_batch_size=16",
