@@ -127,6 +127,24 @@ def largest_fitting(fits: Callable[[int], bool], limit: int = 1 << 16) -> int | 
     return low
 
 
+def largest_batch_row(training: str, checkpointing: bool, largest: int | None, peak: float | None) -> dict:
+    """One row of a one-device table (`--suggest-layout` on one device, either backend)."""
+    return {"training": training, "gradient_checkpointing": checkpointing, "largest_micro_batch": largest or 0,
+            "peak_gib": gib(peak) if largest else None}
+
+
+def largest_batch_table(title: str, peak: str, device: str, sequence_tokens: int, rows: list[dict],
+                        refusal: str) -> tuple[dict, list[str]]:
+    """The largest micro batch one device fits, full training and LoRA, checkpointing off and on: as JSON (with
+    `refusal` when not one sequence fits) and as the lines printed, under `title`; `peak`: what the GiB are of."""
+    summary = {"device": device, "sequence_tokens": sequence_tokens, "rows": rows}
+    if not any(row["largest_micro_batch"] for row in rows):
+        summary["refusal"] = refusal
+    lines = [title, f"| training | gradient checkpointing | largest micro batch | {peak} GiB |", "|---|---|---|---|"]
+    return summary, lines + [f"| {row['training']} | {'on' if row['gradient_checkpointing'] else 'off'} | "
+                             f"{row['largest_micro_batch'] or 'none fits'} | {row['peak_gib'] or '-'} |" for row in rows]
+
+
 def gib(value: float | None) -> float | None:
     return None if value is None else round(value / GIB, 1)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from grpo_pipeline.backends.local.train_memory import GIB, HEADROOM, step_memory
 from grpo_pipeline.generation.plan import GenerationPlan
-from grpo_pipeline.planner.roles import largest_fitting
+from grpo_pipeline.planner.roles import largest_batch_row, largest_batch_table, largest_fitting
 from grpo_pipeline.planner.rules import divisors
 from grpo_pipeline.profiles.schema import RunProfile
 
@@ -165,19 +165,14 @@ def one_device_table(p: RunProfile, generation: GenerationPlan) -> tuple[dict, l
         trained = p.model_copy(update={"lora": lora})
         for checkpointing in (False, True):
             found = largest_micro_batch(trained, generation, checkpointing, memory)
-            rows.append({"training": label, "gradient_checkpointing": checkpointing,
-                         "largest_micro_batch": found[0] if found else 0,
-                         "step_gib": round(found[1] / GIB, 1) if found else None})
+            rows.append(largest_batch_row(label, checkpointing, *(found or (None, None))))
     d = p.data
     device = f"{memory_gib:.1f} GiB {name} ({source}), {usable / GIB:.1f} GiB usable"
-    summary = {"device": device, "sequence_tokens": d.max_prompt_length + d.max_response_length, "rows": rows}
-    if not any(row["largest_micro_batch"] for row in rows):
-        summary["refusal"] = (f"not one sequence of {p.model.name} fits one {name} device, even as LoRA with gradient "
-                              "checkpointing; lower generation.steps_per_generation, data.train_batch_size or "
-                              "data.max_response_length (the rollouts' KV cache grows with each)")
+    tokens = d.max_prompt_length + d.max_response_length
     rollouts = f"{d.train_batch_size} x {p.algorithm.rollout_n} x {generation.steps_per_generation} step(s)' prompts"
-    lines = [f"# the largest micro batch of {summary['sequence_tokens']}-token sequences one device's training step "
-             f"fits: {device}; rollouts of {rollouts} per generation kept beside it",
-             "| training | gradient checkpointing | largest micro batch | step GiB |", "|---|---|---|---|"]
-    return summary, lines + [f"| {row['training']} | {'on' if row['gradient_checkpointing'] else 'off'} | "
-                             f"{row['largest_micro_batch'] or 'none fits'} | {row['step_gib'] or '-'} |" for row in rows]
+    return largest_batch_table(
+        f"# the largest micro batch of {tokens}-token sequences one device's training step fits: {device}; rollouts of "
+        f"{rollouts} per generation kept beside it", "step", device, tokens, rows,
+        f"not one sequence of {p.model.name} fits one {name} device, even as LoRA with gradient checkpointing; lower "
+        "generation.steps_per_generation, data.train_batch_size or data.max_response_length (the rollouts' KV cache "
+        "grows with each)")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from grpo_pipeline.planner.memory import plan_for
-from grpo_pipeline.planner.roles import HEADROOM, MemoryPlan, largest_fitting
+from grpo_pipeline.planner.roles import HEADROOM, MemoryPlan, largest_batch_row, largest_batch_table, largest_fitting
 from grpo_pipeline.planner.rules import divisors
 from grpo_pipeline.profiles.schema import RunProfile
 
@@ -269,18 +269,13 @@ def one_device_table(p: RunProfile) -> tuple[dict, list[str]] | None:
                 return with_settings(trained, {CHECKPOINTING: checkpointing, "actor.ppo_micro_batch_size_per_gpu": m})
 
             largest = largest_fitting(lambda m: search.fits(sized(m), TRAINER_ROLES))
-            update = search.plan(sized(largest)).roles[0].total if largest else None
-            rows.append({"training": label, "gradient_checkpointing": checkpointing, "largest_micro_batch": largest or 0,
-                         "update_gib": round(update / 2**30, 1) if update else None})
-    d = p.data
+            rows.append(largest_batch_row(label, checkpointing, largest,
+                                          search.plan(sized(largest)).roles[0].total if largest else None))
+    tokens = p.data.max_prompt_length + p.data.max_response_length
     device = f"{memory_gib:.1f} GiB {name} ({source}), {HEADROOM:.0%} kept spare"
-    summary = {"device": device, "sequence_tokens": d.max_prompt_length + d.max_response_length, "rows": rows}
-    if not any(row["largest_micro_batch"] for row in rows):
-        summary["refusal"] = (f"not one sequence of {p.model.name} fits one {name} device in verl's update, even as LoRA "
-                              "with gradient checkpointing; lower data.max_response_length, or add devices "
-                              "(--set cluster.devices_per_node=N: the layout search answers)")
-    lines = [f"# verl ({p.engine.strategy}): the largest micro batch of {summary['sequence_tokens']}-token sequences one "
-             f"device's update fits: {device}",
-             "| training | gradient checkpointing | largest micro batch | update GiB |", "|---|---|---|---|"]
-    return summary, lines + [f"| {row['training']} | {'on' if row['gradient_checkpointing'] else 'off'} | "
-                             f"{row['largest_micro_batch'] or 'none fits'} | {row['update_gib'] or '-'} |" for row in rows]
+    return largest_batch_table(
+        f"# verl ({p.engine.strategy}): the largest micro batch of {tokens}-token sequences one device's update fits: "
+        f"{device}", "update", device, tokens, rows,
+        f"not one sequence of {p.model.name} fits one {name} device in verl's update, even as LoRA with gradient "
+        "checkpointing; lower data.max_response_length, or add devices (--set cluster.devices_per_node=N: the layout "
+        "search answers)")
