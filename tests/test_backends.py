@@ -124,7 +124,7 @@ def test_where_a_run_evaluates_is_the_backends_answer():
     settings, engine = backend_for("verl").evaluation(verl, EvalSettings.from_profile(verl, plan_generation(verl)), 0,
                                                       "head:6379", {})
     assert settings.tensor_parallel_size == verl.rollout.tp
-    assert (settings.plan.engine, settings.plan.decoder) == ("vllm", None)  # the nodes follow the rollouts' engine
+    assert settings.plan == plan_generation(verl)  # the nodes follow the run's plan (generation/sharding.py)
     assert engine_label(engine, settings) == f"the cluster's engine ({32 // verl.rollout.tp} Ray tasks on the cluster)"
     local = resolve_profile("tiny", "cpu")
     planned = EvalSettings.from_profile(local, plan_generation(local))

@@ -108,12 +108,13 @@ class VerlBackend(Backend):
 
     def generation_summary(self, profile, generation):
         r = profile.rollout
-        return f"rollouts: {r.engine} inside verl's job (rollout.tp={r.tp}); evaluation: {r.engine} on the cluster's nodes"
+        return (f"rollouts: {r.engine} inside verl's job (rollout.tp={r.tp}); evaluation: on the cluster's nodes, "
+                f"{generation.engine} (the run's generation plan)")
 
     def evaluation(self, profile, settings, devices_here, ray_address, runtime_env):
-        """On the run's cluster (the policy is too big for the flow's host): the rollouts' engine
-        (`rollout.engine`: the plan the nodes follow), one per `rollout.tp` devices, each a Ray task on the
-        nodes, once every node is shown able to run it."""
+        """On the run's cluster (the policy is too big for the flow's host): the run's generation plan, which the
+        nodes follow (generation/sharding.py `generate_on_node`), one engine per `rollout.tp` devices, each a Ray
+        task on the nodes, once every node is shown able to run it."""
         from grpo_pipeline.generation.sharding import on_cluster
 
         def check_nodes() -> None:
@@ -126,8 +127,7 @@ class VerlBackend(Backend):
         devices = profile.cluster.nnodes * profile.cluster.devices_per_node
         engine = on_cluster(profile.platform, max(1, devices // profile.rollout.tp), profile.rollout.tp, ray_address,
                             runtime_env, check_nodes)
-        plan = settings.plan.model_copy(update={"engine": profile.rollout.engine, "decoder": None})
-        return settings.model_copy(update={"tensor_parallel_size": profile.rollout.tp, "plan": plan}), engine
+        return settings.model_copy(update={"tensor_parallel_size": profile.rollout.tp}), engine
 
     def profile_problems(self, profile: RunProfile) -> list[str]:
         p = profile

@@ -10,8 +10,8 @@ On a host whose devices were counted (`VerlBackend.detected_layer`), from the en
   `actor.ppo_max_token_len_per_gpu` in whole sequences) that verl accepts for the batch (planner/rules.py) and
   whose update, optimizer step and log-prob rows fit;
 - the log-prob passes (old policy, reference): the largest micro batch (or token budget) that fits;
-- offload (`engine.param_offload`, `engine.optimizer_offload`) only where not one sequence fits without it,
-  or vLLM cannot start beside what the trainer keeps resident;
+- offload (`engine.param_offload`, `engine.optimizer_offload`) only where vLLM could not start beside what
+  the trainer keeps resident (verl loads an offloaded actor back for its update: offload frees no update memory);
 - vLLM's share of the device (`rollout.gpu_memory_utilization`): the largest, up to vLLM's own default 0.9,
   that still starts beside what the trainer keeps resident: the rest is its KV cache;
 - `rollout.max_num_seqs`: the sequences one rollout engine generates per step, or fewer where its KV cache
