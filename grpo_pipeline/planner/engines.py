@@ -11,6 +11,7 @@ Nothing outside an engine's own plan asks which engine a profile or a layout has
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from grpo_pipeline.planner.parallel import Layout
@@ -29,53 +30,53 @@ CONTEXT_PARALLEL = (1, 2, 4, 8)
 LONG_CONTEXT_CHUNK = 4096  # CP 4 and 8, Ulysses, only where each rank keeps a chunk of at least this many tokens
 
 
-class EnginePlan:
+class EnginePlan(ABC):
     """What the planner knows of one training engine. Subclasses set `engine` (the profile's class) and are
     registered with `@registered`."""
 
     engine: ClassVar[type[TrainingEngine]]
     offload_levels: ClassVar[tuple[tuple[bool, bool, bool], ...]] = OFFLOAD_LEVELS
 
+    @abstractmethod
     def problems(self, p: RunProfile) -> list[str]:
         """The engine's layout rules against the world and the model (verl 0.9.1's)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def estimate(self, p: RunProfile, lay: Layout, device: str, capacity_gib: float | None, source: str,
                  size: ModelSize) -> MemoryPlan:
         """Device memory per role of `lay` on a device of `capacity_gib`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def step_cost(self, p: RunProfile, size: ModelSize, lay: Layout, spec: Accelerator) -> dict[str, float]:
         """Seconds per training step by part (planner/layouts.py's cost model)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def layouts(self, p: RunProfile) -> list[Layout]:
         """The layouts of this engine that pass its rules (rollout and batches are checked per layout)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def engine_settings(self, engine: TrainingEngine, lay: Layout) -> dict[str, Any]:
         """The fields of the engine section `engine` that make `lay` (what `with_layout` writes)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def settings(self, lay: Layout) -> dict[str, Any]:
         """The profile keys that make `lay` (`--set` them)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def dims(self, lay: Layout) -> tuple:
         """What tells layouts apart in the suggestion table: the engine and its parallel sizes."""
-        raise NotImplementedError
 
+    @abstractmethod
     def columns(self, lay: Layout) -> str:
         """The table's TP | PP | CP | EP | ETP cells."""
-        raise NotImplementedError
 
+    @abstractmethod
     def label(self, lay: Layout) -> str:
         """The table's engine cell."""
-        raise NotImplementedError
 
+    @abstractmethod
     def shown(self, lay: Layout) -> str:
         """The profile's own layout, as the line below the table names it."""
-        raise NotImplementedError
 
     def resets(self, engine: TrainingEngine) -> dict[str, Any]:
         """What the profile's engine section `engine` sets that this engine would refuse, back at its default (and

@@ -13,6 +13,7 @@ disagree; the local backend reads the shared fields (dtype, padding).
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
@@ -63,9 +64,9 @@ class TrainingEngine(Section):
         return kept
 
     @classmethod
+    @abstractmethod
     def foreign_setting(cls, name: str, value: Any, default: Any) -> str:
         """The refusal of the other engine's setting `name` (given `value`, whose default is `default`)."""
-        raise NotImplementedError
 
     @classmethod
     def default(cls, name: str) -> Any:
@@ -92,13 +93,13 @@ class TrainingEngine(Section):
         """The settings every engine reads, carried into another engine (a layout search's candidates)."""
         return {name: getattr(self, name) for name in TrainingEngine.model_fields if name != "strategy"}
 
+    @abstractmethod
     def layout_fields(self) -> dict[str, Any]:
         """The planner's `Layout` fields this engine's settings give (planner/parallel.py)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def data_parallel(self, world: int) -> int:
         """The data-parallel ranks a batch splits over on `world` devices (0 when the layout does not divide it)."""
-        raise NotImplementedError
 
 
 class MegatronEngine(TrainingEngine):

@@ -12,6 +12,7 @@ for both engines but for what `verl_engine(profile)` adds; facts about the bridg
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar, NamedTuple
 
 from grpo_pipeline.planner.memory import plan_of  # imported from memory.py, which registers both engines' plans
@@ -38,7 +39,7 @@ VERL_TRANSFORMER_DEFAULTS: dict[str, Any] = {
 FSDP_VERSION = "fsdp2"  # verl 0.9.1's dp actor still defaults to FSDP1 (`strategy: fsdp`)
 
 
-class VerlEngine:
+class VerlEngine(ABC):
     """What the verl backend does with one training engine. Subclasses set `engine` (the profile's class) and
     `model_engine`, and are registered with `@verl_engine_for`."""
 
@@ -46,25 +47,25 @@ class VerlEngine:
     model_engine: ClassVar[str]  # verl's `model_engine` config group (trainer/config/model_engine/*.yaml)
     trains_lora: ClassVar[bool] = False  # verl 0.9.1's LoRA here is its FSDP engine's (PEFT): backends/verl/lora.py
 
+    @abstractmethod
     def role_settings(self, profile: RunProfile, role: str) -> dict[str, Any]:
         """The engine's settings of one role (`actor` or `ref`), declared once in the profile."""
-        raise NotImplementedError
 
     def model_settings(self, profile: RunProfile) -> dict[str, Any]:
         """`actor_rollout_ref.model` keys only this engine has."""
         return {}
 
+    @abstractmethod
     def actor_settings(self, profile: RunProfile) -> dict[str, Any]:
         """The actor's keys beside its role settings that only this engine has."""
-        raise NotImplementedError
 
     def optimizer_settings(self, profile: RunProfile) -> dict[str, Any]:
         """Overrides of the actor's optimizer config (only Megatron's has a free-form one here)."""
         return {}
 
+    @abstractmethod
     def requirements(self, profile: RunProfile) -> dict[str, NodeRequirement]:
         """What every training node needs for this engine."""
-        raise NotImplementedError
 
     def problems(self, profile: RunProfile) -> list[str]:
         """The layout rules (the planner's), vLLM's, and the batches over this engine's data-parallel ranks."""
