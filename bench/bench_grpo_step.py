@@ -58,6 +58,7 @@ SHAPES = {  # Qwen3 shapes: hidden, MLP, layers, attention heads, KV heads (head
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128),
 }
+MAX_POSITIONS = 8192
 FILLER = " Read the problem again and keep every number in mind."
 
 
@@ -69,7 +70,7 @@ def make_model(shape: str, vocab: int, out: Path, dtype: str, device: str):
 
     tokenizer = train_tiny_tokenizer(512, seed=0)
     # Qwen3 up to 4B ties the head to the embedding.
-    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=True,
+    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
     torch.manual_seed(0)
     with torch.device(device):  # a 4B model's random init takes minutes on the host
@@ -135,20 +136,58 @@ def floors(model, prompt_lengths: list[int], new_tokens: int, limits: dict) -> d
     }
 
 
+def step_overrides(args, variant: list[str]) -> list[str]:
+    completions = args.prompts * args.generations
+    return [
+        f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
+        f"actor.ppo_micro_batch_size_per_gpu={min(args.micro, completions)}", f"algorithm.rollout_n={args.generations}",
+        f"data.max_response_length={args.completion_length}", f"data.max_prompt_length={args.prompt_length + 64}",
+        f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.steps}", "cluster.devices_per_node=1",
+        "generation.steps_per_generation=1", *args.set, *variant]
+
+
+def step_profile(args, model_dir: Path, overrides: list[str]):
+    """The profile of the model's own directory (its shape, its context length), refused here as the flow
+    would refuse it: the first H100 loan lost this bench to the `tiny` recipe's 512-token context."""
+    from grpo_pipeline.profiles.validation import profile_problems, refuse
+
+    profile = resolve_profile(str(model_dir), args.device, overrides=overrides)
+    refuse(profile_problems(profile))
+    return profile
+
+
+def dry_run(args, variants: list[tuple[str, list[str]]], settings: list[tuple[str, int]], work: Path) -> int:
+    """Every cell's profile planned from a config-only copy of each shape (no weights): what the GPU
+    command would refuse minutes into a lease is refused here, on the CPU."""
+    from transformers import Qwen3Config
+
+    from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
+
+    tokenizer = train_tiny_tokenizer(512, seed=0)
+    cells = 0
+    for shape in args.model.split(","):
+        model_dir = work / shape
+        Qwen3Config(vocab_size=args.vocab, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                    **SHAPES[shape]).save_pretrained(model_dir)
+        tokenizer.save_pretrained(model_dir)
+        for _, new_tokens in settings:
+            args.completion_length = new_tokens
+            for _, overrides in variants:
+                step_profile(args, model_dir, step_overrides(args, overrides))
+                cells += 1
+    print(f"dry run: {cells} cells planned")
+    return cells
+
+
 def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir: Path, train_file: Path,
                 work: Path) -> tuple[list[dict], float | None]:
     import ray
 
     from grpo_pipeline.backends.local.driver import train_local
 
-    completions = args.prompts * args.generations
-    overrides = [
-        f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
-        f"actor.ppo_micro_batch_size_per_gpu={min(args.micro, completions)}", f"algorithm.rollout_n={args.generations}",
-        f"data.max_response_length={args.completion_length}", f"data.max_prompt_length={args.prompt_length + 64}",
-        f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.steps}", "cluster.devices_per_node=1",
-        "generation.steps_per_generation=1", *args.set, *overrides]
-    profile = resolve_profile("tiny", args.device, overrides=overrides)
+    overrides = step_overrides(args, overrides)
+    profile = step_profile(args, model_dir, overrides)
     run_dir = work / f"run-{shape}-{variant}"
     settings = plan_local_training(profile, [str(train_file)], str(model_dir), run_dir, 1, plan_generation(profile))
     full_length = settings.grpo.model_copy(update={"generation_kwargs": {"min_new_tokens": args.completion_length}})
@@ -210,6 +249,7 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=override[,override...]: run each model with these too (default: one run as is)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--dry-run", action="store_true", help="plan every cell from config-only models and stop")
     parser.add_argument("--table", type=Path, help="print the markdown table of a results file and stop")
     args = parser.parse_args()
     if args.table:
@@ -219,19 +259,22 @@ def main() -> None:
         # The CPU check's own scale: the tiny model, a few short prompts.
         args.prompts, args.generations, args.prompt_length, args.completion_length, args.short = 2, 4, 64, 16, 8
         args.vocab, args.micro = 512, 8
+    variants = [(v.split("=", 1)[0], [o for o in v.split("=", 1)[1].split(",") if o]) for v in args.variant] or [("as-is", [])]
+    settings = [("long", args.completion_length)] + ([("short", args.short)] if args.short else [])
+    work = Path(tempfile.mkdtemp(prefix="bench-step-"))
+    if args.dry_run:
+        dry_run(args, variants, settings, work)
+        return
     import torch
 
     torch_device = "cuda" if args.device == "gpu" else "cpu"
     dtype = "bfloat16" if args.device == "gpu" else "float32"
-    variants = [(v.split("=", 1)[0], [o for o in v.split("=", 1)[1].split(",") if o]) for v in args.variant] or [("as-is", [])]
     limits = rates(torch_device)
     result = {"command": " ".join(sys.argv), "device": args.device, "rates": limits, "prompts": args.prompts,
               "generations": args.generations, "prompt_length": args.prompt_length, "micro": args.micro,
               "steps": args.steps, "warmup": args.warmup, "overrides": args.set, "cells": []}
     if torch_device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
-    work = Path(tempfile.mkdtemp(prefix="bench-step-"))
-    settings = [("long", args.completion_length)] + ([("short", args.short)] if args.short else [])
     for shape in args.model.split(","):
         model_dir = work / shape
         model, tokenizer = make_model(shape, args.vocab, model_dir, dtype, torch_device)

@@ -8,7 +8,8 @@
 #   bash bench/h200.sh pipeline     # the CLI end to end: tiny, and a Qwen3-0.6B-shape directory (RUNS="q06": only it)
 #   bash bench/h200.sh step         # the GRPO step by phase vs its floor, Qwen3 0.6B/1.7B/4B (MODELS=..., STEPS=, SHORT=0: no
 #                                   # short-response setting, VARIANTS="--variant a=k=v ..."); longer than one device call:
-#                                   # SEGMENTS=step bash bench/h200_verl.sh session, then its `wait` (STEP_MODELS=...)
+#                                   # SEGMENTS=step bash bench/h200_verl.sh session, then its `wait` (STEP_MODELS=...);
+#                                   # DRY=1: every cell planned from config-only models, nothing run (the CPU test)
 #   bash bench/h200.sh current      # the current path's cells a decode-floor results file lacks (RESUME=file)
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false \
@@ -30,7 +31,7 @@ case "$1" in
   step)
     python3 bench/bench_grpo_step.py --device gpu --model "${MODELS:-qwen3-0.6b,qwen3-1.7b,qwen3-4b}" --prompts 16 \
         --generations 8 --prompt-length 256 --completion-length 1024 --short "${SHORT:-128}" --steps "${STEPS:-5}" --warmup 2 \
-        ${VARIANTS:-} --out "$OUT/grpo-step.json" ;;
+        ${VARIANTS:-} ${DRY:+--dry-run} --out "$OUT/grpo-step.json" ;;
   current)
     python3 bench/bench_decode_floor.py --resume "$RESUME" --deadline "${DEADLINE:-300}" --out "$OUT/decode-floor.json" \
         ${CURRENT_ARGS:-} ;;

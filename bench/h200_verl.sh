@@ -5,7 +5,7 @@
 #
 #   here:  python3 ../shared/tools/gpu_wheels.py --out .whl && mkdir -p .whl/flow && mv .whl/part*/*.whl .whl/flow/ \
 #              && rm .whl/flow/ray-*.whl                          # the flow's packages (Ray: the cluster's)
-#          python3 bench/verl_carry.py plan --out .whl-verl --flow-wheels .whl/flow   # both, in 7 parts of <= 58 MiB
+#          .venv/bin/python bench/verl_carry.py plan --out .whl-verl --flow-wheels .whl/flow  # both, 7 parts of <= 58 MiB (needs uv)
 #   there, one device call a part, back to back while the machine stays warm (30 s after a call):
 #          python3 bench/verl_carry.py install --part .whl-verl/partN       (carry .whl-verl/partN, .whl-verl/plan.json)
 #   and with the last part:
@@ -36,6 +36,7 @@ HEAD=127.0.0.1:6379
 ENTRY="trainer.entrypoint=python3 -m verl.trainer.main_ppo"
 read -r -a COMMON <<<"$(env $FLOW_ENV python3 bench/verl_real.py config)"
 read -r -a VERL <<<"$(env $FLOW_ENV python3 bench/verl_real.py config --verl)"
+read -r -a FAILING <<<"$(env $FLOW_ENV python3 bench/verl_real.py config --verl --failures)"  # kill9, stop
 
 flow() {  # flow RUN_NAME BACKEND [more flow arguments]: the command line as a user runs it
   local name=$1 backend=$2
@@ -74,7 +75,9 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
     cp "$RUNS/local-h200/report.md" "$OUT/report-local.md" 2>/dev/null || true
     exit $rc ;;
   cluster)
-    env $CLUSTER_ENV setsid /tmp/site-verl/bin/ray start --head --port=6379 --dashboard-host=127.0.0.1 --num-gpus=1 \
+    # From a folder no device call replaces: each call re-sends the checkout, and a raylet started in it
+    # lost its working directory with the next call (every import check of the preflight then failed).
+    cd /tmp && env $CLUSTER_ENV setsid /tmp/site-verl/bin/ray start --head --port=6379 --dashboard-host=127.0.0.1 --num-gpus=1 \
         --disable-usage-stats
     env $CLUSTER_ENV /tmp/site-verl/bin/ray status ;;
   verl)
@@ -90,8 +93,7 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
     env $FLOW_ENV python3 bench/verl_real.py collect --verl "$RUNS/verl-h200" --local "$RUNS/local-h200" \
         --walls "$OUT/walls.json" --out "$OUT/results-h200-verl-real.json" --plot "$OUT/reward-curves.png" ;;
   kill9)
-    flow kill9 verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
-        --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train > "$OUT/kill9-first.log" 2>&1 &
+    flow kill9 verl --ray-address "$HEAD" "${FAILING[@]}" --set "$ENTRY" --stages fetch_dataset,prepare_checkpoint,train > "$OUT/kill9-first.log" 2>&1 &
     pid=$!
     until [ "$(wc -l < "$RUNS/kill9/metrics.jsonl" 2>/dev/null || echo 0)" -ge 3 ]; do
       kill -0 "$pid" 2>/dev/null || { echo "the first flow ended before step 3"; tail -5 "$OUT/kill9-first.log"; exit 1; }
@@ -99,12 +101,10 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
     done
     kill -9 "$pid"
     sleep 20  # the job trains on while no flow follows it
-    flow kill9 verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
-        --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train 2>&1 | tee "$OUT/kill9-rerun.log" | tail -15
+    flow kill9 verl --ray-address "$HEAD" "${FAILING[@]}" --set "$ENTRY" --stages fetch_dataset,prepare_checkpoint,train 2>&1 | tee "$OUT/kill9-rerun.log" | tail -15
     env $FLOW_ENV python3 bench/verl_real.py steps-once "$RUNS/kill9" 12 | tee -a "$OUT/failures.txt" ;;
   stop)
-    flow stopped verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
-        --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train > "$OUT/stop-first.log" 2>&1 &
+    flow stopped verl --ray-address "$HEAD" "${FAILING[@]}" --set "$ENTRY" --stages fetch_dataset,prepare_checkpoint,train > "$OUT/stop-first.log" 2>&1 &
     pid=$!
     until [ "$(wc -l < "$RUNS/stopped/metrics.jsonl" 2>/dev/null || echo 0)" -ge 5 ]; do
       kill -0 "$pid" 2>/dev/null || { echo "the first flow ended before step 5"; tail -5 "$OUT/stop-first.log"; exit 1; }
@@ -114,8 +114,7 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
     env $CLUSTER_ENV /tmp/site-verl/bin/ray job stop --address http://127.0.0.1:8265 "$job"
     wait "$pid" || true  # the flow ends: the job was stopped outside the run
     tail -3 "$OUT/stop-first.log"
-    flow stopped verl --ray-address "$HEAD" "${VERL[@]}" --set "$ENTRY" --set trainer.total_training_steps=12 \
-        --set trainer.save_freq=4 --stages fetch_dataset,prepare_checkpoint,train 2>&1 | tee "$OUT/stop-rerun.log" | tail -15
+    flow stopped verl --ray-address "$HEAD" "${FAILING[@]}" --set "$ENTRY" --stages fetch_dataset,prepare_checkpoint,train 2>&1 | tee "$OUT/stop-rerun.log" | tail -15
     env $FLOW_ENV python3 bench/verl_real.py resumed "$RUNS/stopped" | tee -a "$OUT/failures.txt"
     env $FLOW_ENV python3 bench/verl_real.py steps-once "$RUNS/stopped" 12 | tee -a "$OUT/failures.txt" ;;
   override)
@@ -130,9 +129,12 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
   session)
     # Every run above in order, as a daemon that outlives the device call (setsid), into $KEEP; `wait`
     # calls bring back what it has done so far. SEGMENTS picks and orders the runs.
+    # It runs from a copy of the checkout in $KEEP: the next device call replaces the checkout itself.
     mkdir -p "$KEEP/out"
-    cp bench/h200_verl.sh "$KEEP/h200_verl.sh"
-    setsid bash -c "for segment in ${SEGMENTS:-cluster verl local collect override step decode kill9 stop}; do
+    rm -rf "$KEEP/checkout" && mkdir -p "$KEEP/checkout"
+    tar cf - --exclude=./.whl-verl --exclude=./.whl --exclude=./.git --exclude=./.venv . | tar xf - -C "$KEEP/checkout"
+    cd "$KEEP/checkout"
+    setsid bash -c "for segment in ${SEGMENTS:-cluster override verl local collect kill9 stop step decode}; do
         started=\$(date +%s); echo \"== \$segment: start \$(date +%T)\" >> $KEEP/session.log
         if [ \$segment = step ]; then OUT=$KEEP/out MODELS=\${STEP_MODELS:-qwen3-0.6b,qwen3-1.7b,qwen3-4b} timeout 900 bash bench/h200.sh step
         else OUT=$KEEP/out timeout 1200 bash bench/h200_verl.sh \$segment; fi >> $KEEP/session.log 2>&1

@@ -2,7 +2,7 @@
 """Carry verl 0.9.1 + vLLM 0.24.0 (the cluster's image: what Ray's nodes run) to the lent H200, whose
 image has torch 2.11.0+cu130 but neither, in parts that each fit one device call.
 
-    python3 bench/verl_carry.py plan --out .whl-verl           # here: resolve, download, slim, split; prints the calls
+    .venv/bin/python bench/verl_carry.py plan --out .whl-verl  # here (uv, the venv): resolve, download, slim, split
     python3 bench/verl_carry.py install --part .whl-verl/part3 # there: one call per part, into /tmp/site-verl
     python3 bench/verl_carry.py check                          # here: the split/join/selection logic on CPU
 
@@ -52,17 +52,21 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
 LIMIT = 58 * 2**20  # a call carries 64 MiB, the checkout (about 3.5 MiB) included
 PLAN = "plan.json"
 FLOW = "flow"  # a part's folder of the flow's own wheels
-REQUIREMENTS = [
-    # the cluster's Ray (the flow's release) with its dashboard (the job API); what the project's code
-    # imports in tasks on the nodes (the preflight, the evaluation's rewards)
-    "ray[default]==2.60.0", "pydantic", "mathruler", "pylatexenc",
-    # verl and its rollout engine, at the versions its vllm extra pins
-    "verl[verl-core]==0.9.1", "vllm==0.24.0", "transformers==5.9.0", "tokenizers==0.22.2", "torch==2.11.0",
-    "hydra-core==1.3.2", "omegaconf==2.3.0",
+# The cluster's image: Ray (the flow's release) with its dashboard (the job API), verl and its rollout engine
+# at the versions its vllm extra pins. What the job's nodes must have beyond it is not listed here: it is
+# what the pipeline's preflight checks them for (`job_requirements`), so the two cannot drift apart (the
+# first H100 loan lacked math-verify, which the job's reward imports, and the preflight refused the job).
+IMAGE_PINS = [
+    "ray[default]==2.60.0", "verl[verl-core]==0.9.1", "vllm==0.24.0", "transformers==5.9.0", "tokenizers==0.22.2",
+    "torch==2.11.0", "hydra-core==1.3.2", "omegaconf==2.3.0",
 ]
+# What the preflight asks a node that is no distribution (cluster/node_image.py): the driver, the devices, ...
+NOT_DISTRIBUTIONS = {"python", "cann", "nvidia-driver", "devices"}
 IMAGE = set("""absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers
@@ -257,28 +261,68 @@ def install(part: Path, site: Path, staging: Path, plan: dict, pip=None, flow_si
     return [w.name for w in ready + flow]
 
 
-def resolve(local: Path) -> dict[str, str]:
-    """{name: version} of the pinned resolution for the H200's Python and platform. uv resolves this set
-    in about 20 s; pip's resolver, the fallback, ran past 10 minutes on it."""
+def job_requirements(python: str = sys.executable) -> dict[str, dict]:
+    """What the pipeline's preflight checks every node of the GPU run's verl job for, train and evaluate
+    together: the `node_requirements` of the job's own dry run (bench/verl_real.py's config, as
+    h200_verl.sh passes it), so the carry holds what the flow will ask of the node."""
+    import verl_real
+
+    settings = [a for item in verl_real.COMMON + verl_real.VERL for a in ("--set", item)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    with tempfile.TemporaryDirectory() as runs:
+        planned = subprocess.run([python, "-m", "grpo_pipeline", "--model", "smollm2-135m", "--device", "gpu",
+                                  "--backend", "verl", "--ray-address", "127.0.0.1:6379", "--run-dir", runs, *settings,
+                                  "--dry-run", "--json"], env=env, capture_output=True, text=True, cwd=runs)
+    if planned.returncode != 0:
+        raise SystemExit(f"the verl run's dry run failed, so what its nodes need is unknown: {planned.stderr.strip()[-500:]}")
+    needs: dict[str, dict] = {}
+    for stage in json.loads(planned.stdout)["node_requirements"].values():
+        needs.update(stage)
+    return needs
+
+
+def requirements(needs: dict[str, dict]) -> list[str]:
+    """The resolution's input: the image's pins, and each distribution the preflight checks, at the
+    version it checks for. A pin that the preflight would refuse is refused here, before any download."""
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    pinned = {norm(Requirement(pin).name): Requirement(pin) for pin in IMAGE_PINS}
+    out = list(IMAGE_PINS)
+    for name, need in sorted(needs.items()):
+        if name in NOT_DISTRIBUTIONS:
+            continue
+        version = need.get("version", "")
+        if (pin := pinned.get(norm(name))) is None:
+            out.append(f"{name}{version}")
+            continue
+        held = next(iter(pin.specifier)).version
+        if version and held not in SpecifierSet(version):
+            raise SystemExit(f"the carry pins {pin} but the preflight checks the nodes for {name}{version}: change "
+                             "IMAGE_PINS in bench/verl_carry.py")
+    return out
+
+
+def resolve(local: Path, wanted: list[str]) -> dict[str, str]:
+    """{name: version} of the pinned resolution for the H100/H200's Python and platform, by uv (about 20 s;
+    pip's resolver ran past 5 minutes on this set and was stopped)."""
+    if not shutil.which("uv"):
+        raise SystemExit("plan resolves with uv, which is not installed: pip install uv (pip's own resolver runs "
+                         "for longer than 5 minutes on verl + vLLM)")
     with tempfile.TemporaryDirectory() as tmp:
-        if shutil.which("uv"):
-            Path(tmp, "in.txt").write_text("\n".join(REQUIREMENTS) + "\n")
-            subprocess.run(["uv", "pip", "compile", "-q", str(Path(tmp, "in.txt")), "--python-version", "3.12",
-                            "--python-platform", "x86_64-manylinux_2_28", "--find-links", str(local),
-                            "--no-annotate", "--no-header", "-o", str(Path(tmp, "out.txt"))], check=True)
-            pins = [line.split("==") for line in Path(tmp, "out.txt").read_text().splitlines() if "==" in line]
-            return {name.split("[")[0].strip(): version.strip() for name, version in pins}
-        report = Path(tmp, "report.json")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--dry-run", "--ignore-installed", "--target",
-                        str(Path(tmp, "t")), *TARGET, "--find-links", str(local), "--report", str(report),
-                        *REQUIREMENTS], check=True)
-        return {i["metadata"]["name"]: i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+        Path(tmp, "in.txt").write_text("\n".join(wanted) + "\n")
+        subprocess.run(["uv", "pip", "compile", "-q", str(Path(tmp, "in.txt")), "--python-version", "3.12",
+                        "--python-platform", "x86_64-manylinux_2_28", "--find-links", str(local),
+                        "--no-annotate", "--no-header", "-o", str(Path(tmp, "out.txt"))], check=True)
+        pins = [line.split("==") for line in Path(tmp, "out.txt").read_text().splitlines() if "==" in line]
+        return {name.split("[")[0].strip(): version.strip() for name, version in pins}
 
 
 def plan_command(out: Path, cache: Path, flow_wheels: Path | None) -> int:
+    needed = requirements(job_requirements())
     cache.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(cache), *SDIST_ONLY], check=True)
-    resolved = resolve(cache)
+    resolved = resolve(cache, needed)
     carried = selected(resolved)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *TARGET, "--find-links", str(cache),
                     "-d", str(cache),
@@ -300,7 +344,7 @@ def plan_command(out: Path, cache: Path, flow_wheels: Path | None) -> int:
         shutil.rmtree(old)
     flow = sorted(flow_wheels.glob("*.whl")) if flow_wheels else []
     plan = write_parts(wheels, out, flow=flow)
-    plan["resolved"], plan["carried"] = resolved, carried
+    plan["requirements"], plan["resolved"], plan["carried"] = needed, resolved, carried
     plan["left_behind"] = sorted(set(resolved) - set(carried))
     (out / PLAN).write_text(json.dumps(plan, indent=1))
     total = sum(w["size"] for w in plan["wheels"].values())

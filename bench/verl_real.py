@@ -43,6 +43,8 @@ COMMON = ["trainer.total_training_steps=40", "trainer.save_freq=10", "trainer.te
           # whole batches an epoch, so 40 steps are 2 epochs (verl stops at its last epoch)
           "data.arith_train_rows=640", "data.arith_test_rows=512", "trainer.total_epochs=2"]
 VERL = ["engine.strategy=fsdp"]
+# The failure runs (kill -9 of the flow, `ray job stop`): short, with a checkpoint every 4 steps to resume from.
+FAILURES = ["trainer.total_training_steps=12", "trainer.save_freq=4"]
 
 
 def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
@@ -178,8 +180,10 @@ def main() -> int:
     s.add_argument("last", type=int)
     r = sub.add_parser("resumed")
     r.add_argument("run_dir", type=Path)
-    sub.add_parser("config", help="print the shared --set arguments (and the verl ones with --verl)").add_argument(
-        "--verl", action="store_true")
+    config = sub.add_parser("config", help="print the shared --set arguments (and the verl ones with --verl, the "
+                            "failure runs' with --failures)")
+    config.add_argument("--verl", action="store_true")
+    config.add_argument("--failures", action="store_true")
     args = parser.parse_args()
     if args.check:
         return check()
@@ -191,7 +195,7 @@ def main() -> int:
     elif args.command == "resumed":
         resumed(args.run_dir)
     elif args.command == "config":
-        print(" ".join(f"--set {item}" for item in COMMON + (VERL if args.verl else [])))
+        print(" ".join(f"--set {item}" for item in COMMON + (VERL if args.verl else []) + (FAILURES if args.failures else [])))
     else:
         parser.error("a command, or --check")
     return 0

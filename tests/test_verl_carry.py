@@ -102,6 +102,48 @@ def test_the_vllm_decode_bench_and_the_run_script_check_here(tmp_path):
     assert subprocess.run(["bash", "-n", str(root / "bench" / "h200_verl.sh")]).returncode == 0
 
 
+def test_the_carry_holds_what_the_preflight_checks_the_nodes_for():
+    """The carry's resolution is derived from the verl run's own dry run: every distribution the preflight
+    asks the node for is in it (math-verify, which the job's reward imports, was missing on the first
+    H100 loan), and a pin the preflight would refuse stops the plan before anything is downloaded."""
+    import pytest
+
+    needs = verl_carry.job_requirements()
+    assert {"verl", "TransferQueue", "math-verify", "vllm", "torch"} <= set(needs)
+    carried = {verl_carry.norm(r.split("[")[0].split("=")[0].split(">")[0].split("<")[0])
+               for r in verl_carry.requirements(needs)}
+    assert {verl_carry.norm(n) for n in needs} - verl_carry.NOT_DISTRIBUTIONS <= carried
+    with pytest.raises(SystemExit, match=r"pins verl\[verl-core\]==0.9.1 but the preflight checks the nodes for verl==0.9.2"):
+        verl_carry.requirements({"verl": {"version": "==0.9.2"}})
+
+
+def test_the_carry_plan_needs_uv(monkeypatch, tmp_path):
+    import pytest
+
+    monkeypatch.setattr(verl_carry.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="pip install uv"):
+        verl_carry.resolve(tmp_path, ["verl==0.9.1"])
+
+
+def test_the_step_breakdowns_gpu_command_passes_its_dry_run(tmp_path):
+    """bench/h200.sh step as the lease runs it, planned from config-only Qwen3 shapes: the first H100
+    loan lost it to a 512-token context after 15 s; here a context too short is refused on the CPU."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "DRY": "1",
+           "OUT": str(tmp_path), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    planned = subprocess.run(["bash", "bench/h200.sh", "step"], env=env, cwd=root, capture_output=True, text=True,
+                             timeout=600)
+    assert planned.returncode == 0, planned.stderr[-2000:]
+    assert "dry run: 6 cells planned" in planned.stdout
+    refused = subprocess.run([sys.executable, "bench/bench_grpo_step.py", "--device", "gpu", "--model", "qwen3-0.6b",
+                              "--completion-length", "9000", "--dry-run"], env=env, cwd=root, capture_output=True,
+                             text=True, timeout=600)
+    assert refused.returncode != 0 and "max_position_embeddings" in refused.stderr
+
+
 def test_the_gpu_runs_config_passes_the_dry_run_for_both_backends(tmp_path):
     """bench/verl_real.py's config as h200_verl.sh passes it: a config the flow refuses minutes into the
     lease (2,048 arith rows: the first H200 run) is refused here, before any GPU is asked for."""
@@ -112,7 +154,8 @@ def test_the_gpu_runs_config_passes_the_dry_run_for_both_backends(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
-    for backend, settings in (("verl", verl_real.COMMON + verl_real.VERL), ("local", verl_real.COMMON)):
+    for backend, settings in (("verl", verl_real.COMMON + verl_real.VERL), ("local", verl_real.COMMON),
+                              ("verl", verl_real.COMMON + verl_real.VERL + verl_real.FAILURES)):  # kill9, stop
         extra = ["--ray-address", "127.0.0.1:6379"] if backend == "verl" else []
         args = [sys.executable, "-m", "grpo_pipeline", "--model", "smollm2-135m", "--device", "gpu", "--backend", backend,
                 "--run-dir", str(tmp_path), *extra, *(a for item in settings for a in ("--set", item)), "--dry-run"]
