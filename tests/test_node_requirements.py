@@ -195,3 +195,27 @@ def test_the_dry_run_lists_each_stage_s_node_requirements():
                            "--dry-run"], capture_output=True, text=True, timeout=300, cwd=ROOT).stdout
     assert "# node requirements of the train stage (checked on every Ray node before it starts there)" in text
     assert "#   vllm-ascend (same release as vllm): the rollout engine on NPUs" in text
+
+
+def test_a_check_that_could_not_start_blames_no_package(tmp_path, monkeypatch):
+    """A child that never ran (its interpreter failed at start, e.g. the working directory of a raylet started
+    in a folder replaced since) was reported as "TransferQueue ... does not import", sending the user after
+    the wrong package; the node's problem now says the check could not start, with the child's last line."""
+    from grpo_pipeline.cluster import node_image
+
+    failing = tmp_path / "python"
+    failing.write_text("#!/bin/sh\necho 'Python path configuration:' >&2\n"
+                       "echo 'Fatal Python error: init_fs_encoding: failed to get the Python codec' >&2\nexit 2\n")
+    failing.chmod(0o755)
+    monkeypatch.setattr(node_image.sys, "executable", str(failing))
+    answer = look({"pydantic": {"imports": ["pydantic"]}, "packaging": {"imports": ["packaging"]}}, timeout_s=60)
+    said = ("the check could not start (exit code 2: Fatal Python error: init_fs_encoding: failed to get the Python "
+            "codec)")
+    assert answer["imports"] == {"pydantic": said, "packaging": said}
+    facts = _facts(imports={"transfer_queue": said})
+    needs = {"TransferQueue": NodeRequirement(imports=["transfer_queue"])}
+    (problem,) = node_problems(facts.model_copy(update={"versions": facts.versions | {"TransferQueue": "0.1.11"}}), needs)
+    assert problem.found == f"TransferQueue 0.1.11 is installed but could not be checked: {said}; the node's Python could not run"
+    monkeypatch.setattr(node_image.sys, "executable", str(tmp_path / "gone"))
+    answer = look({"pydantic": {"imports": ["pydantic"]}}, timeout_s=60)
+    assert answer["imports"]["pydantic"].startswith(f"the check could not start ({tmp_path / 'gone'}: No such file")

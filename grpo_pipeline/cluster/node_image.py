@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from grpo_pipeline.profiles.requirements import NodeFacts, NodeRequirement
+from grpo_pipeline.profiles.requirements import COULD_NOT_START, NodeFacts, NodeRequirement
 
 # Always reported, whatever the profile asks: the stack a person needs to see to tell two images apart.
 STACK = ("torch", "torch-npu", "transformers", "ray", "verl", "megatron-core", "mbridge", "megatron-bridge",
@@ -153,12 +153,19 @@ def _import_in_child(asked: dict, timeout_s: float) -> dict:
     deadline = time.monotonic() + timeout_s
     while todo:
         try:
+            # From "/": a Ray worker's own working directory can be gone (a raylet started in a folder that was
+            # replaced since), and the child must not blame the packages for that.
             done = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(todo)], capture_output=True, text=True,
-                                  errors="replace", timeout=max(0.1, deadline - time.monotonic()))
+                                  errors="replace", timeout=max(0.1, deadline - time.monotonic()), cwd="/")
             output, ended, more = done.stdout, f"the importing process ended with exit code {done.returncode}", True
+            if _MARK not in output:  # it never began: no module was tried, so none is blamed
+                said = [line for line in done.stderr.splitlines() if line.strip()]
+                ended = f"{COULD_NOT_START} (exit code {done.returncode}: {said[-1].strip() if said else 'nothing on stderr'})"
         except subprocess.TimeoutExpired as exc:
             output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             ended, more = f"the import did not finish in {timeout_s:.0f} s", False
+        except OSError as exc:  # the interpreter itself could not be started
+            output, ended = "", f"{COULD_NOT_START} ({sys.executable}: {exc.strerror or exc})"
         started = None
         for line in output.splitlines():
             if _MARK not in line:
@@ -173,6 +180,6 @@ def _import_in_child(asked: dict, timeout_s: float) -> dict:
         for kind, name in list(todo):
             if [kind, name] == started or not more:
                 answers["imports" if kind == "import" else "registries"][name] = (
-                    ended if [kind, name] == started else f"not reached: {ended}")
+                    ended if [kind, name] == started or ended.startswith(COULD_NOT_START) else f"not reached: {ended}")
                 todo.remove([kind, name])
     return answers

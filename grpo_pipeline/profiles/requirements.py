@@ -110,6 +110,9 @@ class NodeProblem(NamedTuple):
         return f"{self.found}{why}{'; fix: ' + self.need.fix if self.need.fix else ''}"
 
 
+# How a module's answer starts when the node's checking process never ran (cluster/node_image.py): the
+# packages were not tried, so none is blamed.
+COULD_NOT_START = "the check could not start"
 KNOWN_SHOWN = 12  # a registry's names listed in a refusal, then counted
 
 
@@ -144,6 +147,9 @@ def _problem(name: str, need: NodeRequirement, facts: NodeFacts) -> str | None:
         if _release(found) != _release(other):
             return (f"{shown} {found} does not match {need.same_release_as} {other or '(not installed)'}: their "
                     "releases must be the same")
+    errors = [error for module in need.imports if (error := facts.imports.get(module))]
+    if unchecked := [error for error in errors if error.startswith(COULD_NOT_START)]:
+        return f"{shown} {found} is installed but could not be checked: {unchecked[0]}; the node's Python could not run"
     if failed := [f"{module}: {error}" for module in need.imports if (error := facts.imports.get(module))]:
         return f"{shown} {found} is installed but does not import ({'; '.join(failed)})"
     if need.registry and need.knows:
