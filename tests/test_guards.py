@@ -114,6 +114,15 @@ def test_off_is_off_however_yaml_reads_it_and_bad_values_are_refused_in_one_line
                 "guards.reward_collapse_steps=0"):
         with pytest.raises(ProfileError, match=r"guards\."):
             resolve_profile("tiny", "cpu", overrides=[bad])
+    # A threshold's bad value in one line of the project's words, not pydantic's union parts in two.
+    for bad, said in (("guards.rollout_mismatch=abc", "expects a number greater than 0 (a KL per token) or off, not 'abc'"),
+                      ("guards.reward_collapse_steps=-3", "expects a whole number of steps from 1 to 1048576 or off, not -3"),
+                      ("guards.reward_collapse_steps=2.5", "expects a whole number of steps from 1 to 1048576 or off")):
+        with pytest.raises(ProfileError) as refused:
+            resolve_profile("tiny", "cpu", overrides=[bad])
+        assert said in str(refused.value) and "more below" not in str(refused.value)
+        assert "constrained" not in str(refused.value) and "literal" not in str(refused.value)
+    assert resolve_profile("tiny", "cpu", overrides=["guards.reward_collapse_steps=4"]).guards.reward_collapse_steps == 4
 
 
 def test_a_non_finite_value_survives_the_runs_records(tmp_path):

@@ -58,13 +58,36 @@ class GuardsSection(Section):
     @classmethod
     def off_from_yaml(cls, value: Any, info: ValidationInfo) -> Any:
         """YAML (and so `--set`) reads `off` as false: both mean `off`; `true` is `stop` where that is a choice."""
+        threshold = info.field_name in THRESHOLDS
         if isinstance(value, bool):
             if not value:
                 return "off"
-            if cls.model_fields[info.field_name].annotation is not StopOrOff:
-                raise ValueError("expects a number or off, not true")
+            if threshold:
+                raise ValueError(f"expects {THRESHOLDS[info.field_name]}, not true")
             return "stop"
+        if threshold and value != "off":
+            return _threshold(value, info.field_name)
         return value
 
     def on(self, name: str) -> bool:
         return getattr(self, name) != "off"
+
+
+# A threshold guard's value in the user's words: pydantic's own error for the union named its parts
+# (`constrained-float`, `literal['off']`) in two lines.
+THRESHOLDS = {"rollout_mismatch": "a number greater than 0 (a KL per token) or off",
+              "reward_collapse_steps": f"a whole number of steps from 1 to {MAX_SEQUENCES} or off"}
+
+
+def _threshold(value: Any, name: str) -> float | int:
+    try:
+        number = float(value)
+        if name == "reward_collapse_steps":
+            if number != int(number):
+                raise ValueError
+            number = int(number)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"expects {THRESHOLDS[name]}, not {value!r}") from None
+    if not 0 < number <= (MAX_SEQUENCES if name == "reward_collapse_steps" else float("inf")):
+        raise ValueError(f"expects {THRESHOLDS[name]}, not {value!r}")
+    return number
