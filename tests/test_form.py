@@ -66,6 +66,10 @@ CASES = [
     ("overrides", f"env.MIRROR=${{HF_TOKEN:-{SECRET}}}", SECRET_DEFAULT),
     ("overrides", f"env.GH=${{GITHUB_PAT:-{SECRET}}}", SECRET_DEFAULT),  # PAT, AUTH, DSN...: secrets' names too
     ("overrides", f"env.MIRROR_AUTH=${{HF_TOKEN:-{SECRET}}}", SECRET_LITERAL),  # a secret-named entry first
+    # Issue 55: plural, numbered and compound names, which the API stored.
+    *[("overrides", f"env.{name}={SECRET}", SECRET_LITERAL) for name in ("HF_TOKENS", "API_KEYS", "DB_PASSWORDS",
+                                                                         "GH_TOKEN2", "PASSWORD1")],
+    ("overrides", "env.VLLM_MAX_TOKENS=4096", None),  # a number of tokens
     # Issue 44: literal secrets under secret-named keys outside env, which the API stored (HTTP 201).
     ("overrides", f"tracking.wandb.api_key={SECRET}", SECRET_LITERAL),
     ("overrides", f"tracking.mlflow.password={SECRET}", SECRET_LITERAL),

@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from grpo_pipeline.run.request import RunRequest
 from grpo_pipeline.errors import ProfileError
 from grpo_pipeline.stages.plan import resolve_profile
-from grpo_pipeline.profiles.secrets import is_secret, parse_reference, redact, scrub, secret_literal_problems
+from grpo_pipeline.profiles.secrets import (is_secret, parse_reference, redact, scrub, secret_literal_problems,
+                                           secret_name_pattern)
 from grpo_pipeline.stages.environment import resolve_environment
 
 TOKEN = "hf_aB3dE5gH7jK9mN"
@@ -100,6 +101,22 @@ def test_a_ray_address_is_checked_for_its_form_without_echoing_credentials(addre
 )
 def test_secret_names(name, secret):
     assert is_secret(name) is secret
+    # the form's pattern (the Prefect API checks it) calls the same names secrets
+    assert bool(re.fullmatch(secret_name_pattern(), name)) is secret
+
+
+@pytest.mark.parametrize("name", ["HF_TOKENS", "API_KEYS", "DB_PASSWORDS", "GH_TOKEN2", "PASSWORD1", "MY_SECRETS",
+                                  "ACCESS_KEYS_2", "apikeys", "SERVICE_TOKENS_PROD"])
+def test_a_secrets_name_in_the_plural_or_numbered_is_a_secret(name):
+    """Issue 55: the form stored `env.HF_TOKENS=<literal>` and the command line printed it."""
+    assert is_secret(name)
+    assert re.fullmatch(secret_name_pattern(), name)
+
+
+@pytest.mark.parametrize("name", ["MAX_TOKENS", "VLLM_MAX_TOKENS", "NUM_KEYS", "MIN_TOKENS", "TOTAL_TOKENS2"])
+def test_a_counted_plural_is_a_number_not_a_secret(name):
+    assert not is_secret(name)
+    assert not re.fullmatch(secret_name_pattern(), name)
 
 
 def test_secrets_are_redacted_and_not_forwarded():

@@ -38,7 +38,10 @@ REDACTED = "***"
 _SECRET_PARTS = {"TOKEN", "KEY", "APIKEY", "SECRET", "PASSWORD", "PASSWD", "PASS", "PASSPHRASE", "CREDENTIAL",
                  "CREDENTIALS", "CREDS", "PAT", "AUTH", "OAUTH", "AUTHORIZATION", "BEARER", "JWT", "COOKIE", "COOKIES",
                  "SESSION", "SESSIONID", "DSN", "PRIVATE", "CERT"}
-_SECRET_SUFFIX = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD)$")
+_SECRET_SUFFIX = re.compile(r"(TOKEN|KEY|SECRET|PASSWORD)S?[0-9]*$")
+# A part in the plural or numbered is the same secret (HF_TOKENS, API_KEYS, GH_TOKEN2, PASSWORD1), except a
+# plural counted by the part before it (MAX_TOKENS, NUM_KEYS: a number of tokens, not tokens).
+_COUNTING_PARTS = ("MAX", "MIN", "NUM", "TOTAL")
 # A last part that says the value is a location (SSL_CERT_FILE, SSH_AUTH_SOCK, HF_TOKEN_PATH): where a
 # secret or a public certificate is, which tools print in their messages, not the secret itself.
 _LOCATION_PARTS = ("FILE", "DIR", "PATH", "SOCK")
@@ -60,7 +63,20 @@ def is_secret(name: str) -> bool:
     upper = name.upper()
     if upper.rsplit("_", 1)[-1] in _LOCATION_PARTS and "_" in upper:
         return False
-    return bool(_SECRET_PARTS.intersection(upper.split("_")) or _SECRET_SUFFIX.search(upper))
+    parts = upper.split("_")
+    return any(_names_secret(part, parts[i - 1] if i else "") for i, part in enumerate(parts)) or _suffix(upper)
+
+
+def _names_secret(part: str, before: str) -> bool:
+    stem = part.rstrip("0123456789")
+    return stem in _SECRET_PARTS or (stem[-1:] == "S" and stem[:-1] in _SECRET_PARTS and before not in _COUNTING_PARTS)
+
+
+def _suffix(upper: str) -> bool:
+    found = _SECRET_SUFFIX.search(upper)
+    counted = found is not None and found[0].rstrip("0123456789").endswith("S") and any(
+        upper[:found.start()].endswith(f"{word}_") for word in _COUNTING_PARTS)
+    return found is not None and not counted
 
 
 def parse_reference(value: str) -> tuple[str, str | None] | None:
@@ -188,7 +204,8 @@ def names_a_credential(name: str) -> bool:
     """A key of a free-form mapping (a megatron-core, vLLM or distribution name) that names a secret:
     one whose last part does (`hf_token`, `api_key`), not `moe_token_dispatcher_type`."""
     upper = name.upper()
-    return upper.rsplit("_", 1)[-1] in _SECRET_PARTS or bool(_SECRET_SUFFIX.search(upper))
+    parts = upper.split("_")
+    return _names_secret(parts[-1], parts[-2] if len(parts) > 1 else "") or _suffix(upper)
 
 
 @functools.cache
@@ -289,14 +306,18 @@ def secret_name_pattern(credential: bool = False) -> str:
     """A regex of the variable names `is_secret` calls secrets (`names_a_credential` with `credential`),
     for a form's JSON-schema pattern, which the Prefect API checks with Python's `re` (the scoped flag
     `(?i:...)` keeps it short enough to read). It matches a whole name where no name character follows."""
-    parts = "|".join(sorted(_SECRET_PARTS, key=len, reverse=True))
-    suffixes = _SECRET_SUFFIX.pattern.strip("()$")
+    names = "|".join(sorted(_SECRET_PARTS, key=len, reverse=True))
+    counted = "".join(f"(?<!{word}_)" for word in _COUNTING_PARTS)
+    # A part: a secret's name, numbered, or in the plural where no counting part stands before it.
+    parts = rf"(?:(?:{names})[0-9]*|{counted}(?:{names})s[0-9]*)"
+    suffixes = _SECRET_SUFFIX.pattern.split(")")[0].strip("(")
+    suffix = rf"(?:(?:{suffixes})[0-9]*|{counted}(?:{suffixes})s[0-9]*)"
     places = "|".join(_LOCATION_PARTS)
     end = "(?![a-z0-9_])"
     if credential:
-        return rf"(?i:(?:[a-z0-9]*_)*(?:{parts}){end}|[a-z0-9_]*(?:{suffixes}){end})"
+        return rf"(?i:(?:[a-z0-9]*_)*{parts}{end}|[a-z0-9_]*{suffix}{end})"
     return (rf"(?i:(?![a-z0-9_]*_(?:{places}){end})"
-            rf"(?:(?:[a-z0-9]*_)*(?:{parts})(?:_[a-z0-9_]*)?|[a-z0-9_]*(?:{suffixes})){end})")
+            rf"(?:(?:[a-z0-9]*_)*{parts}(?:_[a-z0-9_]*)?|[a-z0-9_]*{suffix}){end})")
 
 
 URL_CREDENTIALS_PATTERN = _URL_CREDENTIALS.pattern.replace("(?<=://)", "://")
