@@ -134,7 +134,7 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
     rm -rf "$KEEP/checkout" && mkdir -p "$KEEP/checkout"
     tar cf - --exclude=./.whl-verl --exclude=./.whl --exclude=./.git --exclude=./.venv . | tar xf - -C "$KEEP/checkout"
     cd "$KEEP/checkout"
-    setsid bash -c "for segment in ${SEGMENTS:-cluster override verl local collect kill9 stop step decode}; do
+    setsid bash -c "for segment in ${SEGMENTS:-cluster verl collect local collect override kill9 stop step decode}; do
         started=\$(date +%s); echo \"== \$segment: start \$(date +%T)\" >> $KEEP/session.log
         if [ \$segment = step ]; then OUT=$KEEP/out MODELS=\${STEP_MODELS:-qwen3-0.6b,qwen3-1.7b,qwen3-4b} timeout 900 bash bench/h200.sh step
         else OUT=$KEEP/out timeout 1200 bash bench/h200_verl.sh \$segment; fi >> $KEEP/session.log 2>&1

@@ -83,7 +83,9 @@ def run_summary(run_dir: Path, wall_s: float | None) -> dict:
             "response_tokens_per_s": round(tokens / sum(later), 1) if later and sum(later) > 0 else None,
             "generation_s_median": _median([s.generation_s for s in timed if s.generation_s is not None]),
             "reward_first": steps[0].reward_mean if steps else None, "reward_last": steps[-1].reward_mean if steps else None,
-            "reward_curve": [round(s.reward_mean, 4) for s in steps], "evaluation": evaluation,
+            "reward_curve": [round(s.reward_mean, 4) for s in steps],
+            "elapsed_s": [round(sum(s.step_time_s for s in steps[:n]), 2) for n in range(1, len(steps) + 1)],
+            "evaluation": evaluation,
             "intervals_separate": separated}
 
 
@@ -97,13 +99,15 @@ def plot(runs: dict[str, dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, (by_update, by_time) = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for name, summary in runs.items():
-        axes.plot(range(1, len(summary["reward_curve"]) + 1), summary["reward_curve"], label=name)
-    axes.set_xlabel("step")
-    axes.set_ylabel("mean reward (critic/score/mean; the local backend's reward mean)")
-    axes.set_title("SmolLM2-135M-Instruct on arith, GRPO, one H200")
-    axes.legend()
+        by_update.plot(range(1, len(summary["reward_curve"]) + 1), summary["reward_curve"], label=name)
+        by_time.plot(summary["elapsed_s"], summary["reward_curve"], label=name)
+    by_update.set_xlabel("update (one a step)")
+    by_time.set_xlabel("training time, s (the steps' own, start-up left out)")
+    by_update.set_ylabel("mean reward (critic/score/mean; the local backend's reward mean)")
+    figure.suptitle(f"SmolLM2-135M-Instruct on arith, GRPO, {_card() or 'no GPU'}")
+    by_update.legend()
     figure.tight_layout()
     figure.savefig(out, dpi=120)
 
@@ -121,7 +125,7 @@ def collect(verl: Path, local: Path, walls: dict, out: Path, picture: Path) -> d
     runs = {"verl (FSDP + vLLM 0.24, Ray job)": run_summary(verl, walls.get("verl")),
             "local (TRL on Ray Train)": run_summary(local, walls.get("local"))}
     plot(runs, picture)
-    result = {"command": "bash bench/h200_verl.sh (issue 43)", "card": _card(), "config": {"common": COMMON, "verl": VERL},
+    result = {"command": "bash bench/h200_verl.sh session (issue 52)", "card": _card(), "config": {"common": COMMON, "verl": VERL},
               "runs": runs, "plot": picture.name}
     out.write_text(json.dumps(result, indent=1))
     return result
@@ -157,6 +161,7 @@ def check() -> int:
                          Path(tmp, "r.png"))
         verl = result["runs"]["verl (FSDP + vLLM 0.24, Ray job)"]
         assert verl["steps"] == 40 and verl["step_time_s_median"] == 2.0 and verl["intervals_separate"]
+        assert verl["elapsed_s"][0] == 2.0 and verl["elapsed_s"][-1] == 80.0
         assert verl["response_tokens_per_s"] == 20.0 * SEQUENCES_PER_STEP / 2.0
         assert verl["evaluation"]["base"] == {"accuracy": 0.2, "ci95": wilson(40, 200), "samples": 200}
         assert Path(tmp, "r.png").read_bytes().startswith(b"\x89PNG")
