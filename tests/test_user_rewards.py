@@ -36,6 +36,30 @@ def test_a_verl_reward_and_a_trl_reward_unchanged_weighted_with_extras(tmp_path)
     assert scores.means()["reward_extras/acc/mean"] == 0.5 and "rewards/digit_share/mean" in scores.means()
 
 
+def test_rewards_of_one_name_are_each_counted_once(tmp_path):
+    """Issue 55: `x, x, x_1` became `x_0, x_1, x_1`: one part dropped, another counted twice (2.0, not 1.5)."""
+    spec = write(tmp_path, "v.py", VERL_STYLE) + ":compute_score"
+    plan = RewardPlan(functions=[FunctionEntry(spec=spec, weight=0.5, name="x"), FunctionEntry(spec=spec, weight=0.5, name="x"),
+                                 FunctionEntry(spec=spec, weight=0.5, name="x_1")])
+    parts = RewardParts(plan)
+    assert [p.name for p in parts.parts] == ["x_2", "x_3", "x_1"]
+    scores = parts.score(batch())
+    share = [1.0, 0.0, 1 / 8, 1 / 15]
+    assert set(scores.parts) == {"x_1", "x_2", "x_3"} and scores.rewards == pytest.approx([1.5 * s for s in share])
+
+
+@pytest.mark.parametrize("weights", [["0"], ["-1", "-0.5"]])
+def test_rewards_without_a_positive_weight_are_refused_at_planning(tmp_path, weights):
+    """Issue 55: with no positive weight full marks were 0, so every response of a random model counted as correct."""
+    from grpo_pipeline.errors import ProfileError
+    from grpo_pipeline.stages.plan import resolve_profile
+
+    spec = write(tmp_path, "v.py", VERL_STYLE) + ":compute_score"
+    functions = ", ".join(f"{{path: {spec}, weight: {w}}}" for w in weights)
+    with pytest.raises(ProfileError, match="no reward has a weight above 0"):
+        resolve_profile("tiny", "cpu", overrides=[f"reward.functions=[{functions}]"])
+
+
 def test_a_reward_that_raises_on_one_sample_names_its_row(tmp_path):
     reward = UserReward(write(tmp_path, "r.py", RAISES_ON_ONE) + ":compute_score")
     with pytest.raises(RewardError, match=r"reward compute_score \(.*r.py:compute_score\) raised on row 1 of the train "

@@ -125,6 +125,12 @@ def reward_problems(section: RewardSection) -> list[str]:
                         "would be stored in the run's profile); export the token and set reward.token='${NAME}'")
     if section.token is not None and section.url is None:
         problems.append("reward.token is set without reward.url; set the server's URL or drop the token")
+    weights = [f.weight for f in section.functions] + ([section.weight] if section.url else [])
+    if weights and max(weights) <= 0:
+        # Full marks are the positive weights' sum: with none, every response would count as correct.
+        problems.append(f"reward weights {weights}: no reward has a weight above 0, so no response can be told "
+                        "correct (accuracy, pass@k and eval.checkpoints=best count full marks); give one reward a "
+                        "positive weight")
     return problems
 
 

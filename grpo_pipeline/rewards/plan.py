@@ -99,10 +99,7 @@ class RewardParts:
             self.parts.append(Part(server.name, plan.weight, server))
         if not self.parts:
             self.parts.append(Part(BUILTIN, 1.0, builtin_reward))
-        names = [part.name for part in self.parts]
-        for index, part in enumerate(self.parts):  # two rewards of one name are logged apart
-            if names.count(part.name) > 1:
-                part.name = f"{part.name}_{index}"
+        unique_names(self.parts)
 
     def score(self, batch: Batch, log_metric: Callable[[str, float], None] | None = None) -> BatchScores:
         scored = {part.name: part.score(batch, log_metric) for part in self.parts}
@@ -122,6 +119,22 @@ class RewardParts:
             # A reward of the user's says nothing of correctness: full marks count as correct, any reward as formatted.
             correct=[bool(c) for c in correct] if correct else [r >= full_marks for r in rewards],
             formatted=[bool(f) for f in formatted] if formatted else [r > 0 for r in rewards])
+
+
+def unique_names(parts: list[Part]) -> None:
+    """Two rewards of one name are logged and summed apart: each gets the first `<name>_<n>` that no
+    other part is named (an index suffix alone clashed with a part named so: `x, x, x_1` became
+    `x_0, x_1, x_1`, one part dropped and another counted twice)."""
+    given = [part.name for part in parts]
+    taken = set(given)
+    for part in parts:
+        if given.count(part.name) < 2:
+            continue
+        number = 1
+        while f"{part.name}_{number}" in taken:
+            number += 1
+        taken.add(f"{part.name}_{number}")
+        part.name = f"{part.name}_{number}"
 
 
 def builtin_reward(batch: Batch, log_metric=None) -> Scored:
