@@ -97,11 +97,14 @@ def aime_repo_files(year: int, rows: int = 6) -> dict[str, bytes]:
     return {"data/train-00000-of-00001.parquet": parquet_bytes(table)}
 
 
-def dapo_repo_files(unique: int = 12, copies: int = 3) -> dict[str, bytes]:
-    """BytedTsinghua-SIA/DAPO-Math-17k's one file: verl's schema already, each prompt repeated."""
+def dapo_repo_files(unique: int = 12, copies: int = 3, interleaved: bool = False) -> dict[str, bytes]:
+    """BytedTsinghua-SIA/DAPO-Math-17k's one file: verl's schema already, each prompt repeated (one after
+    another, or `interleaved`: the whole set again and again)."""
     instruction = ("Solve the following math problem step by step. The last line of your response should be of the form "
                    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n")
     rows = [{"data_source": "math_dapo", "prompt": [{"content": f"{instruction}What is {n} + {n}?", "role": "user"}],
              "ability": "MATH", "reward_model": {"ground_truth": str(2 * n), "style": "rule-lighteval/MATH_v2"},
              "extra_info": {"index": f"uuid-{n}"}} for n in range(unique) for _ in range(copies)]
+    if interleaved:
+        rows = [rows[n * copies] for _ in range(copies) for n in range(unique)]
     return {"data/dapo-math-17k.parquet": parquet_bytes(pa.Table.from_pylist(rows))}

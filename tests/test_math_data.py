@@ -40,6 +40,18 @@ def test_each_math_dataset_from_its_published_layout(hub, tmp_path, name, repo, 
     assert fetch_dataset(data_spec(tmp_path, dataset=name)).cached and hub.requests == []
 
 
+def test_a_held_out_prompt_is_never_trained_on_however_the_file_repeats_it(hub, tmp_path):  # noqa: F811
+    """Issue 55: the last rows were held out before deduplication, so with interleaved copies every held-out
+    prompt was also a training prompt."""
+    hub.add_repo("BytedTsinghua-SIA/DAPO-Math-17k", dapo_repo_files(unique=30, copies=3, interleaved=True))
+    fetched = fetch_dataset(data_spec(tmp_path, dataset="dapo17k"))
+    assert fetched.rows == {"train": 27, "test": 3}
+    train, test = (pq.read_table(files[0]).to_pylist() for files in (fetched.train_files, fetched.val_files))
+    trained = {row["prompt"][-1]["content"] for row in train}
+    assert not [row for row in test if row["prompt"][-1]["content"] in trained]
+    assert [row["extra_info"]["split"] for row in test] == ["test"] * 3 and [r["extra_info"]["index"] for r in test] == [0, 1, 2]
+
+
 def test_a_local_dataset_by_column_mapping_with_a_template_and_a_system_prompt(tmp_path):
     source = tmp_path / "qa"
     source.mkdir()

@@ -116,7 +116,7 @@ def test_a_local_directory_without_splits_or_schema_is_refused(tmp_path):
     bad.mkdir()
     (bad / "everything.parquet").write_bytes(parquet_bytes(gsm8k_table(2)))
     spec = DataSpec.from_profile(DataSection(dataset="gsm8k", source=str(bad), root=str(tmp_path / "store")))
-    with pytest.raises(DatasetFormatError, match="2 rows and no test split; give a test"):
+    with pytest.raises(DatasetFormatError, match="2 distinct prompts and no test split; give a test"):
         fetch_dataset(spec)
     assert not (tmp_path / "store" / "gsm8k").exists()
 

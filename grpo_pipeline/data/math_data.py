@@ -18,7 +18,8 @@ the same layouts from the fake hub):
 The prompt is verl's (`examples/data_preprocess/math_dataset.py`): the problem, then "Let's think step by step
 and output the final answer within \\boxed{}."; MATH's ground truth is its solution's last `\\boxed{}`, as there.
 An evaluation set (one split) is both splits; DAPO-Math-17k (one split, each prompt repeated in the published
-file) is deduplicated, its last `HELD_OUT_ROWS` prompts held out as the test split.
+file) is deduplicated, its last `HELD_OUT_ROWS` prompts held out as the test split (`hold_out`: by prompt, so
+no held-out prompt is trained on, as any one-split source).
 """
 
 from __future__ import annotations
@@ -88,17 +89,44 @@ CONVERTERS: dict[str, Callable[[pa.Table, str], pa.Table]] = {
 }
 
 
-def complete_splits(tables: dict[str, pa.Table], evaluation_only: bool, source: str) -> dict[str, pa.Table]:
-    """Train and test from what the source has: an evaluation set's one split is both; a source with only a
-    training split gives its last rows (at most HELD_OUT_ROWS, a tenth of it) to the test split."""
+def complete_splits(tables: dict[str, pa.Table], evaluation_only: bool, source: str) -> dict[str, pa.Table] | None:
+    """Train and test from what the source has: both as published; an evaluation set's one split is both;
+    None for a source with only a training split, whose test split `hold_out` makes once it is converted."""
     if "train" in tables and "test" in tables:
         return tables
     only = tables.get("train", tables.get("test"))
     if only is None:
         raise DatasetFormatError(f"{source}: no train or test split among its files")
-    if evaluation_only:
-        return {"train": only, "test": only}
-    held_out = min(HELD_OUT_ROWS, only.num_rows // 10)
-    if held_out == 0:
-        raise DatasetFormatError(f"{source}: {only.num_rows} rows and no test split; give a test*.parquet file too")
-    return {"train": only.slice(0, only.num_rows - held_out), "test": only.slice(only.num_rows - held_out)}
+    return {"train": only, "test": only} if evaluation_only else None
+
+
+def hold_out(converted: pa.Table, source: str) -> dict[str, pa.Table]:
+    """The last prompts (at most HELD_OUT_ROWS, a tenth of the distinct ones) of a converted one-split source as
+    its test split, by prompt, not by row: a prompt repeated in the file (DAPO-Math-17k's interleaved copies)
+    is held out with every copy, so no held-out prompt is trained on."""
+    prompts = [_prompt_key(p) for p in converted.column("prompt").to_pylist()]
+    distinct = list(dict.fromkeys(prompts))
+    count = min(HELD_OUT_ROWS, len(distinct) // 10)
+    if count == 0:
+        raise DatasetFormatError(f"{source}: {len(distinct)} distinct prompts and no test split; give a "
+                                 "test*.parquet file too")
+    held = set(distinct[-count:])
+    first = {key: index for index, key in reversed(list(enumerate(prompts)))}
+    train = converted.filter(pa.array([key not in held for key in prompts]))
+    test = converted.take(sorted(first[key] for key in held)).to_pylist()
+    for index, row in enumerate(test):
+        row["extra_info"] = {**row["extra_info"], "split": "test", "index": index}
+    splits = {"train": train, "test": pa.Table.from_pylist(test, schema=converted.schema)}
+    if overlap := held_out_overlap(splits):
+        raise DatasetFormatError(f"{source}: {overlap} held-out prompts are also training prompts")
+    return splits
+
+
+def held_out_overlap(splits: dict[str, pa.Table]) -> int:
+    """How many of the test split's prompts the train split holds too."""
+    train = {_prompt_key(p) for p in splits["train"].column("prompt").to_pylist()}
+    return sum(_prompt_key(p) in train for p in splits["test"].column("prompt").to_pylist())
+
+
+def _prompt_key(messages: list[dict]) -> str:
+    return "\x1e".join(f"{m.get('role')}\x1f{m.get('content')}" for m in messages)

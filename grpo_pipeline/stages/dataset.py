@@ -225,20 +225,21 @@ def _read_table(path: Path) -> pa.Table:
 
 def _convert(spec: DataSpec, raw: dict[str, pa.Table]) -> dict[str, pa.Table]:
     from grpo_pipeline.data.mapped_data import convert_mapped
-    from grpo_pipeline.data.math_data import CONVERTERS, complete_splits
+    from grpo_pipeline.data.math_data import CONVERTERS, complete_splits, hold_out
     from grpo_pipeline.data.rl_data import DatasetFormatError, convert_geo3k, convert_gsm8k, is_rl_table, rl_schema_problems
 
     converters = {"gsm8k": convert_gsm8k, "geo3k": convert_geo3k,
                   "mapped": lambda table, split: convert_mapped(table, split, spec.columns, spec.data_source),
                   **CONVERTERS}
-    raw = complete_splits(raw, spec.dataset in EVALUATION_ONLY, spec.source)
-    converted = {}
-    for split, table in raw.items():
+    def convert(table: pa.Table, split: str) -> pa.Table:
         if is_rl_table(table) and spec.dataset != "dapo17k":
             problems = rl_schema_problems(table)
             if problems:
                 raise DatasetFormatError(f"{spec.source} {split}: not in verl's RL schema: {'; '.join(problems)}")
-            converted[split] = table
-        else:
-            converted[split] = converters[spec.dataset](table, split)
-    return converted
+            return table
+        return converters[spec.dataset](table, split)
+
+    splits = complete_splits(raw, spec.dataset in EVALUATION_ONLY, spec.source)
+    if splits is None:  # one training split: its test split is held out by prompt once converted
+        return hold_out(convert(next(iter(raw.values())), "train"), spec.source)
+    return {split: convert(table, split) for split, table in splits.items()}
