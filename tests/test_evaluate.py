@@ -222,3 +222,26 @@ def test_generation_time_is_reported_beside_the_rollouts(tiny_model_dir, tmp_pat
     assert metrics.generated_tokens == 4 * 4 and metrics.generation_s is not None
     assert f"generated 16 tokens in {metrics.generation_s:.1f} s" in metrics.summary_line()
     assert report.generation.startswith("rollouts 4.0 s in 2 generation rounds (2.0 s a round); evaluation of base ")
+
+
+@pytest.mark.e2e  # starts child processes
+@pytest.mark.parametrize("ending", ["os._exit(0)", "sys.exit(0)", "raise SystemExit(3)"])
+def test_a_user_reward_that_ends_its_process_fails_the_evaluation(tiny_model_dir, tmp_path, ending):
+    """Issue 55: a reward calling os._exit(0) on an evaluation row ended the flow with exit code 0, no error line
+    and no report; it runs in a child now, and any way it ends is that reward's failure."""
+    from grpo_pipeline.rewards.functions import RewardError
+    from grpo_pipeline.rewards.plan import FunctionEntry, RewardPlan
+
+    reward = tmp_path / "ends.py"
+    reward.write_text("import os, sys\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    if extra_info['index'] == 1:\n        {ending}\n    return 1.0\n")
+    rows = arith_splits(4, 3, seed=1)["test"]
+    val = write(rows, tmp_path / "test.parquet")
+    answers = {row["prompt"][-1]["content"]: "7" for row in rows.to_pylist()}
+    settings = EvalSettings(reward=RewardPlan(functions=[FunctionEntry(spec=f"{reward}:compute_score")]))
+    with pytest.raises(RewardError, match="reward"):
+        evaluate({"echo": tiny_model_dir}, val, settings, tmp_path / "eval", echo_engine(answers))
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    print('scoring', flush=True)\n    return 0.5\n")
+    (m,) = evaluate({"echo": tiny_model_dir}, val, settings, tmp_path / "eval", echo_engine(answers)).models
+    assert m.mean_reward == 0.5  # a healthy reward of the user's, printing as it scores, as before

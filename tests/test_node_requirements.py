@@ -197,6 +197,7 @@ def test_the_dry_run_lists_each_stage_s_node_requirements():
     assert "#   vllm-ascend (same release as vllm): the rollout engine on NPUs" in text
 
 
+@pytest.mark.e2e  # starts child processes
 def test_a_check_that_could_not_start_blames_no_package(tmp_path, monkeypatch):
     """A child that never ran (its interpreter failed at start, e.g. the working directory of a raylet started
     in a folder replaced since) was reported as "TransferQueue ... does not import", sending the user after

@@ -37,7 +37,8 @@ from grpo_pipeline.generation.decoding import compile_cache_dir
 from grpo_pipeline.generation.engines import engine_label, transformers_generate
 from grpo_pipeline.generation.plan import GenerationPlan
 from grpo_pipeline.generation.protocol import Generate, GenerationSettings, Response
-from grpo_pipeline.rewards.plan import RewardParts, RewardPlan, batch_of
+from grpo_pipeline.rewards.isolated import score_rows
+from grpo_pipeline.rewards.plan import RewardPlan
 from grpo_pipeline.stages.eval_metrics import metric_value, metrics_from_samples, pass_at_k
 from grpo_pipeline.run.folder import RunFolder
 
@@ -176,7 +177,8 @@ def evaluate_model(
         raise RuntimeError(f"the engine returned {len(responses)} groups for {len(rows)} prompts")
     flat = [(index, sample, row, response) for index, (row, group) in enumerate(zip(rows, responses))
             for sample, response in enumerate(group)]
-    scores = RewardParts(settings.reward).score(batch_of([row for _, _, row, _ in flat], [r.text for *_, r in flat]))
+    # The user's reward runs in a child: an exit there fails the reward, never ends the flow as a success.
+    scores = score_rows(settings.reward, [row for _, _, row, _ in flat], [r.text for *_, r in flat])
     samples = []
     for position, (index, sample, row, response) in enumerate(flat):
         samples.append({
