@@ -287,3 +287,32 @@ def test_the_reports_panel_shows_the_guards_numbers_and_which_stopped_the_run(tm
     assert "At step 5: rollout vs trainer mismatch 1e-05, zero-advantage groups 1, gradient norm nan." in lines
     assert "![guards](guards.png)" in lines
     assert guard_panel.section(tmp_path / "empty", str, profile) == []
+
+
+def test_a_non_finite_reward_stops_training_through_the_guard(tmp_path):
+    """Issue 55: a user's reward returning NaN stopped the run as RewardError (exit 2) through no guard: no
+    guards.json, no panel. In the worker's reward it is now the non_finite guard's trip, at the step its
+    rollouts were scored for, naming the reward and the row; with the guard off, the reward's own error."""
+    from types import SimpleNamespace
+
+    from grpo_pipeline.backends.local.rewards import trl_rewards
+    from grpo_pipeline.rewards.functions import NonFiniteReward
+    from grpo_pipeline.rewards.plan import FunctionEntry, RewardPlan
+
+    reward = tmp_path / "nan.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    return float('nan') if extra_info['index'] == 1 else 1.0\n")
+    plan = RewardPlan(functions=[FunctionEntry(spec=f"{reward}:compute_score")])
+    call = dict(prompts=["p0", "p1"], completions=["a", "b"], data_source=["arith"] * 2, ground_truth=["1", "2"],
+                extra_info=[{"index": 0, "split": "train"}, {"index": 1, "split": "train"}],
+                trainer_state=SimpleNamespace(global_step=4))
+    (function,), _ = trl_rewards(plan, GuardsSection())
+    with pytest.raises(GuardTripped) as tripped:
+        function(**call)
+    assert (tripped.value.trip.guard, tripped.value.trip.step) == ("non_finite", 5)
+    assert tripped.value.trip.line.startswith("step 5: non-finite reward: reward compute_score returned nan is not a "
+                                              "finite number for row 1 of the train split")
+    assert tripped.value.trip.line.endswith("(guards.non_finite=off to run on)")
+    (function,), _ = trl_rewards(plan, GuardsSection(non_finite="off"))
+    with pytest.raises(NonFiniteReward, match="row 1 of the train split"):
+        function(**call)

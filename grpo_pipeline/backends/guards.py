@@ -64,6 +64,13 @@ def _trip(guard: GuardName, step: int | None, line: str, setting: str) -> GuardT
     return GuardTrip(guard=guard, step=step, line=f"{line} ({setting}=off to run on)")
 
 
+def non_finite_reward_trip(step: int | None, said: str) -> GuardTrip:
+    """A reward that returned NaN or an infinity (`said` names the reward and the row): the step it scored
+    would learn from a poisoned advantage, so it stops as a non-finite loss does."""
+    where = f"step {step}: " if step is not None else ""
+    return _trip("non_finite", step, f"{where}non-finite reward: {said}", "guards.non_finite")
+
+
 class StepGuards:
     """The per-step guards over a run's records. `history`: the records already passed on (before this
     attempt's first step); `resumed_from`: the checkpoint step this attempt resumed from."""

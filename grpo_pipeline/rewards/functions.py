@@ -45,6 +45,11 @@ class RewardError(UserError):
     """A reward function that cannot be used, or that failed on a sample (its row named)."""
 
 
+class NonFiniteReward(RewardError):
+    """A reward that returned NaN or an infinity for a sample (its row named): in training, the non_finite
+    guard's to stop (backends/local/rewards.py), as it stops a NaN loss."""
+
+
 @dataclass
 class Batch:
     """Completions to score, with the dataset columns of each one's row."""
@@ -129,6 +134,13 @@ def number(value: Any) -> float | None:
     if hasattr(value, "item") and getattr(value, "size", 1) == 1:  # numpy / torch scalars
         return number(value.item())
     raise TypeError(f"{value!r} is not a finite number")
+
+
+def non_finite(value: Any) -> bool:
+    """A number that is NaN or infinite (a numpy or torch scalar too)."""
+    if hasattr(value, "item") and getattr(value, "size", 1) == 1:
+        value = value.item()
+    return isinstance(value, numbers.Real) and not math.isfinite(float(value))
 
 
 def run_async(awaitable):
@@ -225,5 +237,6 @@ class UserReward:
         try:
             return number(value)
         except TypeError as exc:
-            raise RewardError(f"reward {self.name} returned {exc} for {batch.row(i)}; a reward is a number "
-                              "(or None for no reward)") from None
+            kind = NonFiniteReward if non_finite(value) else RewardError
+            raise kind(f"reward {self.name} returned {exc} for {batch.row(i)}; a reward is a number "
+                       "(or None for no reward)") from None

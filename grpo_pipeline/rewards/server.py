@@ -24,7 +24,7 @@ from typing import Any
 
 from grpo_pipeline.errors import UserError
 from grpo_pipeline.profiles.secrets import hold_by_reference, parse_reference, scrub
-from grpo_pipeline.rewards.functions import Batch, RewardError, Scored, number
+from grpo_pipeline.rewards.functions import Batch, NonFiniteReward, RewardError, Scored, non_finite, number
 
 BACKOFF_S = 0.5
 BACKOFF_MAX_S = 8.0
@@ -113,8 +113,9 @@ class RewardServer:
             try:
                 values.append(number(value))
             except TypeError:
-                raise RewardError(f"{where} answered {str(value)[:40]!r} for {batch.row(start + offset)}: a reward is a "
-                                  "number or null") from None
+                kind = NonFiniteReward if non_finite(value) else RewardError
+                raise kind(f"{where} answered {str(value)[:40]!r} for {batch.row(start + offset)}: a reward is a "
+                           "number or null") from None
         return values
 
 

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from grpo_pipeline.rewards.functions import Batch
+from grpo_pipeline.backends.guards import GuardTripped, non_finite_reward_trip
+from grpo_pipeline.profiles.guards import GuardsSection
+from grpo_pipeline.rewards.functions import Batch, NonFiniteReward
 from grpo_pipeline.rewards.plan import RewardParts, RewardPlan, row_name
 
 # Keyword arguments TRL adds to every call that are not dataset columns.
 _NOT_COLUMNS = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
-def trl_rewards(plan: RewardPlan) -> tuple[list[Callable], list[float]]:
+def trl_rewards(plan: RewardPlan, guards: GuardsSection) -> tuple[list[Callable], list[float]]:
+    """A NaN or infinite reward stops the run through the non_finite guard (its record, its panel, the
+    trackers told), at the step whose rollouts it scored; with the guard off it is the reward's error."""
     parts = RewardParts(plan)
     functions = []
     for part in parts.parts:
@@ -29,7 +33,13 @@ def trl_rewards(plan: RewardPlan) -> tuple[list[Callable], list[float]]:
             infos = [dict(info or {}) for info in columns.get("extra_info", [None] * len(texts))]
             batch = Batch(prompts=prompts, completions=texts, columns={**columns, "extra_info": infos},
                           rows=[row_name(info, i) for i, info in enumerate(infos)])
-            scored = _part.score(batch, log_metric)
+            try:
+                scored = _part.score(batch, log_metric)
+            except NonFiniteReward as exc:
+                if not guards.on("non_finite"):
+                    raise
+                state = kwargs.get("trainer_state")
+                raise GuardTripped(non_finite_reward_trip(state.global_step + 1 if state else None, str(exc))) from None
             if log_metric is not None:
                 for key, values in scored.extras.items():
                     present = [v for v in values if v is not None]

@@ -56,7 +56,7 @@ def worker_loop(config: dict[str, Any]) -> None:
                                                  attn_implementation=plan.attn_implementation)
     timer = GenerationTimer()
     train = training_rows(settings, tokenizer, datasets)
-    reward_funcs, reward_weights = trl_rewards(settings.reward)
+    reward_funcs, reward_weights = trl_rewards(settings.reward, settings.guards)
     args = GRPOConfig(
         output_dir=str(settings.checkpoints / TRAINER_DIR),
         max_steps=settings.max_steps,
