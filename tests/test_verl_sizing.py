@@ -92,8 +92,12 @@ def test_offload_only_where_vllm_could_not_start_beside_the_trainer(models):
 
 
 def test_a_run_that_fits_nowhere_is_still_refused_with_its_fix(models):
-    with pytest.raises(Exception, match="the layout does not fit in memory: actor needs"):
+    """Issue 55: on one device the fix named sharding over more ranks and offloads the plan already had on; it
+    names the one change that fits, an adapter, as the local backend's refusal does."""
+    with pytest.raises(Exception, match="the layout does not fit in memory: actor needs") as refused:
         planned(models["qwen3-8b"], host_with(1), *ONE_GPU)  # full training of 8B: 16 bytes a parameter
+    assert "train an adapter (lora.rank=16)" in str(refused.value)
+    assert "shard over more ranks" not in str(refused.value)
 
 
 
@@ -120,3 +124,24 @@ def test_suggest_layout_on_one_gpu_is_verls_table_computed(cli, models):
     small = cli("--model", str(models["qwen3-8b"]), "--device", "gpu", "--backend", "verl", *shape,
                 "--set", "platform.device_memory_gib=8", "--suggest-layout")
     assert small.returncode == 2 and "error: not one sequence of custom fits one" in small.stderr
+
+
+def test_the_lora_docs_sizing_command_prints_the_docs_output(cli, models, monkeypatch):
+    """Issue 55: docs/lora.md's verl sizing command, run as written, planned over the GPU profile's 8 ranks, so its
+    printed plan did not come out; run here on a host the probe answers as one H100, it prints the page's lines."""
+    import shlex
+
+    from test_docs_commands import bash_lines
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "lora.md"
+    (command,) = [line for line in bash_lines(page) if "<qwen3-8b-dir>" in line and "--backend verl" in line and "--dry-run" in line]
+    shown = page.read_text().split(command, 1)[1].split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    one_h100 = {"npu": {"status": "absent", "detail": "torch_npu is not installed"},
+                "gpu": {"status": "available", "count": 1, "names": ["NVIDIA H100 80GB HBM3"], "memory_gib": [79.6],
+                        "cuda_version": "13.0", "detail": "CUDA sees 1 GPU(s)"}}
+    monkeypatch.setattr("grpo_pipeline.stages.device.run_probe", lambda *args, **kwargs: one_h100)
+    arguments = shlex.split(command.replace("<qwen3-8b-dir>", str(models["qwen3-8b"])))[3:]
+    done = cli(*arguments)
+    assert done.returncode == 0, done.stderr
+    printed = [line.removeprefix("#   ") for line in done.stdout.splitlines()]  # the plan's lines, as the page shows them
+    assert len(shown) == 16 and [line for line in shown if line not in printed] == []

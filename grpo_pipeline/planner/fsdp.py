@@ -210,8 +210,12 @@ def _fix(p: RunProfile, lay: Layout, parts: dict[str, float], log_probs: bool = 
             return "set model.enable_gradient_checkpointing=true"
         budget = "actor.ppo_max_token_len_per_gpu" if p.actor.use_dynamic_bsz else "actor.ppo_micro_batch_size_per_gpu"
         return f"lower {budget}, or raise engine.ulysses_sp (each rank keeps 1/SP of a sequence)"
-    if largest == "actor resident":
+    if largest == "actor resident" and not (lay.param_offload and lay.optimizer_offload):
         return "set engine.param_offload=true and engine.optimizer_offload=true"
+    if p.world_size == 1 and not p.lora.rank:
+        # One device has no ranks to shard over, and both offloads may be on already: only an adapter's
+        # training state (the frozen base in bf16, optimizer state for the adapter alone) can fit.
+        return "train an adapter (lora.rank=16): one device holds the whole model's training state"
     return ("shard over more ranks (engine.fsdp_size=-1, more devices), offload (engine.param_offload, "
             "engine.optimizer_offload), or engine.strategy=megatron; --suggest-layout lists layouts that fit")
 
