@@ -90,6 +90,8 @@ def test_the_dry_run_on_a_one_gpu_host_names_the_planners_choices(cli, models, m
                           "--dry-run", "--json").stdout)
     assert plan["profile"]["cluster"]["devices_per_node"] == 1
     assert f"micro batch {plan['profile']['actor']['ppo_micro_batch_size_per_gpu']}: the largest of" in memory
+    # Issue 55: the JSON carries the planner's choices and reasons too, the same words as the text line.
+    assert plan["memory"] == {"note": memory.removeprefix("# memory plan: ")}
     full = cli("--model", str(models["qwen3-8b"]), "--device", "auto", "--dry-run")  # no adapter: fits nowhere
     assert full.returncode == 2 and full.stdout == ""
     said = full.stderr.strip().splitlines()

@@ -159,12 +159,12 @@ def print_dry_run(plan, as_json: bool) -> None:
         print(f"#   {reference}: not set here; a run refuses to start without it")
     if "lora" in summary:
         print(f"# lora: {summary['lora']}")
-    if plan.memory:
+    if plan.memory and "note" in plan.memory:
+        print(f"# memory plan: {plan.memory['note']}")
+    elif plan.memory:
         print("# memory plan (planner/)")
         for line in memory_table(plan.memory):
             print(f"#   {line}")
-    elif note := plan.device.memory_note(plan.profile, plan.generation):
-        print(f"# memory plan: {note}")
     for stage, needs in plan.node_requirements.items():
         print(f"# node requirements of the {stage} stage (checked on every Ray node before it starts there)")
         for name, need in needs.items():

@@ -48,6 +48,13 @@ from grpo_pipeline.run.folder import RunFolder
 log = logging.getLogger(__name__)
 
 
+def _memory_note(device: DeviceInfo, profile: RunProfile, generation: GenerationPlan) -> dict | None:
+    """Where the backend has no memory table: its word on memory (the local backend's recomputation and micro
+    batch, chosen by the planner), for the dry run's JSON and text alike."""
+    note = device.memory_note(profile, generation)
+    return {"note": note} if note else None
+
+
 class RunPlan(BaseModel):
     run_dir: str = Field(..., description="Directory of this run's outputs.")
     device: DeviceInfo
@@ -57,7 +64,8 @@ class RunPlan(BaseModel):
     generation: GenerationPlan = Field(..., description="How rollouts and evaluation generate (generation/plan.py).")
     command: list[str] = Field(..., description="The training command (argv) the run will execute.")
     submission: dict | None = Field(None, description="What training submits to the cluster (a verl Ray job).")
-    memory: dict | None = Field(None, description="Device memory per role of the layout (planner/memory.py, planner/fsdp.py).")
+    memory: dict | None = Field(None, description="Device memory per role of the layout (planner/memory.py, planner/fsdp.py), "
+                                "or `{note}`: the backend's sizing choices and why where it has no table (the local backend).")
     node_requirements: dict[str, dict[str, NodeRequirement]] = Field(
         default_factory=dict, description="What every node of the cluster must have, per stage, checked before the "
         "stage starts there.")
@@ -304,7 +312,7 @@ def plan_run(request: RunRequest, dry_run: bool = False) -> RunPlan:
             run_dir=str(run_dir), device=device, profile=profile, backend_reason=backend_reason, env=env,
             generation=generation,
             command=training_command(request, profile, run_dir), submission=backend.submission(profile, run),
-            memory=memory.summary() if memory else None,
+            memory=memory.summary() if memory else _memory_note(device, profile, generation),
             # What the backend checks on the cluster's nodes, per stage it runs there.
             node_requirements={stage: needs for stage in ("train", "evaluate")
                                if (needs := backend.node_requirements(profile, stage))},
