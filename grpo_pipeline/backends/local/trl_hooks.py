@@ -14,6 +14,9 @@ backends/local/lora.py), GRPOConfig's fields (backends/local/mapping.py). What t
 | `_get_train_sampler` (override) | each epoch's order a function of (seed, epoch) (data_order.py) | transformers' Trainer picks the sampler here; GRPOTrainer's `RepeatSampler` is seeded once |
 | `_generate_and_score_completions`, `_prepare_inputs` (wrapped, phase timing only) | which log-prob pass is old / reference; the rewards' and batching's time (phases.py) | callbacks see step boundaries only |
 
+One public method of transformers' Trainer is overridden (`PUBLIC_OVERRIDES`): `get_decay_parameter_names`,
+so that weight decay reaches every parameter where verl's FSDP actor does so (backends/local/mapping.py).
+
 Private attributes read: `_tokenizer` (the text tokenizer of a processor), `_metrics` (where TRL's logged
 means come from: the probe's `rollout/mismatch`). TRL calls `generate` on the unwrapped model inside
 `_generate_single_turn`; the probe gives that call a logits processor while it records (`recording`).
@@ -51,6 +54,8 @@ PRIVATE_METHODS = {
         "(self, generation_batch: dict[str, torch.Tensor | typing.Any]) -> dict[str, torch.Tensor | typing.Any]"),
 }
 PRIVATE_ATTRIBUTES = ("_tokenizer", "_metrics")  # set in GRPOTrainer.__init__
+# transformers' Trainer methods the local trainer replaces on purpose (every other public name it adds is new).
+PUBLIC_OVERRIDES = ("get_decay_parameter_names",)
 
 
 def signature_drift(trainer_class=None) -> list[str]:
@@ -93,17 +98,26 @@ def grpo_trainer_class():
 
     class LocalGRPOTrainer(GRPOTrainer):
         """GRPOTrainer with, each off unless given: native rollouts (`native`), the mismatch probe
-        (`probe`), packed log-prob passes (`packed`), the generation timer (`timer`); the epoch-seeded data
-        order always."""
+        (`probe`), packed log-prob passes (`packed`), the generation timer (`timer`), weight decay on every
+        parameter (`decay_every_parameter`); the epoch-seeded data order always."""
 
-        def __init__(self, *args, native=None, probe=None, packed: bool = False, timer=None, **kwargs):
+        def __init__(self, *args, native=None, probe=None, packed: bool = False, timer=None,
+                     decay_every_parameter: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
             self.native, self.probe, self.packed, self.timer = native, probe, packed, timer
+            self.decay_every_parameter = decay_every_parameter
             self.native_refusal = native.refusal(self) if native else "not asked for"
 
         def native_decoder(self):
             """The native decoder of this trainer's policy (None where it cannot run)."""
             return self.native.decoder(self, self._tokenizer) if self.native and self.native_refusal is None else None
+
+        def get_decay_parameter_names(self, model) -> list[str]:
+            # verl's FSDP actor decays every parameter (workers/config/optimizer.py build_optimizer passes
+            # module.parameters() with one weight_decay); transformers (and Megatron) exempt biases and norms.
+            if self.decay_every_parameter:
+                return [name for name, _ in model.named_parameters()]
+            return super().get_decay_parameter_names(model)
 
         def _get_train_sampler(self, dataset=None):
             return data_order.epoch_seeded(super()._get_train_sampler(dataset))
