@@ -62,9 +62,6 @@ def mapping_problems(profile: RunProfile) -> list[str]:
     if algo.loss_agg_mode not in LOSS_TYPES:
         problems.append(f"algorithm.loss_agg_mode={algo.loss_agg_mode}: the local backend supports {', '.join(LOSS_TYPES)}"
                         " (TRL has no aggregation that equals verl's for it)")
-    if algo.rollout_n < 2:
-        problems.append("algorithm.rollout_n=1: TRL's GRPO needs groups of 2 or more (verl would use the raw reward "
-                        "as the advantage); set algorithm.rollout_n=2 or more")
     if algo.use_kl_loss and algo.kl_loss_type not in K3_KL:
         problems.append(f"algorithm.kl_loss_type={algo.kl_loss_type}: TRL's KL loss is k3 only; use "
                         "algorithm.kl_loss_type=low_var_kl")
