@@ -154,7 +154,7 @@ def test_the_training_batch_is_packed_only_with_kernels_that_take_packed_rows(tm
 
 
 def test_several_updates_a_generation_round_say_what_they_change():
-    """generation.steps_per_generation > 1 is a lever verl lacks: the dry run's generation line says how stale
+    """generation.steps_per_generation > 1 is a lever verl lacks: the dry run's `# algorithm:` line says how stale
     the rollouts get and what corrects for it."""
     from grpo_pipeline.backends import backend_for
     from grpo_pipeline.backends.local.mapping import staleness_note
@@ -163,6 +163,8 @@ def test_several_updates_a_generation_round_say_what_they_change():
     assert staleness_note(one, plan_generation(one)) is None
     four = resolve_profile("tiny", "cpu", overrides=["generation.steps_per_generation=4", "actor.ppo_mini_batch_size=4",
                                                      "actor.ppo_micro_batch_size_per_gpu=4"])
-    summary = backend_for("local").generation_summary(four, plan_generation(four))
-    assert ("generation.steps_per_generation=4: one rollout round feeds 8 updates (verl: 2), so an update trains on "
-            "rollouts up to 7 updates old (verl: 1); TRL scores the round once with the policy that generated it") in summary
+    (note,) = backend_for("local").algorithm_notes(four, plan_generation(four))
+    assert note.startswith("generation.steps_per_generation=4: one rollout round feeds 8 updates (verl: 2), so an update "
+                           "trains on rollouts up to 7 updates old (verl: 1); TRL scores the round once with the policy "
+                           "that generated it")
+    assert backend_for("verl").algorithm_notes(four, plan_generation(four)) == []

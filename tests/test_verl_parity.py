@@ -158,3 +158,38 @@ def test_an_all_equal_group_of_inexact_rewards_is_not_zero_in_verl():
     trl_like = (rewards.sum(-1) - rewards.sum(-1).mean()) / (rewards.sum(-1).std() + 1e-4)
     assert row.eq(row[0]).all() and -0.06 < row[0] < -0.05  # every response of the group pushed down alike
     assert trl_like.abs().max() < 1e-3
+
+
+def test_bf16_weights_lose_the_steps_verls_fp32_weights_take(tiny):
+    """The largest difference left (the dry run's `# algorithm:` line on a bf16 device): the local backend loads
+    the policy in the run's dtype and AdamW steps it there; verl's FSDP actor keeps fp32 weights (fsdp_config.
+    model_dtype) and computes in bf16. One step at the issue's learning rate (5e-5), the same gradients: verl's
+    moves every weight, bf16 leaves most of the model where it was."""
+    from grpo_pipeline.backends.local.mapping import algorithm_notes
+
+    model = tiny[0]
+    fp32 = {n: p.detach().clone() for n, p in model.named_parameters() if p.dim() == 2}
+    generator = torch.Generator().manual_seed(0)
+    grads = {n: torch.randn(p.shape, generator=generator) for n, p in fp32.items()}
+
+    def step(dtype, lr: float) -> tuple[float, bool]:
+        """The share of weights one step moves, and whether every weight of magnitude lr x 2^9 or more stayed."""
+        weights = {n: p.clone().to(dtype).requires_grad_() for n, p in fp32.items()}
+        for n, p in weights.items():
+            p.grad = grads[n].to(dtype)
+        before = {n: p.detach().clone() for n, p in weights.items()}
+        torch.optim.AdamW(list(weights.values()), lr=lr, weight_decay=VERL_WEIGHT_DECAY).step()
+        changed = {n: p.detach() != before[n] for n, p in weights.items()}
+        share = sum(c.sum().item() for c in changed.values()) / sum(c.numel() for c in changed.values())
+        large_stayed = all(not c[before[n].abs() >= lr * 2 ** 9].any() for n, c in changed.items())
+        return share, large_stayed
+
+    assert step(torch.float32, 5e-5)[0] == 1.0 and step(torch.float32, 1e-5)[0] == 1.0
+    share, large_stayed = step(torch.bfloat16, 5e-5)
+    assert share < 0.6 and large_stayed  # the issue's H100 run: about half of this model frozen
+    share, large_stayed = step(torch.bfloat16, 1e-5)
+    assert share < 0.2 and large_stayed  # the smollm2-135m recipe's own learning rate
+    gpu = resolve_profile("smollm2-135m", "gpu", overrides=["algorithm.lr=5e-5"])
+    assert "an Adam step (at most about algorithm.lr=5e-05) is rounded away on every weight of magnitude 0.0256 or more" \
+        in algorithm_notes(gpu, plan_generation(gpu))[-1]
+    assert algorithm_notes(resolve_profile("smollm2-135m", "cpu"), plan_generation(resolve_profile("smollm2-135m", "cpu"))) == []
