@@ -33,7 +33,7 @@ from verl_parity import (
 
 pytestmark = pytest.mark.skipif(bool(codetiming_note()), reason=codetiming_note() or "")
 
-STEPS = 3  # optimizer steps on the batch: Adam's moments (betas, eps) and the schedule beyond its first step
+STEPS = 3  # passes over the batch, one optimizer step per update each: Adam's moments (betas, eps) and the schedule past step 1
 GRAD_TOL = 1e-5  # of the largest gradient
 LR = 1e-3  # large enough that weight decay (lr x 0.01 x w) is far above float noise in a parameter's change
 
@@ -66,22 +66,25 @@ def test_the_mapping_sets_what_verl_composes_for_the_profile(model, device):
     assert (actor["ppo_epochs"], actor["shuffle"]) == (1, False)
 
 
-# (group size, groups, micro batch, profile overrides): every setting the profile exposes that reaches the loss.
+# (group size, groups a step, groups an update, micro batch, profile overrides): every setting the profile exposes
+# that reaches the update.
 CASES = {
-    "token-mean": (4, 3, 12, []),
+    "token-mean": (4, 3, 3, 12, []),
     "token-mean, micro batches, KL, asymmetric clip": (
-        2, 4, 2, ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.05", "algorithm.clip_ratio_high=0.28"]),
+        2, 4, 4, 2, ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.05", "algorithm.clip_ratio_high=0.28"]),
     "seq-mean-token-mean, KL, low and high clip": (
-        8, 2, 4, ["algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.use_kl_loss=true",
-                  "algorithm.kl_loss_coef=0.01", "algorithm.clip_ratio_low=0.1", "algorithm.clip_ratio_high=0.3"]),
-    "entropy bonus, one micro batch": (4, 2, 8, ["algorithm.entropy_coeff=0.01", "algorithm.temperature=0.7"]),
-    "dual clip (ratios far from 1)": (4, 2, 4, ["algorithm.clip_ratio_high=0.28"]),
+        8, 2, 2, 4, ["algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.use_kl_loss=true",
+                     "algorithm.kl_loss_coef=0.01", "algorithm.clip_ratio_low=0.1", "algorithm.clip_ratio_high=0.3"]),
+    "entropy bonus, one micro batch": (4, 2, 2, 8, ["algorithm.entropy_coeff=0.01", "algorithm.temperature=0.7"]),
+    "dual clip (ratios far from 1)": (4, 2, 2, 4, ["algorithm.clip_ratio_high=0.28"]),
+    "token-mean, three updates a step": (2, 6, 2, 2, []),
+    "seq-mean-token-mean, two updates a step": (4, 4, 2, 4, ["algorithm.loss_agg_mode=seq-mean-token-mean"]),
 }
 
 
-def parity_profile(group: int, groups: int, micro: int, overrides: list[str]):
+def parity_profile(group: int, groups: int, per_update: int, micro: int, overrides: list[str]):
     return resolve_profile("tiny", "cpu", overrides=[
-        f"algorithm.rollout_n={group}", f"data.train_batch_size={groups}", f"actor.ppo_mini_batch_size={groups}",
+        f"algorithm.rollout_n={group}", f"data.train_batch_size={groups}", f"actor.ppo_mini_batch_size={per_update}",
         f"actor.ppo_micro_batch_size_per_gpu={micro}", "cluster.devices_per_node=1", f"algorithm.lr={LR}",
         "generation.steps_per_generation=1", "trainer.total_training_steps=10", "engine.strategy=fsdp", *overrides])
 
@@ -100,8 +103,8 @@ def tiny(tiny_model_dir):
 
 def both_sides(tiny, tmp_path, case: str):
     model, tokenizer, tokens = tiny
-    group, groups, micro, overrides = CASES[case]
-    profile = parity_profile(group, groups, micro, overrides)
+    group, groups, per_update, micro, overrides = CASES[case]
+    profile = parity_profile(group, groups, per_update, micro, overrides)
     batch = fixed_batch(group, groups, seed=len(case), token_ids=tokens)
     if "dual clip" in case:
         batch.rollout_noise = 2.0  # ratios e^(+-4): both clip bounds and the dual clip at 3 bind
@@ -112,8 +115,10 @@ def both_sides(tiny, tmp_path, case: str):
     actor = verl_actor_config(verl_composed(profile), profile.trainer.total_training_steps)
     composed_norm = verl_composed(profile)["algorithm"]["norm_adv_by_std_in_grpo"]
     advantages = verl_advantages(batch, composed_norm)
-    verl = verl_update(copy.deepcopy(model), batch, actor, advantages, rollout, reference, temperature, micro, STEPS)
-    trainer = local_trainer(profile, copy.deepcopy(model), tokenizer, batch, tmp_path, profile.trainer.total_training_steps)
+    verl = verl_update(copy.deepcopy(model), batch, actor, advantages, rollout, reference, temperature,
+                       per_update * group, micro, STEPS)
+    steps = profile.trainer.total_training_steps * groups // per_update  # TRL's optimizer steps (mapping: max_steps)
+    trainer = local_trainer(profile, copy.deepcopy(model), tokenizer, batch, tmp_path, steps)
     inputs = local_inputs(trainer, batch)
     local = local_update(trainer, inputs, batch, advantages, rollout, reference, STEPS)
     return batch, verl, local, inputs

@@ -187,10 +187,11 @@ class Update:
 
 
 def verl_update(model, batch: FixedBatch, actor_config, advantages: torch.Tensor, rollout: torch.Tensor,
-                reference: torch.Tensor, temperature: float, micro_batch: int, steps: int) -> Update:
-    """verl's actor on one mini batch (the whole batch), `steps` times: every micro batch's `ppo_loss` with the
-    mini batch's counts (dp 1), backward; then clipping, the optimizer and scheduler steps
-    (workers/engine/fsdp/transformer_impl.py forward_backward_batch, optimizer_step)."""
+                reference: torch.Tensor, temperature: float, mini_batch: int, micro_batch: int, steps: int) -> Update:
+    """verl's actor on the batch, `steps` times over: for each mini batch of `mini_batch` rows (in order: actor.shuffle
+    is off), every micro batch's `ppo_loss` with the mini batch's token and sequence counts (dp 1), backward; then
+    clipping, the optimizer and scheduler steps (workers/engine/fsdp/transformer_impl.py forward_backward_batch,
+    optimizer_step)."""
     from tensordict import TensorDict
 
     verl = import_verl()
@@ -200,39 +201,46 @@ def verl_update(model, batch: FixedBatch, actor_config, advantages: torch.Tensor
     entropy = actor_config.entropy_coeff != 0.0  # verl computes entropies only then (ray_trainer.py)
     update = Update(advantages=advantages[:, 0], loss=0.0, grads={}, grad_norm=0.0)
     for step in range(steps):
-        optimizer.zero_grad()
-        loss_sum = 0.0
-        for start in range(0, batch.rows, micro_batch):
-            rows = range(start, min(start + micro_batch, batch.rows))
-            logps, entropies = policy_logprobs(model, batch, temperature, rows, entropy)
-            prompts = max(len(batch.prompt_of(r)) for r in rows)
-            attention = torch.tensor([[0] * (prompts - len(batch.prompt_of(r))) + [1] * len(batch.prompt_of(r))
-                                      for r in rows])
-            data = TensorDict({
-                "prompts": torch.ones(len(rows), prompts, dtype=torch.long),
-                "responses": torch.ones(len(rows), batch.width, dtype=torch.long),
-                "attention_mask": torch.cat([attention, mask[list(rows)].long()], dim=1),
-                "response_mask": mask[list(rows)],
-                "old_log_probs": rollout[list(rows)],
-                "advantages": advantages[list(rows)],
-                "ref_log_prob": reference[list(rows)],
-            }, batch_size=[len(rows)])
-            verl.tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(mask.sum().item()),
-                                      global_batch_size=batch.rows)
-            output = {"log_probs": logps, **({"entropy": entropies} if entropy else {})}
-            loss, _ = verl.ppo_loss(actor_config, output, data)
-            loss.backward()
-            loss_sum += loss.item()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=actor_config.optim.clip_grad)
-        if step == 0:
-            update.loss, update.grad_norm = loss_sum, float(grad_norm)
-            update.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        update.learning_rates.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-        update.deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
+        for first in range(0, batch.rows, mini_batch):
+            optimizer.zero_grad()
+            loss_sum = 0.0
+            tokens = int(mask[first:first + mini_batch].sum().item())
+            for start in range(first, first + mini_batch, micro_batch):
+                rows = range(start, start + micro_batch)
+                logps, entropies = policy_logprobs(model, batch, temperature, rows, entropy)
+                prompts = max(len(batch.prompt_of(r)) for r in rows)
+                attention = torch.tensor([[0] * (prompts - len(batch.prompt_of(r))) + [1] * len(batch.prompt_of(r))
+                                          for r in rows])
+                data = TensorDict({
+                    "prompts": torch.ones(len(rows), prompts, dtype=torch.long),
+                    "responses": torch.ones(len(rows), batch.width, dtype=torch.long),
+                    "attention_mask": torch.cat([attention, mask[list(rows)].long()], dim=1),
+                    "response_mask": mask[list(rows)],
+                    "old_log_probs": rollout[list(rows)],
+                    "advantages": advantages[list(rows)],
+                    "ref_log_prob": reference[list(rows)],
+                }, batch_size=[len(rows)])
+                verl.tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=tokens, global_batch_size=mini_batch)
+                output = {"log_probs": logps, **({"entropy": entropies} if entropy else {})}
+                loss, _ = verl.ppo_loss(actor_config, output, data)
+                loss.backward()
+                loss_sum += loss.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=actor_config.optim.clip_grad)
+            record(update, model, loss_sum, grad_norm, optimizer.param_groups[0]["lr"], optimizer, scheduler)
     return update
+
+
+def record(update: Update, model, loss: float, grad_norm, lr: float, optimizer, scheduler) -> None:
+    """One optimizer step, taken and written down: the first update's loss, gradients and norm, every step's
+    learning rate and parameter change."""
+    if not update.grads:
+        update.loss, update.grad_norm = loss, float(grad_norm)
+        update.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    update.learning_rates.append(lr)
+    optimizer.step()
+    scheduler.step()
+    update.deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
 
 
 # ---- the local backend's side ------------------------------------------------------------------------------
@@ -289,35 +297,37 @@ def local_inputs(trainer, batch: FixedBatch) -> dict:
 
 def local_update(trainer, inputs: dict, batch: FixedBatch, advantages: torch.Tensor, rollout: torch.Tensor,
                  reference: torch.Tensor, steps: int) -> Update:
-    """TRL's loss on the batch's micro batches (one accumulation window: the update), then the Trainer's clipping,
-    optimizer and scheduler steps, `steps` times (transformers' inner training loop's order)."""
+    """TRL's loss on the round's micro batches in order (TRL shuffles them first: the same set), each accumulation
+    window one update with the local trainer's token counts (trl_hooks.py `per_update_token_counts`), then the
+    Trainer's clipping, optimizer and scheduler steps, `steps` times over (transformers' inner loop's order)."""
+    from grpo_pipeline.backends.local.trl_hooks import per_update_token_counts
+
     model, args = trainer.model, trainer.args
-    micro = args.per_device_train_batch_size
+    micro, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     trainer.create_optimizer_and_scheduler(num_training_steps=args.max_steps)
     update = Update(advantages=inputs["advantages"].detach().clone(), loss=0.0, grads={}, grad_norm=0.0)
     width = inputs["completion_ids"].shape[1]
     given = {"advantages": advantages[:, 0], "old_per_token_logps": rollout[:, :width]}
     if trainer.beta != 0.0:
         given["ref_per_token_logps"] = reference[:, :width]
-    trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+    round_ = {**inputs, **given}
+    micro_batches = [{key: (value[start:start + micro] if torch.is_tensor(value) and value.dim() > 0 else value)
+                      for key, value in round_.items()} for start in range(0, batch.rows, micro)]
+    assert len(micro_batches) == args.steps_per_generation  # the round TRL would buffer
+    if trainer.loss_type == "dapo":
+        per_update_token_counts(micro_batches, accumulation, lambda tokens: tokens)
+    trainer.current_gradient_accumulation_steps = accumulation
     for step in range(steps):
-        trainer.optimizer.zero_grad()
-        loss_sum = 0.0
-        for start in range(0, batch.rows, micro):
-            part = {key: (value[start:start + micro] if torch.is_tensor(value) and value.dim() > 0 else value)
-                    for key, value in {**inputs, **given}.items()}
-            loss = trainer._compute_loss(model, part)
-            loss.backward()
-            loss_sum += loss.item()
-        grad_norm = trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if step == 0:
-            update.loss, update.grad_norm = loss_sum, float(grad_norm)
-            update.grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        before = {n: p.detach().clone() for n, p in model.named_parameters()}
-        update.learning_rates.append(trainer.lr_scheduler.get_last_lr()[0])
-        trainer.optimizer.step()
-        trainer.lr_scheduler.step()
-        update.deltas.append({n: p.detach() - before[n] for n, p in model.named_parameters()})
+        for first in range(0, len(micro_batches), accumulation):
+            trainer.optimizer.zero_grad()
+            loss_sum = 0.0
+            for part in micro_batches[first:first + accumulation]:
+                loss = trainer._compute_loss(model, part)
+                loss.backward()
+                loss_sum += loss.item()
+            grad_norm = trainer.accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            record(update, model, loss_sum, grad_norm, trainer.lr_scheduler.get_last_lr()[0], trainer.optimizer,
+                   trainer.lr_scheduler)
     return update
 
 

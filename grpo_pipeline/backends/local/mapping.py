@@ -187,8 +187,7 @@ def staleness_note(profile: RunProfile, generation: GenerationPlan) -> str | Non
             f"so an update trains on rollouts up to {updates - 1} updates old (verl: {per_step - 1}); TRL scores the "
             "round once with the policy that generated it (the old-policy pass) and clips each update's ratio to it "
             f"(clip_ratio_low/high, and {VERL_CLIP_RATIO_C:g} for negative advantages), which bounds how far a stale "
-            "update moves but does not undo it; rewards are logged once a round; a token-mean update divides by the "
-            "round's tokens per update, not its own")
+            "update moves but does not undo it; rewards are logged once a round")
 
 
 def bf16_weights_note(profile: RunProfile) -> str | None:

@@ -13,12 +13,14 @@ backends/local/lora.py), GRPOConfig's fields (backends/local/mapping.py). What t
 | `_get_per_token_logps_and_entropies` (override, call) | packed log-prob passes (packing.py); the probe scores its rows with the loss's own pass | the one method the loss, the old-policy and the reference passes share; nothing public scores a sequence |
 | `_get_train_sampler` (override) | each epoch's order a function of (seed, epoch) (data_order.py) | transformers' Trainer picks the sampler here; GRPOTrainer's `RepeatSampler` is seeded once |
 | `_generate_and_score_completions`, `_prepare_inputs` (wrapped, phase timing only) | which log-prob pass is old / reference; the rewards' and batching's time (phases.py) | callbacks see step boundaries only |
+| `_prepare_inputs` (override) | each update of a round divides its token-mean loss by its own tokens, as verl's does (`per_update_token_counts`) | TRL's `dapo` divides by the round's tokens spread evenly over its updates; no setting changes it |
 
 One public method of transformers' Trainer is overridden (`PUBLIC_OVERRIDES`): `get_decay_parameter_names`,
 so that weight decay reaches every parameter where verl's FSDP actor does so (backends/local/mapping.py).
 
 Private attributes read: `_tokenizer` (the text tokenizer of a processor), `_metrics` (where TRL's logged
-means come from: the probe's `rollout/mismatch`). TRL calls `generate` on the unwrapped model inside
+means come from: the probe's `rollout/mismatch`), `_buffered_inputs` and `_step` (a round's micro batches, and
+which one trains next). TRL calls `generate` on the unwrapped model inside
 `_generate_single_turn`; the probe gives that call a logits processor while it records (`recording`).
 
 A TRL outside `TRL_CHECKED` is checked when a run starts (`check_trl`): signatures as recorded, a
@@ -53,7 +55,7 @@ PRIVATE_METHODS = {
     "_prepare_inputs": (
         "(self, generation_batch: dict[str, torch.Tensor | typing.Any]) -> dict[str, torch.Tensor | typing.Any]"),
 }
-PRIVATE_ATTRIBUTES = ("_tokenizer", "_metrics")  # set in GRPOTrainer.__init__
+PRIVATE_ATTRIBUTES = ("_tokenizer", "_metrics", "_buffered_inputs", "_step")  # set in GRPOTrainer.__init__
 # transformers' Trainer methods the local trainer replaces on purpose (every other public name it adds is new).
 PUBLIC_OVERRIDES = ("get_decay_parameter_names",)
 
@@ -119,6 +121,15 @@ def grpo_trainer_class():
                 return [name for name, _ in model.named_parameters()]
             return super().get_decay_parameter_names(model)
 
+        def _prepare_inputs(self, generation_batch):
+            every = self.args.steps_per_generation * self.num_iterations
+            fresh = self.model.training and (self._buffered_inputs is None or self._step % every == 0)
+            inputs = super()._prepare_inputs(generation_batch)  # one of self._buffered_inputs' dicts
+            if fresh and self.loss_type == "dapo":
+                per_update_token_counts(self._buffered_inputs, self.args.gradient_accumulation_steps,
+                                        lambda tokens: self.accelerator.reduce(tokens, reduction="sum"))
+            return inputs
+
         def _get_train_sampler(self, dataset=None):
             return data_order.epoch_seeded(super()._get_train_sampler(dataset))
 
@@ -159,6 +170,27 @@ def grpo_trainer_class():
             return self._get_per_token_logps_and_entropies(self.model, ids, mask, logits_to_keep)[0]
 
     return LocalGRPOTrainer
+
+
+def per_update_token_counts(micro_batches: list[dict], accumulation: int, over_ranks) -> None:
+    """Give each micro batch of a generation round the `num_items_in_batch` that makes TRL's token-mean divisor
+    (num_items_in_batch / ranks x gradient_accumulation_steps / steps_per_generation, trl grpo_trainer.py:3172) the
+    tokens of its own update, over every rank: verl's (workers/engine/fsdp/transformer_impl.py:730, the mini
+    batch's `loss_mask` summed over the data-parallel group). TRL's own count is the round's, so with several
+    updates a round (data.train_batch_size > actor.ppo_mini_batch_size, generation.steps_per_generation > 1) each
+    update was weighted by its tokens against the round's mean. `over_ranks` sums a count over the ranks."""
+    steps = len(micro_batches)
+    for start in range(0, steps, accumulation):
+        window = micro_batches[start:start + accumulation]
+        tokens = over_ranks(sum(_loss_mask(batch).sum() for batch in window))
+        for batch in window:
+            batch["num_items_in_batch"] = tokens * steps / accumulation
+
+
+def _loss_mask(batch: dict):
+    """The tokens TRL's loss counts (grpo_trainer.py `_compute_loss`: the completion, less tool output)."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
 
 
 @contextlib.contextmanager
