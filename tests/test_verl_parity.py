@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from grpo_pipeline.backends.local.mapping import (
-    K3_KL, VERL_ADAM_EPS, VERL_BETAS, VERL_CLIP_GRAD, VERL_CLIP_RATIO_C, VERL_WEIGHT_DECAY, grpo_fields,
+    K3_KL, VERL_ADAM_EPS, VERL_BETAS, VERL_CLIP_GRAD, VERL_CLIP_RATIO_C, VERL_WEIGHT_DECAY, decays_every_parameter,
+    grpo_fields,
 )
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.stages.plan import resolve_profile
@@ -64,6 +65,8 @@ def test_the_mapping_sets_what_verl_composes_for_the_profile(model, device):
     assert algorithm["rollout_correction"]["rollout_is"] is None  # nor does the local backend weight by vLLM's log-probs
     assert not grpo.vllm_importance_sampling_correction or not grpo.use_vllm
     assert (actor["ppo_epochs"], actor["shuffle"]) == (1, False)
+    # Weight decay on biases and norms: verl's FSDP actor decays them, its Megatron actor does not.
+    assert decays_every_parameter(profile) == (profile.engine.strategy == "fsdp")
 
 
 # (group size, groups a step, groups an update, micro batch, profile overrides): every setting the profile exposes

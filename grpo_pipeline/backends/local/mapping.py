@@ -38,8 +38,8 @@ def decays_every_parameter(profile: RunProfile) -> bool:
     """Which parameters verl's actor decays: all of them with the FSDP engine (build_optimizer over
     `module.parameters()`), none of the biases and 1-D ones (norms) with Megatron (megatron-core's
     optimizer/__init__.py param groups: wd_mult 0 for `*.bias` and len(shape) == 1), which is what
-    transformers' Trainer exempts on these models too."""
-    return profile.engine.strategy == "fsdp"
+    transformers' Trainer exempts on these models too (profiles/engine.py: each engine's fact)."""
+    return profile.engine.decays_every_parameter
 
 
 # verl's dual clip (actor.clip_ratio_c, trainer/config/actor/actor.yaml): a negative-advantage token's loss stops
