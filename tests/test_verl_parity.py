@@ -168,36 +168,52 @@ def test_an_all_equal_group_of_inexact_rewards_is_not_zero_in_verl():
     assert trl_like.abs().max() < 1e-3
 
 
-def test_bf16_weights_lose_the_steps_verls_fp32_weights_take(tiny):
-    """The largest difference left (the dry run's `# algorithm:` line on a bf16 device): the local backend loads
-    the policy in the run's dtype and AdamW steps it there; verl's FSDP actor keeps fp32 weights (fsdp_config.
-    model_dtype) and computes in bf16. One step at the issue's learning rate (5e-5), the same gradients: verl's
-    moves every weight, bf16 leaves most of the model where it was."""
-    from grpo_pipeline.backends.local.mapping import algorithm_notes
+def test_a_bf16_policy_steps_fp32_copies_of_its_weights_as_verls_actor_does(tiny, tmp_path):
+    """verl's FSDP actor keeps fp32 weights (fsdp_config.model_dtype) and computes in bf16. AdamW stepping the bf16
+    weights themselves, as the local backend did, rounds away every step below half a bf16 spacing: at the
+    issue's learning rate (5e-5) about half of this model never moves, however many steps. The local trainer on a
+    bf16 policy now steps fp32 copies (backends/local/master_weights.py): the copies follow verl's fp32 steps and
+    the policy is them rounded to bf16, so steps add up."""
+    from grpo_pipeline.backends.local.master_weights import trains_master_weights
 
-    model = tiny[0]
-    fp32 = {n: p.detach().clone() for n, p in model.named_parameters() if p.dim() == 2}
+    model, tokenizer, tokens = tiny
+    lr, steps = 5e-5, 30
+    bf16 = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
     generator = torch.Generator().manual_seed(0)
-    grads = {n: torch.randn(p.shape, generator=generator) for n, p in fp32.items()}
+    grads = {n: torch.randn(p.shape, generator=generator).to(torch.bfloat16) for n, p in bf16.items()}
 
-    def step(dtype, lr: float) -> tuple[float, bool]:
-        """The share of weights one step moves, and whether every weight of magnitude lr x 2^9 or more stayed."""
-        weights = {n: p.clone().to(dtype).requires_grad_() for n, p in fp32.items()}
-        for n, p in weights.items():
-            p.grad = grads[n].to(dtype)
-        before = {n: p.detach().clone() for n, p in weights.items()}
-        torch.optim.AdamW(list(weights.values()), lr=lr, weight_decay=VERL_WEIGHT_DECAY).step()
-        changed = {n: p.detach() != before[n] for n, p in weights.items()}
-        share = sum(c.sum().item() for c in changed.values()) / sum(c.numel() for c in changed.values())
-        large_stayed = all(not c[before[n].abs() >= lr * 2 ** 9].any() for n, c in changed.items())
-        return share, large_stayed
+    def adamw(dtype) -> dict[str, torch.Tensor]:
+        """`steps` AdamW steps of the same gradients on the bf16 weights held in `dtype`."""
+        weights = {n: p.to(dtype).requires_grad_() for n, p in bf16.items()}
+        optimizer = torch.optim.AdamW(list(weights.values()), lr=lr, weight_decay=VERL_WEIGHT_DECAY)
+        for _ in range(steps):
+            for n, p in weights.items():
+                p.grad = grads[n].to(dtype)
+            optimizer.step()
+        return {n: p.detach() for n, p in weights.items()}
 
-    assert step(torch.float32, 5e-5)[0] == 1.0 and step(torch.float32, 1e-5)[0] == 1.0
-    share, large_stayed = step(torch.bfloat16, 5e-5)
-    assert share < 0.6 and large_stayed  # the issue's H100 run: about half of this model frozen
-    share, large_stayed = step(torch.bfloat16, 1e-5)
-    assert share < 0.2 and large_stayed  # the smollm2-135m recipe's own learning rate
-    gpu = resolve_profile("smollm2-135m", "gpu", overrides=["algorithm.lr=5e-5"])
-    assert "an Adam step (at most about algorithm.lr=5e-05) is rounded away on every weight of magnitude 0.0256 or more" \
-        in algorithm_notes(gpu, plan_generation(gpu))[-1]
-    assert algorithm_notes(resolve_profile("smollm2-135m", "cpu"), plan_generation(resolve_profile("smollm2-135m", "cpu"))) == []
+    def moved(after: dict[str, torch.Tensor]) -> float:
+        return sum((p.to(torch.bfloat16) != bf16[n]).sum().item() for n, p in after.items()) / \
+            sum(p.numel() for p in after.values())
+
+    verl = adamw(torch.float32)  # verl: fp32 weights, the bf16 compute's gradients
+    assert moved(adamw(torch.bfloat16)) < 0.6  # the weights stepped in bf16: the same half stays frozen
+
+    assert trains_master_weights("bfloat16") and not trains_master_weights("float32")
+    profile = parity_profile(4, 2, 2, 8, [f"algorithm.lr={lr}"])
+    batch = fixed_batch(4, 2, seed=0, token_ids=tokens)
+    policy_model = copy.deepcopy(model).to(torch.bfloat16)
+    trainer = local_trainer(profile, policy_model, tokenizer, batch, tmp_path, steps, master_weights=True)
+    trainer.create_optimizer_and_scheduler(num_training_steps=steps)
+    policy = dict(trainer.model.named_parameters())
+    for _ in range(steps):
+        for n, p in policy.items():
+            p.grad = grads[n].clone()
+        trainer.optimizer.step()
+        trainer.lr_scheduler.step()
+    copies = {id(param): master for param, master in trainer.optimizer.fp32_copies}
+    assert len(copies) == len(policy) and all(p.grad is None for p in policy.values())  # bf16 gradients freed
+    for n, p in policy.items():
+        assert torch.allclose(copies[id(p)], verl[n], rtol=0, atol=1e-6), n
+        assert torch.equal(p.detach(), copies[id(p)].to(torch.bfloat16)), n
+    assert moved({n: p.detach() for n, p in policy.items()}) > 0.95

@@ -245,7 +245,8 @@ def record(update: Update, model, loss: float, grad_norm, lr: float, optimizer, 
 
 # ---- the local backend's side ------------------------------------------------------------------------------
 
-def local_trainer(profile: RunProfile, model, tokenizer, batch: FixedBatch, out_dir: Path, max_steps: int):
+def local_trainer(profile: RunProfile, model, tokenizer, batch: FixedBatch, out_dir: Path, max_steps: int,
+                  master_weights: bool = False):
     """The local backend's GRPOTrainer with the worker's GRPOConfig for this profile (one worker), rolling out
     the batch's fixed responses and scoring them with its rewards."""
     import datasets
@@ -284,7 +285,7 @@ def local_trainer(profile: RunProfile, model, tokenizer, batch: FixedBatch, out_
     rows = datasets.Dataset.from_list([{"prompt": name} for name in names])
     return grpo_trainer_class()(model=model, reward_funcs=fixed_reward, args=args, train_dataset=rows,
                                 processing_class=tokenizer, rollout_func=fixed_rollouts,
-                                decay_every_parameter=settings.decay_every_parameter)
+                                decay_every_parameter=settings.decay_every_parameter, master_weights=master_weights)
 
 
 def local_inputs(trainer, batch: FixedBatch) -> dict:

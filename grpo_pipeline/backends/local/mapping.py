@@ -190,19 +190,6 @@ def staleness_note(profile: RunProfile, generation: GenerationPlan) -> str | Non
             "update moves but does not undo it; rewards are logged once a round")
 
 
-def bf16_weights_note(profile: RunProfile) -> str | None:
-    """The local backend trains the weights in the run's dtype; verl's FSDP actor keeps fp32 weights and
-    computes in bf16 (fsdp_config.model_dtype fp32, MixedPrecision param_dtype bf16). In bf16 an Adam step
-    (about lr per weight) below half a bf16 spacing of the weight is rounded away; None in fp32."""
-    if profile.platform.run_dtype(profile.engine.dtype) != "bfloat16":
-        return None
-    lr = profile.algorithm.lr
-    # bf16 keeps 8 significant bits: half a spacing is above |w| x 2^-9, so a step no larger rounds away.
-    frozen = lr * 2 ** 9
-    return (f"weights, gradients and AdamW's moments in bf16 (verl: fp32 weights, bf16 compute): an Adam step (at "
-            f"most about algorithm.lr={lr:g}) is rounded away on every weight of magnitude {frozen:.3g} or more")
-
-
 def algorithm_notes(profile: RunProfile, generation: GenerationPlan) -> list[str]:
     """Where the local backend's update departs from verl's for this profile, each in one line."""
-    return [note for note in (staleness_note(profile, generation), bf16_weights_note(profile)) if note]
+    return [note for note in (staleness_note(profile, generation),) if note]

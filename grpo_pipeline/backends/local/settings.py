@@ -15,6 +15,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from grpo_pipeline.backends.local.mapping import GrpoFields, decays_every_parameter, grpo_fields
+from grpo_pipeline.backends.local.master_weights import trains_master_weights
 from grpo_pipeline.backends.local.packing import padding_free
 from grpo_pipeline.errors import ProfileError, UserError
 from grpo_pipeline.generation.decoding import compile_cache_dir
@@ -52,6 +53,8 @@ class LocalTrainSettings(BaseModel):
     grpo: GrpoFields = Field(..., description="GRPOConfig fields derived from the profile (backends/local/mapping.py).")
     decay_every_parameter: bool = Field(False, description="Weight decay on biases and norms too, as verl's FSDP actor "
                                         "does (backends/local/mapping.py); else transformers' choice, Megatron's.")
+    master_weights: bool = Field(False, description="The optimizer steps fp32 copies of the 16-bit weights, as verl's "
+                                 "actor keeps fp32 weights (backends/local/master_weights.py).")
     generation: GenerationPlan = Field(..., description="How rollouts are generated (generation/plan.py, resolved at "
                                        "planning): the engine in `grpo`, the decoder and compiling here.")
     padding_free: bool = Field(False, description="Log-prob passes on packed micro batches, no padding "
@@ -122,6 +125,7 @@ def plan_local_training(
         reward=reward,
         grpo=grpo,
         decay_every_parameter=decays_every_parameter(profile),
+        master_weights=trains_master_weights(platform.run_dtype(profile.engine.dtype)),
         generation=generation,
         compile_cache_dir=str(compile_cache_dir(profile.model.root)),
         padding_free=padding_free(profile.engine.use_remove_padding, generation.attn_implementation),

@@ -15,8 +15,10 @@ backends/local/lora.py), GRPOConfig's fields (backends/local/mapping.py). What t
 | `_generate_and_score_completions`, `_prepare_inputs` (wrapped, phase timing only) | which log-prob pass is old / reference; the rewards' and batching's time (phases.py) | callbacks see step boundaries only |
 | `_prepare_inputs` (override) | each update of a round divides its token-mean loss by its own tokens, as verl's does (`per_update_token_counts`) | TRL's `dapo` divides by the round's tokens spread evenly over its updates; no setting changes it |
 
-One public method of transformers' Trainer is overridden (`PUBLIC_OVERRIDES`): `get_decay_parameter_names`,
-so that weight decay reaches every parameter where verl's FSDP actor does so (backends/local/mapping.py).
+Two public methods of transformers' Trainer are overridden (`PUBLIC_OVERRIDES`): `get_decay_parameter_names`,
+so that weight decay reaches every parameter where verl's FSDP actor does so (backends/local/mapping.py), and
+`create_optimizer`, so that a bf16 policy's optimizer steps fp32 copies of its weights as verl's does
+(backends/local/master_weights.py).
 
 Private attributes read: `_tokenizer` (the text tokenizer of a processor), `_metrics` (where TRL's logged
 means come from: the probe's `rollout/mismatch`), `_buffered_inputs` and `_step` (a round's micro batches, and
@@ -57,7 +59,7 @@ PRIVATE_METHODS = {
 }
 PRIVATE_ATTRIBUTES = ("_tokenizer", "_metrics", "_buffered_inputs", "_step")  # set in GRPOTrainer.__init__
 # transformers' Trainer methods the local trainer replaces on purpose (every other public name it adds is new).
-PUBLIC_OVERRIDES = ("get_decay_parameter_names",)
+PUBLIC_OVERRIDES = ("get_decay_parameter_names", "create_optimizer")
 
 
 def signature_drift(trainer_class=None) -> list[str]:
@@ -101,13 +103,14 @@ def grpo_trainer_class():
     class LocalGRPOTrainer(GRPOTrainer):
         """GRPOTrainer with, each off unless given: native rollouts (`native`), the mismatch probe
         (`probe`), packed log-prob passes (`packed`), the generation timer (`timer`), weight decay on every
-        parameter (`decay_every_parameter`); the epoch-seeded data order always."""
+        parameter (`decay_every_parameter`), fp32 master weights (`master_weights`); the epoch-seeded data
+        order always."""
 
         def __init__(self, *args, native=None, probe=None, packed: bool = False, timer=None,
-                     decay_every_parameter: bool = False, **kwargs):
+                     decay_every_parameter: bool = False, master_weights: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
             self.native, self.probe, self.packed, self.timer = native, probe, packed, timer
-            self.decay_every_parameter = decay_every_parameter
+            self.decay_every_parameter, self.master_weights = decay_every_parameter, master_weights
             self.native_refusal = native.refusal(self) if native else "not asked for"
 
         def native_decoder(self):
@@ -120,6 +123,14 @@ def grpo_trainer_class():
             if self.decay_every_parameter:
                 return [name for name, _ in model.named_parameters()]
             return super().get_decay_parameter_names(model)
+
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            if self.master_weights and not hasattr(optimizer, "fp32_copies"):
+                from grpo_pipeline.backends.local.master_weights import with_master_weights
+
+                self.optimizer = optimizer = with_master_weights(optimizer)  # the scheduler is made on it next
+            return optimizer
 
         def _prepare_inputs(self, generation_batch):
             every = self.args.steps_per_generation * self.num_iterations

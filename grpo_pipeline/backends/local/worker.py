@@ -80,6 +80,7 @@ def worker_loop(config: dict[str, Any]) -> None:
         packed=settings.padding_free,
         timer=timer,
         decay_every_parameter=settings.decay_every_parameter,
+        master_weights=settings.master_weights,
         **options,
     )
     if settings.phase_timing and rank == 0:
