@@ -6,10 +6,10 @@ optimizer steps computed by verl's own functions and by the local backend's TRL 
 
 Tolerances (float32 on the CPU; the two sides run the model on differently padded batches):
 - advantages: TRL divides by (std + 1e-4), verl by (std + 1e-6) (trl grpo_trainer.py:2787, verl
-  core_algos.py:325): within 1.01e-4 / std of each advantage, relatively, and 0 on a group whose rewards are all
+  core_algos.py:326): within 1.01e-4 / std of each advantage, relatively, and 0 on a group whose rewards are all
   1.0 (a reward float32 cannot hold exactly, such as 0.9, is another matter: see the test on it below);
 - from verl's advantages on: loss within 1e-6 relatively, gradient norm within 1e-5, every gradient within 1e-5
-  of the largest, every parameter's change in each of three optimizer steps within 1e-4 x lr plus what the
+  of the largest, every parameter's change in each optimizer step of two passes within 1e-4 x lr plus what the
   gradient's float noise makes of it (Adam's step is about lr x g / (|g| + 1e-8), so a gradient near 1e-9 with
   1e-5 x the largest of noise moves visibly), learning rates equal.
 """
@@ -34,7 +34,7 @@ from verl_parity import (
 
 pytestmark = pytest.mark.skipif(bool(codetiming_note()), reason=codetiming_note() or "")
 
-STEPS = 3  # passes over the batch, one optimizer step per update each: Adam's moments (betas, eps) and the schedule past step 1
+STEPS = 2  # passes over the batch, one optimizer step per update each: Adam's moments (betas, eps) and the schedule past step 1
 GRAD_TOL = 1e-5  # of the largest gradient
 LR = 1e-3  # large enough that weight decay (lr x 0.01 x w) is far above float noise in a parameter's change
 
@@ -85,6 +85,13 @@ CASES = {
 }
 
 
+# What the mapping refuses (profile resolution runs mapping_problems), set past it: the numbers that say why.
+# (group size, groups a step, groups an update, micro batch, profile overrides, algorithm settings set past it)
+REFUSED = {
+    "entropy bonus over two micro batches": (4, 2, 2, 4, [], {"entropy_coeff": 1.0}),
+}
+
+
 def parity_profile(group: int, groups: int, per_update: int, micro: int, overrides: list[str]):
     return resolve_profile("tiny", "cpu", overrides=[
         f"algorithm.rollout_n={group}", f"data.train_batch_size={groups}", f"actor.ppo_mini_batch_size={per_update}",
@@ -106,8 +113,10 @@ def tiny(tiny_model_dir):
 
 def both_sides(tiny, tmp_path, case: str):
     model, tokenizer, tokens = tiny
-    group, groups, per_update, micro, overrides = CASES[case]
+    group, groups, per_update, micro, overrides, *refused = {**CASES, **REFUSED}[case]
     profile = parity_profile(group, groups, per_update, micro, overrides)
+    if refused:
+        profile = profile.model_copy(update={"algorithm": profile.algorithm.model_copy(update=refused[0])})
     batch = fixed_batch(group, groups, seed=len(case), token_ids=tokens)
     if "dual clip" in case:
         batch.rollout_noise = 2.0  # ratios e^(+-4): both clip bounds and the dual clip at 3 bind
@@ -115,9 +124,9 @@ def both_sides(tiny, tmp_path, case: str):
     with torch.no_grad():
         own = padded_responses(policy_logprobs(model, batch, temperature)[0], batch, range(batch.rows))
     rollout, reference = own + batch.noise(batch.rollout_noise, 1), own + batch.noise(batch.reference_noise, 2)
-    actor = verl_actor_config(verl_composed(profile), profile.trainer.total_training_steps)
-    composed_norm = verl_composed(profile)["algorithm"]["norm_adv_by_std_in_grpo"]
-    advantages = verl_advantages(batch, composed_norm)
+    composed = verl_composed(profile)
+    actor = verl_actor_config(composed, profile.trainer.total_training_steps)
+    advantages = verl_advantages(batch, composed["algorithm"]["norm_adv_by_std_in_grpo"])
     verl = verl_update(copy.deepcopy(model), batch, actor, advantages, rollout, reference, temperature,
                        per_update * group, micro, STEPS)
     steps = profile.trainer.total_training_steps * groups // per_update  # TRL's optimizer steps (mapping: max_steps)
@@ -149,6 +158,24 @@ def test_advantages_loss_gradient_and_steps_agree_with_verls(tiny, tmp_path, cas
             # moves it by up to lr x noise / (|g| + eps), which is visible only where |g| is that small.
             noise = LR * GRAD_TOL * largest / (verl.grads[name].abs() + VERL_ADAM_EPS)
             assert torch.all((ours[name] - delta).abs() <= 1e-4 * LR + noise), f"{case}: step {step + 1} of {name}"
+
+
+def test_an_entropy_bonus_over_micro_batches_is_refused_because_trl_weighs_it_otherwise(tiny, tmp_path):
+    """TRL's entropy bonus is each micro batch's token mean (trl grpo_trainer.py:3200), verl's the update's
+    (workers/utils/losses.py: agg_loss over the mini batch's tokens): with two micro batches of different token
+    counts the gradients part, so the mapping refuses the setting (tests/test_backends.py has the dry run's line)."""
+    from grpo_pipeline.backends.local.mapping import mapping_problems
+
+    case = "entropy bonus over two micro batches"
+    batch, verl, local, _ = both_sides(tiny, tmp_path, case)
+    profile = parity_profile(*REFUSED[case][:5])
+    refused = profile.model_copy(update={"algorithm": profile.algorithm.model_copy(update=REFUSED[case][5])})
+    assert any(line.startswith("algorithm.entropy_coeff=1.0:") for line in mapping_problems(refused))
+    tokens = batch.response_mask().sum(dim=1)
+    assert tokens[:4].sum() != tokens[4:].sum()  # micro batches of different token counts
+    largest = max(g.abs().max().item() for g in verl.grads.values())
+    gap = max((local.grads[n] - g).abs().max().item() for n, g in verl.grads.items())
+    assert gap > 100 * GRAD_TOL * largest  # far outside what the settings TRL can express come to
 
 
 def test_an_all_equal_group_of_inexact_rewards_is_not_zero_in_verl():
