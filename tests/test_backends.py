@@ -28,11 +28,20 @@ def test_every_backend_is_found_by_its_name_and_implements_the_interface():
 @pytest.mark.parametrize(
     ("override", "fragment"),
     [("algorithm.use_kl_in_reward=true", "algorithm.use_kl_in_reward=true: the local backend (TRL) has no in-reward KL"),
-     ("algorithm.loss_agg_mode=token-sum", "algorithm.loss_agg_mode=token-sum: the local backend supports token-mean")],
+     ("algorithm.loss_agg_mode=token-sum", "algorithm.loss_agg_mode=token-sum: the local backend supports token-mean"),
+     # What TRL cannot compute as verl does (tests/test_verl_parity.py): refused, each naming its setting.
+     ("algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_agg_mode=seq-mean-token-sum-norm: the local "
+      "backend supports token-mean, seq-mean-token-mean (TRL has no aggregation that equals verl's for it)"),
+     ("algorithm.use_kl_loss=true,algorithm.kl_loss_type=k1", "algorithm.kl_loss_type=k1: TRL's KL loss is k3 only"),
+     ("algorithm.clip_ratio_high=2.5", "algorithm.clip_ratio_high=2.5: above 2 verl's dual clip (ratio 3) cuts below TRL's"),
+     ("algorithm.entropy_coeff=0.01,actor.ppo_micro_batch_size_per_gpu=4",
+      "algorithm.entropy_coeff=0.01: TRL's entropy bonus equals verl's only with algorithm.loss_agg_mode=token-mean "
+      "and the whole update in one micro batch on one worker")],
 )
 def test_a_local_backend_refusal_happens_when_the_run_is_planned(capsys, override, fragment):
     """A dry run (and the UI form's first stage) refuses it, before anything is fetched."""
-    assert main(["--model", "tiny", "--device", "cpu", "--set", override, "--dry-run"]) == 2
+    sets = [word for setting in override.split(",") for word in ("--set", setting)]
+    assert main(["--model", "tiny", "--device", "cpu", *sets, "--dry-run"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and fragment in lines[0]
 

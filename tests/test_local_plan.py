@@ -151,3 +151,20 @@ def test_the_training_batch_is_packed_only_with_kernels_that_take_packed_rows(tm
     assert packed.padding_free
     assert not plan(tmp_path, arith_train, "m", 2, "generation.attn_implementation=flash_attention_2",
                     "engine.use_remove_padding=false").padding_free
+
+
+def test_several_updates_a_generation_round_say_what_they_change():
+    """generation.steps_per_generation > 1 is a lever verl lacks: the dry run's `# algorithm:` line says how stale
+    the rollouts get and what corrects for it."""
+    from grpo_pipeline.backends import backend_for
+    from grpo_pipeline.backends.local.mapping import staleness_note
+
+    one = resolve_profile("tiny", "cpu")
+    assert staleness_note(one, plan_generation(one)) is None
+    four = resolve_profile("tiny", "cpu", overrides=["generation.steps_per_generation=4", "actor.ppo_mini_batch_size=4",
+                                                     "actor.ppo_micro_batch_size_per_gpu=4"])
+    (note,) = backend_for("local").algorithm_notes(four, plan_generation(four))
+    assert note.startswith("generation.steps_per_generation=4: one rollout round feeds 8 updates (verl: 2), so an update "
+                           "trains on rollouts up to 7 updates old (verl: 1); TRL scores the round once with the policy "
+                           "that generated it")
+    assert backend_for("verl").algorithm_notes(four, plan_generation(four)) == []

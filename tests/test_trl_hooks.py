@@ -91,13 +91,14 @@ def test_what_the_local_trainer_adds_is_no_name_of_trls_trainer():
     import transformers.trainer
     import trl.trainer.grpo_trainer
 
-    from grpo_pipeline.backends.local.trl_hooks import grpo_trainer_class
+    from grpo_pipeline.backends.local.trl_hooks import PUBLIC_OVERRIDES, grpo_trainer_class
 
     local, trl_trainer = grpo_trainer_class(), grpo_trainer_class().__mro__[1]
-    added = {name for name in vars(local) if not name.startswith("_")}
+    added = {name for name in vars(local) if not name.startswith("_") and name not in PUBLIC_OVERRIDES}
     added |= set(re.findall(r"self\.([a-z]\w*)", inspect.getsource(local.__init__)))
     theirs = set(dir(trl_trainer))
     for module in (trl.trainer.grpo_trainer, transformers.trainer):
         theirs |= set(re.findall(r"self\.(\w+)\s*=", inspect.getsource(module)))
     assert added >= {"native", "probe", "packed", "timer", "native_refusal", "native_decoder", "probe_logprobs"}
     assert added & theirs == set()
+    assert all(callable(getattr(trl_trainer, name, None)) for name in PUBLIC_OVERRIDES)  # no override of a gone method

@@ -145,6 +145,11 @@ class Backend(ABC):
         fits) and as the lines printed; None: the layout search (planner/layouts.py) answers."""
         return None
 
+    def algorithm_notes(self, profile: RunProfile, generation: GenerationPlan) -> list[str]:
+        """Where this engine's update departs from verl's own for the profile (the dry run's `# algorithm:` lines, and
+        the run's notes): a lever verl lacks and what it changes, a difference kept; none for verl itself."""
+        return []
+
     def generation_summary(self, profile: RunProfile, generation: GenerationPlan) -> str:
         """How this engine's runs generate rollouts and evaluation, for the dry run's header: by default
         both by the run's plan (generation/plan.py)."""

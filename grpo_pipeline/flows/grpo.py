@@ -149,7 +149,10 @@ def print_dry_run(plan, as_json: bool) -> None:
     summary = plan.summary()
     print(f"# device: {plan.device.kind} ({plan.device.decided_by}: {plan.device.reason})")
     print(f"# backend: {plan.profile.backend} ({plan.backend_reason})")
-    print(f"# generation: {backend_for(plan.profile.backend).generation_summary(plan.profile, plan.generation)}")
+    backend = backend_for(plan.profile.backend)
+    print(f"# generation: {backend.generation_summary(plan.profile, plan.generation)}")
+    for note in backend.algorithm_notes(plan.profile, plan.generation):
+        print(f"# algorithm: {note}")
     print("# resolved profile")
     print(yaml.safe_dump(summary["profile"], sort_keys=False).rstrip())
     print("# environment of every process (secrets redacted; source: profile default or user export)")

@@ -14,7 +14,7 @@ disagree; the local backend reads the shared fields (dtype, padding).
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
@@ -107,6 +107,9 @@ class MegatronEngine(TrainingEngine):
     Hugging Face weights, megatron-core's own config overrides."""
 
     strategy: Literal["megatron"] = Field("megatron", description=STRATEGY_DESCRIPTION)
+    # verl's Megatron actor exempts biases and 1-D parameters (norms) from weight decay (megatron-core's optimizer
+    # param groups: wd_mult 0), as transformers' Trainer does.
+    decays_every_parameter: ClassVar[bool] = False
     tp: int = Field(1, gt=0, le=MAX_DEVICES_PER_NODE, description="Tensor parallel size.")
     pp: int = Field(1, gt=0, le=MAX_LAYERS, description="Pipeline parallel size.")
     vpp: int | None = Field(None, gt=0, le=MAX_LAYERS, description="Virtual pipeline stages per rank (null: off).")
@@ -168,6 +171,8 @@ class FsdpEngine(TrainingEngine):
     Ulysses sequence parallelism, transformers' modelling code."""
 
     strategy: Literal["fsdp"] = Field("fsdp", description=STRATEGY_DESCRIPTION)
+    # verl's FSDP actor decays every parameter (workers/config/optimizer.py build_optimizer over module.parameters()).
+    decays_every_parameter: ClassVar[bool] = True
     fsdp_size: int = Field(
         -1, ge=-1, le=MAX_DEVICES_PER_NODE * 1024,
         description="FSDP: ranks one copy of the model is sharded over (verl's `fsdp_config.fsdp_size`); -1: the whole "

@@ -7,7 +7,7 @@ from pathlib import Path
 from grpo_pipeline.backends.base import Backend, TrainingInputs, TrainingProgress, TrainingRun, TrainResult
 from grpo_pipeline.backends.guards import GuardTrip
 from grpo_pipeline.backends.local.checkpoints import latest_step
-from grpo_pipeline.backends.local.mapping import mapping_problems
+from grpo_pipeline.backends.local.mapping import algorithm_notes, mapping_problems
 from grpo_pipeline.backends.local.rollout_memory import rollout_memory_problems
 from grpo_pipeline.backends.local.settings import check_prompt_lengths, check_workers_fit, plan_local_training
 from grpo_pipeline.backends.local.sizing import micro_batch_note, no_fit_refusal, one_device_table, size_rounds, size_step
@@ -64,6 +64,9 @@ class LocalBackend(Backend):
     def size_table(self, profile: RunProfile, generation: GenerationPlan) -> tuple[dict, list[str]] | None:
         return one_device_table(profile, generation)
 
+    def algorithm_notes(self, profile: RunProfile, generation: GenerationPlan) -> list[str]:
+        return algorithm_notes(profile, generation)
+
     def check_run(self, profile: RunProfile, devices_here: int, stages: list[str], dry_run: bool,
                   ray_address: str | None) -> None:
         if "train" in stages:
@@ -84,6 +87,8 @@ class LocalBackend(Backend):
             progress.warn(f"{overlong} prompts longer than data.max_prompt_length={settings.max_prompt_length} are left out")
         rollouts = run.generation.describe()
         progress.note(f"rollouts: {rollouts}")
+        for note in algorithm_notes(profile, run.generation):
+            progress.note(note)
         progress.note(f"starting Ray and {profile.world_size} training worker(s) (Ray Train); the first step follows "
                       "once they have loaded the model")
         result = train_local(settings, run.runtime_env, run.ray_address, progress.step, run_name=run.run_name,

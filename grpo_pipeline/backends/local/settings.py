@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from grpo_pipeline.backends.local.mapping import GrpoFields, grpo_fields
+from grpo_pipeline.backends.local.mapping import GrpoFields, decays_every_parameter, grpo_fields
+from grpo_pipeline.backends.local.master_weights import trains_master_weights
 from grpo_pipeline.backends.local.packing import padding_free
 from grpo_pipeline.errors import ProfileError, UserError
 from grpo_pipeline.generation.decoding import compile_cache_dir
@@ -50,6 +51,10 @@ class LocalTrainSettings(BaseModel):
     filter_overlong_prompts: bool
     reward: RewardPlan = Field(default_factory=RewardPlan, description="What scores the completions (rewards/plan.py).")
     grpo: GrpoFields = Field(..., description="GRPOConfig fields derived from the profile (backends/local/mapping.py).")
+    decay_every_parameter: bool = Field(False, description="Weight decay on biases and norms too, as verl's FSDP actor "
+                                        "does (backends/local/mapping.py); else transformers' choice, Megatron's.")
+    master_weights: bool = Field(False, description="The optimizer steps fp32 copies of the 16-bit weights, as verl's "
+                                 "actor keeps fp32 weights (backends/local/master_weights.py).")
     generation: GenerationPlan = Field(..., description="How rollouts are generated (generation/plan.py, resolved at "
                                        "planning): the engine in `grpo`, the decoder and compiling here.")
     padding_free: bool = Field(False, description="Log-prob passes on packed micro batches, no padding "
@@ -119,6 +124,8 @@ def plan_local_training(
         filter_overlong_prompts=profile.data.filter_overlong_prompts,
         reward=reward,
         grpo=grpo,
+        decay_every_parameter=decays_every_parameter(profile),
+        master_weights=trains_master_weights(platform.run_dtype(profile.engine.dtype)),
         generation=generation,
         compile_cache_dir=str(compile_cache_dir(profile.model.root)),
         padding_free=padding_free(profile.engine.use_remove_padding, generation.attn_implementation),

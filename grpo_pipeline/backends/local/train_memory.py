@@ -7,7 +7,9 @@ Recomputing every layer's activations in the backward pass costs about a third m
 counted when the step without it fits a device with room to spare (HEADROOM of the device, plus
 platform.reserved_memory_gib); a recipe, a profile file or --set still wins. Per device, one worker: TRL's
 GRPOTrainer on the model loaded in the run's dtype (bf16 on a GPU) with `bf16=True` (backends/local/worker.py):
-- state: the parameters, their gradients and AdamW's two moments, all in the parameters' dtype; with more
+- state: the parameters and their gradients in the parameters' dtype; the optimizer's fp32 copies of 16-bit
+  parameters (backends/local/master_weights.py, as verl's actor keeps fp32 weights) and AdamW's two fp32
+  moments; during the step the copies' fp32 gradients, the 16-bit ones freed as they are made; with more
   than one worker DDP's buckets, a second copy of the gradients (gradient_as_bucket_view is off); with a KL
   term TRL's reference model, a second copy of the weights. With LoRA (the profile's `lora`) only the adapter
   trains: its fp32 weights, gradients and moments replace the base model's (backends/local/lora.py), and the
@@ -38,6 +40,7 @@ import math
 from dataclasses import dataclass
 
 from grpo_pipeline.backends.local.lora import adapter_activation_bytes, adapter_state
+from grpo_pipeline.backends.local.master_weights import trains_master_weights
 from grpo_pipeline.backends.local.rollout_memory import DTYPE_BYTES, GIB, decoding_state
 from grpo_pipeline.generation.decode_step import CACHE_BLOCK
 from grpo_pipeline.generation.decoding import SUPPORTED_MODEL_TYPES
@@ -51,6 +54,7 @@ from grpo_pipeline.profiles.schema import RunProfile
 # TRL 1.16's fused LM head (trl/kernels/chunked_logprob.py): TOKEN_CHUNK_SIZE tokens x the trainer's
 # _CHUNKED_LOGPROB_CHUNK_SIZE vocabulary entries per tile, in the compute dtype.
 HEAD_TILE_TOKENS, HEAD_TILE_VOCAB = 4096, 32768
+FP32_BYTES = 4  # AdamW's moments and the master weights
 ACTIVATION_BYTES = 2  # hf_layer_bytes counts bf16 activations, as the GPU runs them
 # Eager attention keeps each score's fp32 softmax output and its bf16 copy for the product with the values.
 EAGER_SCORE_BYTES = 4 + 2
@@ -102,7 +106,8 @@ def step_memory(p: RunProfile, generation: GenerationPlan, checkpointing: bool, 
     if size_problems(arch):
         return None
     size = model_size(arch)
-    dtype = DTYPE_BYTES.get(p.platform.run_dtype(p.engine.dtype), 4)
+    run_dtype = p.platform.run_dtype(p.engine.dtype)
+    dtype = DTYPE_BYTES.get(run_dtype, 4)
     parameters = size.total * dtype
     # TRL's beta = 0: no reference model; with LoRA the reference is the base with the adapter disabled.
     uses_reference = p.algorithm.use_kl_loss and p.algorithm.kl_loss_coef > 0 and p.builds_reference_model
@@ -110,7 +115,12 @@ def step_memory(p: RunProfile, generation: GenerationPlan, checkpointing: bool, 
     if adapter_parts:  # only the adapter trains: its gradients and AdamW's moments, not the base model's
         state = {"weights": parameters, **adapter_parts}
     else:  # full fine-tuning (or an adapter on a model PEFT must size itself: counted as full, the safe side)
-        state = {"weights": parameters, "gradients": parameters, "optimizer": 2 * parameters,
+        # A 16-bit policy's optimizer steps fp32 copies (master_weights.py); the step's fp32 gradients replace the
+        # 16-bit ones as they are made: counted as their difference on top of the backward's state (the safe side).
+        master = FP32_BYTES * size.total if trains_master_weights(run_dtype) else 0.0
+        state = {"weights": parameters, "gradients": parameters, "fp32 master weights": master,
+                 "step's fp32 gradients": master - parameters if master else 0.0,
+                 "optimizer": 2 * FP32_BYTES * size.total,
                  "DDP buckets": parameters if p.world_size > 1 else 0.0,
                  "reference model": parameters if uses_reference else 0.0}
 

@@ -13,9 +13,16 @@ backends/local/lora.py), GRPOConfig's fields (backends/local/mapping.py). What t
 | `_get_per_token_logps_and_entropies` (override, call) | packed log-prob passes (packing.py); the probe scores its rows with the loss's own pass | the one method the loss, the old-policy and the reference passes share; nothing public scores a sequence |
 | `_get_train_sampler` (override) | each epoch's order a function of (seed, epoch) (data_order.py) | transformers' Trainer picks the sampler here; GRPOTrainer's `RepeatSampler` is seeded once |
 | `_generate_and_score_completions`, `_prepare_inputs` (wrapped, phase timing only) | which log-prob pass is old / reference; the rewards' and batching's time (phases.py) | callbacks see step boundaries only |
+| `_prepare_inputs` (override) | each update of a round divides its token-mean loss by its own tokens, as verl's does (`per_update_token_counts`) | TRL's `dapo` divides by the round's tokens spread evenly over its updates; no setting changes it |
+
+Two public methods of transformers' Trainer are overridden (`PUBLIC_OVERRIDES`): `get_decay_parameter_names`,
+so that weight decay reaches every parameter where verl's FSDP actor does so (backends/local/mapping.py), and
+`create_optimizer`, so that a bf16 policy's optimizer steps fp32 copies of its weights as verl's does
+(backends/local/master_weights.py).
 
 Private attributes read: `_tokenizer` (the text tokenizer of a processor), `_metrics` (where TRL's logged
-means come from: the probe's `rollout/mismatch`). TRL calls `generate` on the unwrapped model inside
+means come from: the probe's `rollout/mismatch`), `_buffered_inputs` and `_step` (a round's micro batches, and
+which one trains next). TRL calls `generate` on the unwrapped model inside
 `_generate_single_turn`; the probe gives that call a logits processor while it records (`recording`).
 
 A TRL outside `TRL_CHECKED` is checked when a run starts (`check_trl`): signatures as recorded, a
@@ -50,7 +57,9 @@ PRIVATE_METHODS = {
     "_prepare_inputs": (
         "(self, generation_batch: dict[str, torch.Tensor | typing.Any]) -> dict[str, torch.Tensor | typing.Any]"),
 }
-PRIVATE_ATTRIBUTES = ("_tokenizer", "_metrics")  # set in GRPOTrainer.__init__
+PRIVATE_ATTRIBUTES = ("_tokenizer", "_metrics", "_buffered_inputs", "_step")  # set in GRPOTrainer.__init__
+# transformers' Trainer methods the local trainer replaces on purpose (every other public name it adds is new).
+PUBLIC_OVERRIDES = ("get_decay_parameter_names", "create_optimizer")
 
 
 def signature_drift(trainer_class=None) -> list[str]:
@@ -93,17 +102,44 @@ def grpo_trainer_class():
 
     class LocalGRPOTrainer(GRPOTrainer):
         """GRPOTrainer with, each off unless given: native rollouts (`native`), the mismatch probe
-        (`probe`), packed log-prob passes (`packed`), the generation timer (`timer`); the epoch-seeded data
+        (`probe`), packed log-prob passes (`packed`), the generation timer (`timer`), weight decay on every
+        parameter (`decay_every_parameter`), fp32 master weights (`master_weights`); the epoch-seeded data
         order always."""
 
-        def __init__(self, *args, native=None, probe=None, packed: bool = False, timer=None, **kwargs):
+        def __init__(self, *args, native=None, probe=None, packed: bool = False, timer=None,
+                     decay_every_parameter: bool = False, master_weights: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
             self.native, self.probe, self.packed, self.timer = native, probe, packed, timer
+            self.decay_every_parameter, self.master_weights = decay_every_parameter, master_weights
             self.native_refusal = native.refusal(self) if native else "not asked for"
 
         def native_decoder(self):
             """The native decoder of this trainer's policy (None where it cannot run)."""
             return self.native.decoder(self, self._tokenizer) if self.native and self.native_refusal is None else None
+
+        def get_decay_parameter_names(self, model) -> list[str]:
+            # verl's FSDP actor decays every parameter (workers/config/optimizer.py build_optimizer passes
+            # module.parameters() with one weight_decay); transformers (and Megatron) exempt biases and norms.
+            if self.decay_every_parameter:
+                return [name for name, _ in model.named_parameters()]
+            return super().get_decay_parameter_names(model)
+
+        def create_optimizer(self, model=None):
+            optimizer = super().create_optimizer(model)
+            if self.master_weights and not hasattr(optimizer, "fp32_copies"):
+                from grpo_pipeline.backends.local.master_weights import with_master_weights
+
+                self.optimizer = optimizer = with_master_weights(optimizer)  # the scheduler is made on it next
+            return optimizer
+
+        def _prepare_inputs(self, generation_batch):
+            every = self.args.steps_per_generation * self.num_iterations
+            fresh = self.model.training and (self._buffered_inputs is None or self._step % every == 0)
+            inputs = super()._prepare_inputs(generation_batch)  # one of self._buffered_inputs' dicts
+            if fresh and self.loss_type == "dapo":
+                per_update_token_counts(self._buffered_inputs, self.args.gradient_accumulation_steps,
+                                        lambda tokens: self.accelerator.reduce(tokens, reduction="sum"))
+            return inputs
 
         def _get_train_sampler(self, dataset=None):
             return data_order.epoch_seeded(super()._get_train_sampler(dataset))
@@ -145,6 +181,27 @@ def grpo_trainer_class():
             return self._get_per_token_logps_and_entropies(self.model, ids, mask, logits_to_keep)[0]
 
     return LocalGRPOTrainer
+
+
+def per_update_token_counts(micro_batches: list[dict], accumulation: int, over_ranks) -> None:
+    """Give each micro batch of a generation round the `num_items_in_batch` that makes TRL's token-mean divisor
+    (num_items_in_batch / ranks x gradient_accumulation_steps / steps_per_generation, trl grpo_trainer.py:3172) the
+    tokens of its own update, over every rank: verl's (workers/engine/fsdp/transformer_impl.py:730, the mini
+    batch's `loss_mask` summed over the data-parallel group). TRL's own count is the round's, so with several
+    updates a round (data.train_batch_size > actor.ppo_mini_batch_size, generation.steps_per_generation > 1) each
+    update was weighted by its tokens against the round's mean. `over_ranks` sums a count over the ranks."""
+    steps = len(micro_batches)
+    for start in range(0, steps, accumulation):
+        window = micro_batches[start:start + accumulation]
+        tokens = over_ranks(sum(_loss_mask(batch).sum() for batch in window))
+        for batch in window:
+            batch["num_items_in_batch"] = tokens * steps / accumulation
+
+
+def _loss_mask(batch: dict):
+    """The tokens TRL's loss counts (grpo_trainer.py `_compute_loss`: the completion, less tool output)."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
 
 
 @contextlib.contextmanager

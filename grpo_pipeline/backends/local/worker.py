@@ -57,24 +57,7 @@ def worker_loop(config: dict[str, Any]) -> None:
     timer = GenerationTimer()
     train = training_rows(settings, tokenizer, datasets)
     reward_funcs, reward_weights = trl_rewards(settings.reward, settings.guards)
-    args = GRPOConfig(
-        output_dir=str(settings.checkpoints / TRAINER_DIR),
-        max_steps=settings.max_steps,
-        save_strategy="steps" if settings.save_steps > 0 else "no",
-        save_steps=max(settings.save_steps, 1),
-        logging_steps=1,
-        report_to=[],
-        seed=settings.seed,
-        use_cpu=not settings.platform.accelerated,
-        bf16=settings.dtype == "bfloat16",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        # transformers replaces a NaN or infinite loss in its log by the mean of the logged ones: the log
-        # (and the non_finite guard) would never see it.
-        logging_nan_inf_filter=False,
-        reward_weights=reward_weights,
-        **settings.grpo.model_dump(),
-    )
+    args = GRPOConfig(**trainer_arguments(settings, reward_weights))
     options = {}
     if plan.native:
         from grpo_pipeline.backends.local.rollouts import NativeRollouts
@@ -96,6 +79,8 @@ def worker_loop(config: dict[str, Any]) -> None:
         callbacks=[_MetricsWriter(settings, rank, resume, timer), _CheckpointPublisher(settings, rank)],
         packed=settings.padding_free,
         timer=timer,
+        decay_every_parameter=settings.decay_every_parameter,
+        master_weights=settings.master_weights,
         **options,
     )
     if settings.phase_timing and rank == 0:
@@ -109,6 +94,28 @@ def worker_loop(config: dict[str, Any]) -> None:
         compiled_decoding(trainer.generation_config, settings.platform.accelerated)
     checkpoint = settings.checkpoints / f"global_step_{resume}" if resume is not None else None
     trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+
+
+def trainer_arguments(settings: LocalTrainSettings, reward_weights: list[float] | None) -> dict[str, Any]:
+    """Every GRPOConfig argument a worker passes: the profile's (settings.grpo) and the run's own."""
+    return dict(
+        output_dir=str(settings.checkpoints / TRAINER_DIR),
+        max_steps=settings.max_steps,
+        save_strategy="steps" if settings.save_steps > 0 else "no",
+        save_steps=max(settings.save_steps, 1),
+        logging_steps=1,
+        report_to=[],
+        seed=settings.seed,
+        use_cpu=not settings.platform.accelerated,
+        bf16=settings.dtype == "bfloat16",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        # transformers replaces a NaN or infinite loss in its log by the mean of the logged ones: the log
+        # (and the non_finite guard) would never see it.
+        logging_nan_inf_filter=False,
+        reward_weights=reward_weights,
+        **settings.grpo.model_dump(),
+    )
 
 
 class GenerationTimer:
