@@ -368,6 +368,7 @@ def _save(checkpoints: Path, step: int, config: dict) -> None:
     tracker file (the policy unchanged: the stand-in does not train)."""
     actor_config = config["actor_rollout_ref"]["actor"]
     contents = actor_config["checkpoint"]["save_contents"]
+    log.info(f"Saving checkpoint to {checkpoints / f'global_step_{step}'}")  # seen on the H200 (2026-12-06)
     actor = checkpoints / f"global_step_{step}" / "actor"
     actor.mkdir(parents=True, exist_ok=True)
     if actor_config["strategy"] == "megatron":

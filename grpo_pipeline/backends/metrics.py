@@ -44,7 +44,9 @@ class StepMetrics(BaseModel):
 
     def log_line(self, max_steps: int) -> str:
         kl = "-" if self.kl is None else f"{self.kl:.4f}"
-        return (f"step {self.step}/{max_steps} reward {self.reward_mean:.3f} +- {self.reward_std or 0.0:.3f} | kl {kl} | "
+        # verl logs no spread of the step's rewards (critic/score/max and /min only): none is shown, never 0.
+        spread = "" if self.reward_std is None else f" +- {self.reward_std:.3f}"
+        return (f"step {self.step}/{max_steps} reward {self.reward_mean:.3f}{spread} | kl {kl} | "
                 f"loss {self.loss or 0.0:.4f} | entropy {self.entropy or 0.0:.3f} | length {self.response_length:.1f} | "
                 f"{self.tokens_per_s or 0.0:.0f} tokens/s | {self.step_time_s:.2f} s")
 

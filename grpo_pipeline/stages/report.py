@@ -63,8 +63,8 @@ def step_table(records: list) -> list[str]:
     shown = records if len(records) <= STEP_ROWS else [
         records[round(i * (len(records) - 1) / (STEP_ROWS - 1))] for i in range(STEP_ROWS)]
     lines = ["| step | reward (mean ± std) | response length | seconds |", "|---|---|---|---|"]
-    lines += [f"| {r.step} | {r.reward_mean:.3f} ± {r.reward_std or 0.0:.3f} | {r.response_length:.1f} | {r.step_time_s:.1f} |"
-              for r in shown]
+    lines += [f"| {r.step} | {r.reward_mean:.3f}{'' if r.reward_std is None else f' ± {r.reward_std:.3f}'} | "
+              f"{r.response_length:.1f} | {r.step_time_s:.1f} |" for r in shown]
     if len(shown) < len(records):
         lines.append(f"\n{len(shown)} of {len(records)} steps shown.")
     return lines
