@@ -133,6 +133,9 @@ def both_sides(tiny, tmp_path, case: str):
     trainer = local_trainer(profile, copy.deepcopy(model), tokenizer, batch, tmp_path, steps)
     inputs = local_inputs(trainer, batch)
     local = local_update(trainer, inputs, batch, advantages, rollout, reference, STEPS)
+    if "dual clip" in case:  # negative-advantage tokens past ratio 3: verl's dual clip binds
+        ratio = torch.exp(own - rollout) * batch.response_mask()
+        assert ((ratio > VERL_CLIP_RATIO_C) & (advantages < 0)).any()
     return batch, verl, local, inputs
 
 
@@ -148,6 +151,8 @@ def test_advantages_loss_gradient_and_steps_agree_with_verls(tiny, tmp_path, cas
     assert local.advantages[:batch.group_size].eq(0).all() and verl.advantages[:batch.group_size].eq(0).all()
     assert local.loss == pytest.approx(verl.loss, rel=1e-6, abs=1e-7), case
     assert local.grad_norm == pytest.approx(verl.grad_norm, rel=1e-5), case
+    if case == "token-mean":
+        assert verl.grad_norm > VERL_CLIP_GRAD  # the clipping binds
     largest = max(g.abs().max().item() for g in verl.grads.values())
     for name, grad in verl.grads.items():
         assert torch.allclose(local.grads[name], grad, rtol=0, atol=GRAD_TOL * largest), f"{case}: gradient of {name}"

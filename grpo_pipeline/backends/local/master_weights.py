@@ -21,7 +21,8 @@ SIXTEEN_BIT = ("bfloat16", "float16")
 
 def with_master_weights(optimizer):
     """The same optimizer class, settings and parameter groups over fp32 copies of the 16-bit parameters (others
-    stay as they are: a LoRA adapter is fp32 already); the returned optimizer is the one to step and schedule."""
+    stay as they are: a LoRA adapter is fp32 already); the returned optimizer is the one to step and schedule
+    (the given one where no parameter is 16-bit)."""
     import torch
 
     pairs = []
@@ -36,6 +37,8 @@ def with_master_weights(optimizer):
             else:
                 params.append(param)
         groups.append({**{key: value for key, value in group.items() if key != "params"}, "params": params})
+    if not pairs:
+        return optimizer
     accepted = inspect.signature(type(optimizer)).parameters
     master_optimizer = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
 

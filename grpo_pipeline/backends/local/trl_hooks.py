@@ -15,10 +15,9 @@ backends/local/lora.py), GRPOConfig's fields (backends/local/mapping.py). What t
 | `_generate_and_score_completions`, `_prepare_inputs` (wrapped, phase timing only) | which log-prob pass is old / reference; the rewards' and batching's time (phases.py) | callbacks see step boundaries only |
 | `_prepare_inputs` (override) | each update of a round divides its token-mean loss by its own tokens, as verl's does (`per_update_token_counts`) | TRL's `dapo` divides by the round's tokens spread evenly over its updates; no setting changes it |
 
-Two public methods of transformers' Trainer are overridden (`PUBLIC_OVERRIDES`): `get_decay_parameter_names`,
-so that weight decay reaches every parameter where verl's FSDP actor does so (backends/local/mapping.py), and
-`create_optimizer`, so that a bf16 policy's optimizer steps fp32 copies of its weights as verl's does
-(backends/local/master_weights.py).
+One public method of transformers' Trainer is overridden (`PUBLIC_OVERRIDES`): `create_optimizer`, so that
+weight decay reaches every parameter where verl's FSDP actor does so (backends/local/mapping.py) and a bf16
+policy's optimizer steps fp32 copies of its weights as verl's does (backends/local/master_weights.py).
 
 Private attributes read: `_tokenizer` (the text tokenizer of a processor), `_metrics` (where TRL's logged
 means come from: the probe's `rollout/mismatch`), `_buffered_inputs` and `_step` (a round's micro batches, and
@@ -59,7 +58,7 @@ PRIVATE_METHODS = {
 }
 PRIVATE_ATTRIBUTES = ("_tokenizer", "_metrics", "_buffered_inputs", "_step")  # set in GRPOTrainer.__init__
 # transformers' Trainer methods the local trainer replaces on purpose (every other public name it adds is new).
-PUBLIC_OVERRIDES = ("get_decay_parameter_names", "create_optimizer")
+PUBLIC_OVERRIDES = ("create_optimizer",)
 
 
 def signature_drift(trainer_class=None) -> list[str]:
@@ -117,15 +116,14 @@ def grpo_trainer_class():
             """The native decoder of this trainer's policy (None where it cannot run)."""
             return self.native.decoder(self, self._tokenizer) if self.native and self.native_refusal is None else None
 
-        def get_decay_parameter_names(self, model) -> list[str]:
-            # verl's FSDP actor decays every parameter (workers/config/optimizer.py build_optimizer passes
-            # module.parameters() with one weight_decay); transformers (and Megatron) exempt biases and norms.
-            if self.decay_every_parameter:
-                return [name for name, _ in model.named_parameters()]
-            return super().get_decay_parameter_names(model)
-
         def create_optimizer(self, model=None):
             optimizer = super().create_optimizer(model)
+            if self.decay_every_parameter:
+                # verl's FSDP actor decays every parameter (workers/config/optimizer.py build_optimizer passes
+                # module.parameters() with one weight_decay); transformers puts biases and norms in a group without
+                # decay, kept as a group (a checkpoint's optimizer state has the groups it was saved with).
+                for group in optimizer.param_groups:
+                    group["weight_decay"] = self.args.weight_decay
             if self.master_weights and not hasattr(optimizer, "fp32_copies"):
                 from grpo_pipeline.backends.local.master_weights import with_master_weights
 
