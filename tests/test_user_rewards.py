@@ -133,3 +133,18 @@ def test_the_planning_check_imports_checks_columns_and_calls_two_rows(tmp_path):
     exits = write(tmp_path, "exits.py", "import os\nos._exit(3)\n")
     with pytest.raises(RewardError, match="the reward check's process ended \\(exit 3\\) before it answered"):
         check_rewards(RewardPlan(functions=[FunctionEntry(spec=f"{exits}:f")]), str(data), timeout_s=120)
+
+
+def test_names_every_tracker_takes(tmp_path):
+    """Issue 55: a reward named `acc!` (or an extra keyed so) lost every training step from MLflow, which refuses
+    the metric's name; a part's name is refused at planning, an extra's key is mapped."""
+    from grpo_pipeline.errors import ProfileError
+    from grpo_pipeline.rewards.plan import BatchScores
+    from grpo_pipeline.stages.plan import resolve_profile
+
+    spec = write(tmp_path, "v.py", VERL_STYLE) + ":compute_score"
+    with pytest.raises(ProfileError, match=r"'acc!' names the metric rewards/acc!/mean, which trackers refuse"):
+        resolve_profile("tiny", "cpu", overrides=[f"reward.functions=[{{path: {spec}, name: 'acc!'}}]"])
+    assert resolve_profile("tiny", "cpu", overrides=[f"reward.functions=[{{path: {spec}, name: acc-1.b}}]"])
+    scores = BatchScores(rewards=[1.0], parts={"x": [1.0]}, extras={"acc!": [1.0], "pass@1 (strict)": [0.0]})
+    assert set(scores.means()) == {"rewards/x/mean", "reward_extras/acc_/mean", "reward_extras/pass_1__strict_/mean"}

@@ -11,11 +11,15 @@ Ray job). Empty: each row's `data_source` picks the built-in reward (rewards/bui
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import Field, field_validator
 
 from grpo_pipeline.profiles.section import Section
+
+# A reward part's name as every tracker takes it inside `rewards/<name>/mean` (no `/`: it would nest).
+METRIC_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
 class RewardFunction(Section):
@@ -23,7 +27,17 @@ class RewardFunction(Section):
                       "verl backend carries it with its job).")
     weight: float = Field(1.0, description="Weight of this reward in the sum GRPO optimises (TRL's `reward_weights`).")
     name: str | None = Field(None, max_length=64, description="How its values are logged (`rewards/<name>/mean`); "
-                             "empty: the function's name.")
+                             "letters, digits, `_`, `-` and `.` (what every tracker takes in a metric's name); empty: "
+                             "the function's name.")
+
+    @field_validator("name")
+    @classmethod
+    def a_metric_name_every_tracker_takes(cls, name: str | None) -> str | None:
+        """MLflow refuses a metric named `rewards/acc!/mean`, and every training step was lost from it; said here."""
+        if name is not None and not METRIC_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} names the metric rewards/{name}/mean, which trackers refuse (MLflow takes "
+                             "letters, digits, _, -, . and /); use only letters, digits, _, - and .")
+        return name
 
 
 class RewardSection(Section):

@@ -11,6 +11,8 @@ and a verl reward's numeric extras are kept by name, so training logs them per s
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,8 +76,14 @@ class BatchScores:
     def means(self) -> dict[str, float]:
         """Per-part and per-extra means over the batch's samples that have a value: what a step logs."""
         means = {f"rewards/{name}/mean": _mean(values) for name, values in self.parts.items()}
-        means |= {f"reward_extras/{name}/mean": _mean(values) for name, values in self.extras.items()}
+        means |= {f"reward_extras/{metric_key(name)}/mean": _mean(values) for name, values in self.extras.items()}
         return {key: value for key, value in means.items() if value is not None}
+
+
+def metric_key(extra: str) -> str:
+    """An extra's key (a verl reward's dict, any text) as every tracker takes it in a metric's name: MLflow
+    refused `reward_extras/acc!/mean`, and every training step with it was lost from the run."""
+    return re.sub(r"[^A-Za-z0-9_.\-]", "_", str(extra)) or "_"
 
 
 def _mean(values: list[float | None]) -> float | None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from grpo_pipeline.backends.guards import GuardTripped, non_finite_reward_trip
 from grpo_pipeline.profiles.guards import GuardsSection
 from grpo_pipeline.rewards.functions import Batch, NonFiniteReward
-from grpo_pipeline.rewards.plan import RewardParts, RewardPlan, row_name
+from grpo_pipeline.rewards.plan import RewardParts, RewardPlan, metric_key, row_name
 
 # Keyword arguments TRL adds to every call that are not dataset columns.
 _NOT_COLUMNS = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
@@ -44,7 +44,7 @@ def trl_rewards(plan: RewardPlan, guards: GuardsSection) -> tuple[list[Callable]
                 for key, values in scored.extras.items():
                     present = [v for v in values if v is not None]
                     if present and not key.startswith("__"):
-                        log_metric(f"reward_extras/{key}/mean", sum(present) / len(present))
+                        log_metric(f"reward_extras/{metric_key(key)}/mean", sum(present) / len(present))
             return scored.values
 
         reward.__name__ = part.name  # TRL logs rewards/<__name__>/mean
