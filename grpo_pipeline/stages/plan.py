@@ -44,6 +44,7 @@ from grpo_pipeline.cluster.ray_address import check_reachable, cluster_address, 
 from grpo_pipeline.store.content import read_manifest
 from grpo_pipeline.tracking.trackers import missing_credentials, store_problem
 from grpo_pipeline.run.folder import RunFolder
+from grpo_pipeline.run.identity import check_identity
 
 log = logging.getLogger(__name__)
 
@@ -302,6 +303,7 @@ def plan_run(request: RunRequest, dry_run: bool = False) -> RunPlan:
         check_hub_sources(request.stages, profile, environ)
         check_tracker_credentials(profile, environ)
     run_dir = run_dir_for(request, device.kind)
+    check_identity(run_dir, profile.model_dump(mode="json"))  # a folder holding another request's policy: refused
     check_run_dir(run_dir, dry_run)
     try:
         run = TrainingRun(inputs=training_inputs(profile, run_dir), run_dir=str(run_dir), run_name=run_dir.name,
