@@ -272,10 +272,15 @@ def test_a_dry_run_refuses_hostile_input_with_one_line(cli, tmp_path, args, frag
         (["--set", f"env.LIST_VALUE=[{SECRET_LIKE}]"], "env LIST_VALUE: its value is a list"),
         (["--ray-address", f"ray://user:{SECRET_LIKE}@head:10001"], "a Ray address carries no credentials"),
         (["--ray-address", f"ray://user:{SECRET_LIKE}@bad host"], "a Ray address carries no credentials"),
+        # Issue 56: a key no profile has is told as a typo, its value still unshown.
+        (["--set", f"nonsense.key={SECRET_LIKE}"], "nonsense.key is no setting of the profile (docs/profiles.md lists them)"),
+        (["--set", f"trainer.key={SECRET_LIKE}"], "trainer.key is no setting of the profile"),
+        (["--set", f"rollout.vllm_kwargs.hf_token={SECRET_LIKE}"], "rollout.vllm_kwargs.hf_token names a secret"),
     ],
     ids=["env-mapping", "reference-with-literal-default", "profile-file-literal", "profile-file-multiline",
          "list-value-for-secret", "no-equals-sign", "list-value-not-echoed", "ray-address-credentials",
-         "ray-address-credentials-bad-host"],
+         "ray-address-credentials-bad-host", "unknown-secret-named-key", "unknown-key-in-a-section",
+         "free-form-credential"],
 )
 def test_a_secret_literal_is_refused_and_never_echoed(cli, tmp_path, args, fragment):
     _files(tmp_path)

@@ -133,6 +133,10 @@ def secret_literal_problems(layer: Any, where: str, values: Mapping[str, str] | 
                 f"in single quotes: the shell expands an unquoted ${holder})"
             )
     for setting in _secret_named_settings(layer):
+        if not _is_setting(setting):  # a typo is told as one; its value stays unshown all the same
+            problems.append(f"{where}: {setting} is no setting of the profile (docs/profiles.md lists them); its name "
+                            "is a secret's, so its value is neither shown nor stored")
+            continue
         problems.append(
             f"{where}: {setting} names a secret, and a setting is stored and shown as written: export the secret "
             "where the flow runs and name it in an env entry (env.NAME=${NAME})"
@@ -206,6 +210,23 @@ def names_a_credential(name: str) -> bool:
     upper = name.upper()
     parts = upper.split("_")
     return _names_secret(parts[-1], parts[-2] if len(parts) > 1 else "") or _suffix(upper)
+
+
+def _is_setting(setting: str) -> bool:
+    """A dotted path the profile has (a key inside a free-form mapping counts: it is that mapping's)."""
+    from grpo_pipeline.profiles.schema import RunProfile
+    from grpo_pipeline.profiles.section import section_types
+
+    sections = [RunProfile]
+    for key in setting.split("."):
+        fields = [section.model_fields[key] for section in sections if key in section.model_fields]
+        if not fields:
+            return False
+        kinds = [kind for field in fields for kind in (field.annotation, *typing.get_args(field.annotation))]
+        if any(typing.get_origin(kind) is dict for kind in kinds):
+            return True
+        sections = [section for field in fields for section in section_types(field.annotation)]
+    return True
 
 
 @functools.cache
