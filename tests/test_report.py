@@ -95,3 +95,18 @@ def test_settings_are_those_that_differ_and_tracker_places_are_links(tmp_path):
     assert "```yaml\ntrainer:\n  total_training_steps: 3\n```" in report and "verl" not in report.split("## Settings")[1]
     assert ("Experiment tracking: [mlflow](http://127.0.0.1:5000/#/experiments/1/runs/abc) (once `mlflow ui "
             "--backend-store-uri sqlite:///x.db` serves it).") in report
+
+
+def test_with_a_users_reward_the_report_says_what_accuracy_and_format_count(tmp_path):
+    """Issue 56: a constant 0.37 reward showed accuracy 0.000 and format 1.000 with no word of what they count."""
+    from grpo_pipeline.stages.plan import resolve_profile
+    from grpo_pipeline.stages.report import USER_REWARD_METRICS
+
+    reward = tmp_path / "r.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.37\n")
+    base, trained = model("base", 0.37, 0.37, 0.37, tmp_path), model("trained", 0.37, 0.37, 0.37, tmp_path)
+    for functions, said in (([f"{reward}:compute_score"], True), ([], False)):
+        overrides = [f"reward.functions=[{functions[0]}]"] if functions else []
+        profile = resolve_profile("tiny", "cpu", overrides=overrides).model_dump(mode="json")
+        report = write_report(tmp_path, profile=profile, evaluation={"models": [base, trained]}).read_text()
+        assert (USER_REWARD_METRICS in report) is said

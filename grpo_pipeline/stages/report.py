@@ -55,6 +55,12 @@ def plot_reward_curve(metrics_file: Path, out: Path, reward_range: tuple[float, 
     return True
 
 
+# What a user's reward leaves of the accuracy columns (rewards/plan.py BatchScores): it says nothing of
+# correctness, so those two count its sum against full marks.
+USER_REWARD_METRICS = ("With the reward the run brings, *accuracy* is the share of responses that got full marks (the sum "
+                       "of the positive weights) and *format* the share that got any reward above 0; the mean reward is "
+                       "the reward's own measure (docs/rewards-and-data.md).")
+
 STEP_ROWS = 20  # a longer run's table shows this many steps, evenly spaced, the last included
 
 
@@ -223,6 +229,9 @@ def render(
                 "scored with its built-in reward (`heldout`, the validation split: with the training reward)")
         parts += ["## Evaluation", "", f"{what}; 95% intervals over prompts (bootstrap), pass@k by the unbiased "
                   f"estimator.{engine}", "", benchmark_tables(evaluation), ""]
+        brought = (profile or {}).get("reward") or {}
+        if brought.get("functions") or brought.get("url"):
+            parts += [USER_REWARD_METRICS, ""]
         parts += [f"Generation time: {evaluation['generation']}.", ""] if evaluation.get("generation") else []
         for plot, alt in ((RunFolder.EVAL_PLOT, "evaluation"), (RunFolder.CURVE_PLOT, "checkpoints")):
             if (run_dir / plot).is_file():
