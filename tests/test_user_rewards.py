@@ -62,8 +62,9 @@ def test_rewards_without_a_positive_weight_are_refused_at_planning(tmp_path, wei
 
 def test_a_reward_that_raises_on_one_sample_names_its_row(tmp_path):
     reward = UserReward(write(tmp_path, "r.py", RAISES_ON_ONE) + ":compute_score")
+    # Issue 56: the user's own line to fix, once, without the traceback
     with pytest.raises(RewardError, match=r"reward compute_score \(.*r.py:compute_score\) raised on row 1 of the train "
-                                          r"split: ValueError: cannot parse this one"):
+                                          r"split at r.py:4: ValueError: cannot parse this one"):
         reward(batch())
 
 

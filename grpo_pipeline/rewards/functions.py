@@ -214,7 +214,17 @@ class UserReward:
 
     def _raised(self, i: int, batch: Batch, exc: Exception) -> RewardError:
         text = str(exc).splitlines()[0][:300] if str(exc) else ""
-        return RewardError(f"reward {self.name} ({self.spec}) raised on {batch.row(i)}: {type(exc).__name__}: {text}")
+        return RewardError(f"reward {self.name} ({self.spec}) raised on {batch.row(i)}{self._where(exc)}: "
+                           f"{type(exc).__name__}: {text}")
+
+    def _where(self, exc: Exception) -> str:
+        """` at <file>:<line>`: the last line of the user's own file the exception passed through (the line to
+        fix), where the traceback itself is not shown."""
+        import traceback
+
+        own = Path(self.spec.rpartition(":")[0]).expanduser().resolve()
+        lines = [frame for frame in traceback.extract_tb(exc.__traceback__) if Path(frame.filename).resolve() == own]
+        return f" at {own.name}:{lines[-1].lineno}" if lines else ""
 
     def _trl(self, batch: Batch, log_metric) -> Scored:
         completions = [[{"role": "assistant", "content": text}] for text in batch.completions]
@@ -226,7 +236,8 @@ class UserReward:
                 result = run_async(result)
         except Exception as exc:
             raise RewardError(f"reward {self.name} ({self.spec}) raised on the batch of {batch.row(0)}..."
-                              f"{batch.row(len(batch) - 1)}: {type(exc).__name__}: {str(exc)[:300]}") from None
+                              f"{batch.row(len(batch) - 1)}{self._where(exc)}: {type(exc).__name__}: "
+                              f"{str(exc)[:300]}") from None
         if not isinstance(result, (list, tuple)) or len(result) != len(batch):
             got = f"{len(result)} values" if isinstance(result, (list, tuple)) else type(result).__name__
             raise RewardError(f"reward {self.name} returned {got} for {len(batch)} completions; a TRL reward returns "
