@@ -39,8 +39,7 @@ setup: $(STAMP)
 
 # A host with NVIDIA GPUs: .venv on the host's CUDA torch (or vLLM's, where the host has none), the project
 # with its gpu extra, checked against the GPU (built beside .venv, swapped in once it sees the GPU). DRY=1 prints
-# the plan on any host and installs nothing; a host without
-# an NVIDIA GPU is refused before anything is installed.
+# the plan on any host and installs nothing; a host without an NVIDIA GPU is refused before anything is installed.
 setup-gpu:
 	$(PYTHON) tools/setup_gpu.py --venv $(VENV) $(if $(DRY),--print)
 
