@@ -127,7 +127,7 @@ def test_every_step_on_every_benchmark_and_the_best_by_the_chosen_metric(tiny_mo
     # the report: a table per benchmark (base, best, last side by side), the curve, the best named
     text = write_report(run_dir, evaluation=report.model_dump(mode="json")).read_text()
     assert "### math500" in text and "### heldout" in text
-    assert "| metric | base | step_4 (best) | step_6 (last) | Δ (last - first) |" in text
+    assert "| metric | base | step_4 (best) | step_6 (last) | step_6 - base |" in text
     assert "| pass@1 | 0.000 [0.000, 0.000] | 0.750 [" in text
     assert "the best by math500 pass@1 is **step_4**" in text and "| 4 **best** |" in text
     for plot in ("eval_comparison.png", "checkpoint_curve.png"):

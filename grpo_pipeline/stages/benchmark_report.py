@@ -73,7 +73,7 @@ def metrics_table(models: list[dict], evaluation: dict | None = None) -> str:
     """Models side by side, with the last minus the first (95% intervals in brackets)."""
     evaluation = evaluation or {"models": models}
     header = "| metric | " + " | ".join(_label(m, evaluation) for m in models) + \
-        (" | Δ (last - first) |" if len(models) > 1 else " |")
+        (f" | {models[-1]['name']} - {models[0]['name']} |" if len(models) > 1 else " |")  # the last minus the first
     lines = [header, "|---" * (len(models) + 1 + (len(models) > 1)) + "|"]
     table = [_rows(m) for m in models]
     for index, (label, _, _) in enumerate(table[0]):
@@ -200,6 +200,9 @@ def plot_checkpoint_curve(evaluation: dict, out: Path) -> bool:
         axis.plot(steps, [p[1] for p in points], marker="o", markersize=3, label=name)
         axis.fill_between(steps, [p[2][0] for p in points], [p[2][1] for p in points], alpha=0.15)
     axis.axvline(best["step"], color="grey", linestyle="--", label=f"best: {best['name']}")
+    from matplotlib.ticker import MaxNLocator
+
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no 2.5 on the axis
     axis.set_xlabel("training step")
     axis.set_ylabel(best["metric"])
     axis.set_title(f"{best['metric']} of each saved checkpoint (bands: 95% intervals)")

@@ -52,7 +52,7 @@ def test_evaluate_any_directories_without_training_and_refuse_one_without_weight
     run_dir = tmp_path / "runs" / "eval-only"
     assert sorted(p.name for p in (run_dir / "eval").glob("*.jsonl")) == ["policy-a.jsonl", "policy-b.jsonl"]
     assert not (run_dir / "checkpoints").exists()  # nothing was trained
-    assert "| metric | policy-a | policy-b | Δ (last - first) |" in (run_dir / "report.md").read_text()
+    assert "| metric | policy-a | policy-b | policy-b - policy-a |" in (run_dir / "report.md").read_text()
 
     empty = tmp_path / "no-weights"
     empty.mkdir()

@@ -72,7 +72,7 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     assert json.loads((run_dir / "eval" / "eval.json").read_text())["models"][1]["name"] == "trained"
     report = (run_dir / "report.md").read_text()
     assert result["report"] == str(run_dir / "report.md")
-    assert "| metric | base | trained | Δ (last - first) |" in report and "## Time per stage" in report
+    assert "| metric | base | trained | trained - base |" in report and "## Time per stage" in report
     # the generation path, of the rollouts and of the evaluation (the CPU's: eager, dynamic cache)
     assert "Rollouts: transformers generate (dynamic cache, eager decoding, sdpa attention), 1 step(s)' prompts" in report
     assert "Generated with transformers generate (dynamic cache, eager decoding, sdpa attention)." in report
