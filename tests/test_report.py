@@ -110,3 +110,14 @@ def test_with_a_users_reward_the_report_says_what_accuracy_and_format_count(tmp_
         profile = resolve_profile("tiny", "cpu", overrides=overrides).model_dump(mode="json")
         report = write_report(tmp_path, profile=profile, evaluation={"models": [base, trained]}).read_text()
         assert (USER_REWARD_METRICS in report) is said
+
+
+def test_a_stage_stopped_by_a_signal_says_so_not_a_bare_colon():
+    """Issue 56: a SIGTERM'd run's report said `Stage export_checkpoint: TerminationSignal: ` and nothing more."""
+    from prefect.exceptions import TerminationSignal
+
+    from grpo_pipeline.tasks.run_record import failure_words
+
+    assert failure_words(TerminationSignal(15)) == "stopped by a signal (15) (TerminationSignal)"
+    assert failure_words(RuntimeError()) == "RuntimeError (with no message)"
+    assert failure_words(ValueError("bad value")) == "ValueError: bad value"

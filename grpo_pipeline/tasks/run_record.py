@@ -97,7 +97,7 @@ class RunRecord:
         try:
             yield
         except BaseException as exc:
-            self.failure = f"Stage `{name}`: {type(exc).__name__}: {scrub(str(exc))}"
+            self.failure = f"Stage `{name}`: {failure_words(exc)}"
             raise
         finally:
             self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - started
@@ -211,3 +211,13 @@ def write_run_report(record: RunRecord, failure: str | None = None, stopped: lis
         failure=failure, stopped=stopped, tracking=result.get("tracking"),
     )
     return write_report(record.run_dir, **parts), ui_report(record.run_dir, **parts)
+
+
+def failure_words(exc: BaseException) -> str:
+    """An exception in the report's words: one with no message of its own (Prefect's TerminationSignal on
+    SIGTERM, a KeyboardInterrupt) says what it means rather than ending on a bare colon."""
+    if type(exc).__name__ in ("TerminationSignal", "KeyboardInterrupt"):
+        signal = getattr(exc, "signal", None)
+        return f"stopped by a signal{f' ({signal})' if signal is not None else ''} ({type(exc).__name__})"
+    said = scrub(str(exc))
+    return f"{type(exc).__name__}: {said}" if said else f"{type(exc).__name__} (with no message)"
