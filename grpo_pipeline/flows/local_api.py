@@ -89,6 +89,10 @@ def local_api_unless_configured(log: Path) -> Iterator[LocalAPI | None]:
         return
     api = LocalAPI(log)
     os.environ["PREFECT_API_URL"] = api.url
+    # This API has no UI and ends with the run: Prefect's "View at <url>" line would point at nothing.
+    hidden_ui = "PREFECT_UI_URL" not in os.environ
+    if hidden_ui:
+        os.environ["PREFECT_UI_URL"] = ""
     try:
         yield api
     finally:
@@ -97,6 +101,8 @@ def local_api_unless_configured(log: Path) -> Iterator[LocalAPI | None]:
         finally:  # whatever the flush does, the server must not outlive the run
             api.stop()
             os.environ.pop("PREFECT_API_URL", None)
+            if hidden_ui:
+                os.environ.pop("PREFECT_UI_URL", None)
 
 
 def _flush_to(api: LocalAPI) -> None:
