@@ -1,8 +1,11 @@
 """The benchmark demo: train on MATH-500-format data, evaluate every saved checkpoint on MATH-500, AIME 2024 and
 GSM8K, and choose the best, on the CPU with no network.
 
-    .venv/bin/python tools/benchmark_demo.py                      # smollm2-135m, 6 GRPO steps (about 10 minutes)
+    .venv/bin/python tools/benchmark_demo.py                      # smollm2-135m, 6 GRPO steps (10 min on 2 idle
+                                                                  # cores; 37 min was seen at a load of 11-18)
     .venv/bin/python tools/benchmark_demo.py --model tiny --steps 4   # the plumbing only (a random model scores 0)
+
+Each model has a run name of its own (`benchmark-demo-<model>`): a run folder holds one run (run/identity.py).
 
 The datasets are served from the fake hub of the tests (tests/hub_server.py on 127.0.0.1, the real
 `huggingface_hub` client fetching them) in the layouts their repos publish: HuggingFaceH4/MATH-500's
@@ -71,7 +74,7 @@ def main() -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-freq", type=int, default=2)
-    parser.add_argument("--run-name", default="benchmark-demo")
+    parser.add_argument("--run-name", help="default: benchmark-demo-<model> (a run folder holds one model's run)")
     parser.add_argument("--run-dir", default=str(ROOT / "runs"))
     parser.add_argument("--max-prompts", type=int, default=16)
     parser.add_argument("--set", action="append", default=[], help="more profile overrides")
@@ -89,7 +92,7 @@ def main() -> int:
             "eval.samples_per_prompt=4", "eval.temperature=1.0", f"eval.max_prompts={args.max_prompts}", *args.set,
         ]
         command = [sys.executable, "-m", "grpo_pipeline", "--model", args.model, "--device", "cpu", "--run-dir",
-                   args.run_dir, "--run-name", args.run_name, *(part for o in overrides for part in ("--set", o))]
+                   args.run_dir, "--run-name", args.run_name or f"benchmark-demo-{Path(args.model).name}", *(part for o in overrides for part in ("--set", o))]
         print("$", " ".join(command), flush=True)
         return subprocess.call(command, env=env, cwd=ROOT)
 
