@@ -275,3 +275,24 @@ def test_a_tracker_is_one_class_that_the_profile_the_preflight_and_the_verl_comm
     everything = TrackingSection(trackers=list(TRACKERS))
     assert list(tracker_requirements(everything)) == [t.package for t in TRACKERS.values()]
     assert tracked_loggers(["console"], everything.trackers) == ["console", *(t.verl_logger for t in TRACKERS.values()), "file"]
+
+
+def test_no_file_from_outside_the_run_folder_reaches_a_tracker(tmp_path):
+    """Issue 55: a `best.json` or `checkpoint_curve.png` link in the run folder was followed and uploaded to
+    MLflow's artifacts and TensorBoard; only the run's own plain files are kept."""
+    from grpo_pipeline.run.folder import RunFolder
+    from grpo_pipeline.tasks.tracking import report_files
+
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (run_dir / "eval").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "secret.json").write_text("{}")
+    (run_dir / RunFolder.BEST_RECORD).symlink_to(elsewhere / "secret.json")
+    (run_dir / RunFolder.CURVE_PLOT).symlink_to(elsewhere / "secret.json")
+    (run_dir / RunFolder.REPORT).write_text("# report\n")
+    (run_dir / "eval").rmdir()
+    (run_dir / "eval").symlink_to(elsewhere)  # a linked folder too
+    (elsewhere / "eval.json").write_text("{}")
+    kept = report_files(run_dir)
+    assert run_dir / RunFolder.REPORT in kept
+    assert not {run_dir / RunFolder.BEST_RECORD, run_dir / RunFolder.CURVE_PLOT, run_dir / RunFolder.EVAL_REPORT} & set(kept)

@@ -204,11 +204,20 @@ def evaluation_values(evaluation: dict, step: int) -> dict[int, dict[str, float]
 
 
 def report_files(run_dir: Path) -> list[Path]:
-    """What the tracker run keeps as files: the report and its plots, and the run's own records."""
+    """What the tracker run keeps as files: the report and its plots, and the run's own records. Only the
+    run's own files: a link there (to a `best.json` or a plot elsewhere) is never followed, so no file from
+    outside the run folder reaches a tracker's store."""
     run_dir = Path(run_dir)
-    return [run_dir / name for name in (RunFolder.REPORT, RunFolder.REWARD_CURVE, RunFolder.EVAL_PLOT, RunFolder.CURVE_PLOT,
-                                        RunFolder.GUARDS_PLOT, RunFolder.METRICS, RunFolder.PROFILE,
-                                        RunFolder.EVAL_REPORT, RunFolder.BEST_RECORD)]
+    names = (RunFolder.REPORT, RunFolder.REWARD_CURVE, RunFolder.EVAL_PLOT, RunFolder.CURVE_PLOT, RunFolder.GUARDS_PLOT,
+             RunFolder.METRICS, RunFolder.PROFILE, RunFolder.EVAL_REPORT, RunFolder.BEST_RECORD)
+    return [path for path in (run_dir / name for name in names) if _inside(path, run_dir)]
+
+
+def _inside(path: Path, run_dir: Path) -> bool:
+    """A plain file of the run folder itself: no link on the way, nothing that resolves outside."""
+    relative = path.relative_to(run_dir)
+    steps = [run_dir.joinpath(*relative.parts[:n]) for n in range(1, len(relative.parts) + 1)]
+    return not any(step.is_symlink() for step in steps) and path.resolve().is_relative_to(run_dir.resolve())
 
 
 def tracking_lines(state: TrackingState | None) -> dict[str, str]:
