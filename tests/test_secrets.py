@@ -279,3 +279,12 @@ def test_credentials_with_a_percent_escaped_at_are_credentials():
         RunRequest(ray_address=address)
     assert TOKEN not in str(refused.value)
     assert scrub(f"tried {address}") == "tried ray://***@head:10001"
+
+
+def test_a_secret_with_a_line_break_is_scrubbed_line_by_line(monkeypatch):
+    """Issue 55: a reward token with a line break was printed inside h11's error: the redaction matched only the
+    whole value."""
+    monkeypatch.setenv("REWARD_TOKEN", "first-half-4f2a9c\nsecond-half-8e1b7d")
+    said = "LocalProtocolError: Illegal header value b'Bearer first-half-4f2a9c\\nsecond-half-8e1b7d' (second-half-8e1b7d)"
+    shown = scrub(said)
+    assert "first-half-4f2a9c" not in shown and "second-half-8e1b7d" not in shown

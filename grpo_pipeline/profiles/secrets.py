@@ -292,6 +292,10 @@ def secrets_of(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     for name, value in environ.items():
         if (is_secret(name) or name in _HELD_BY_REFERENCE) and not _names_a_place(value):
             found.setdefault(value, name)
+            # Each line of a value with line breaks too: a client quotes a header's lines apart (h11 printed a
+            # token's second line in its error), and a message cut at a line still holds the rest.
+            for line in value.splitlines():
+                found.setdefault(line.strip(), name)
         for userinfo in _URL_CREDENTIALS.findall(value):
             for part in (userinfo, userinfo.partition(":")[2]):
                 found.setdefault(part, name)
