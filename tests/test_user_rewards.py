@@ -149,3 +149,16 @@ def test_names_every_tracker_takes(tmp_path):
     assert resolve_profile("tiny", "cpu", overrides=[f"reward.functions=[{{path: {spec}, name: acc-1.b}}]"])
     scores = BatchScores(rewards=[1.0], parts={"x": [1.0]}, extras={"acc!": [1.0], "pass@1 (strict)": [0.0]})
     assert set(scores.means()) == {"rewards/x/mean", "reward_extras/acc_/mean", "reward_extras/pass_1__strict_/mean"}
+
+
+def test_a_bearer_token_never_crosses_the_network_in_clear(monkeypatch):
+    """Issue 55: reward.token was sent over plain http to any host without a word."""
+    from grpo_pipeline.errors import ProfileError
+    from grpo_pipeline.stages.plan import resolve_profile
+
+    monkeypatch.setenv("REWARD_TOKEN", "tok-1234567890")
+    token = "reward.token=${REWARD_TOKEN}"
+    with pytest.raises(ProfileError, match="would cross the network unencrypted over http://; use https://"):
+        resolve_profile("tiny", "cpu", overrides=["reward.url=http://scorer.example:8000/score", token])
+    for url in ("https://scorer.example/score", "http://127.0.0.1:8000/score", "http://localhost/score"):
+        assert resolve_profile("tiny", "cpu", overrides=[f"reward.url={url}", token]).reward.url == url

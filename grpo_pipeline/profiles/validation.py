@@ -125,6 +125,9 @@ def reward_problems(section: RewardSection) -> list[str]:
                         "would be stored in the run's profile); export the token and set reward.token='${NAME}'")
     if section.token is not None and section.url is None:
         problems.append("reward.token is set without reward.url; set the server's URL or drop the token")
+    if section.token is not None and section.url and _clear_text_off_host(section.url):
+        problems.append(f"reward.url={section.url!r} with reward.token: the bearer token would cross the network "
+                        "unencrypted over http://; use https:// (http:// only to this host: 127.0.0.1, localhost, ::1)")
     weights = [f.weight for f in section.functions] + ([section.weight] if section.url else [])
     if weights and max(weights) <= 0:
         # Full marks are the positive weights' sum: with none, every response would count as correct.
@@ -132,6 +135,13 @@ def reward_problems(section: RewardSection) -> list[str]:
                         "correct (accuracy, pass@k and eval.checkpoints=best count full marks); give one reward a "
                         "positive weight")
     return problems
+
+
+def _clear_text_off_host(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts.scheme == "http" and (parts.hostname or "") not in ("127.0.0.1", "localhost", "::1")
 
 
 def _file_problem(spec: str) -> str | None:
