@@ -245,3 +245,20 @@ def test_a_user_reward_that_ends_its_process_fails_the_evaluation(tiny_model_dir
                       "    print('scoring', flush=True)\n    return 0.5\n")
     (m,) = evaluate({"echo": tiny_model_dir}, val, settings, tmp_path / "eval", echo_engine(answers)).models
     assert m.mean_reward == 0.5  # a healthy reward of the user's, printing as it scores, as before
+
+
+@pytest.mark.e2e  # starts a child process
+def test_a_user_reward_that_hangs_in_evaluation_fails_within_its_limit(tiny_model_dir, tmp_path):
+    """Issue 55: a reward that hung in evaluation hung the run forever (training and the check had limits)."""
+    from grpo_pipeline.rewards.functions import RewardError
+    from grpo_pipeline.rewards.plan import FunctionEntry, RewardPlan
+
+    reward = tmp_path / "hangs.py"
+    reward.write_text("import time\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      "    time.sleep(600)\n")
+    rows = arith_splits(4, 2, seed=1)["test"]
+    val = write(rows, tmp_path / "test.parquet")
+    answers = {row["prompt"][-1]["content"]: "7" for row in rows.to_pylist()}
+    settings = EvalSettings(reward=RewardPlan(functions=[FunctionEntry(spec=f"{reward}:compute_score")], eval_timeout_s=5))
+    with pytest.raises(RewardError, match=r"did not end within 5 s \(reward.eval_timeout_s\)"):
+        evaluate({"echo": tiny_model_dir}, val, settings, tmp_path / "eval", echo_engine(answers))

@@ -60,6 +60,9 @@ class RewardSection(Section):
                          "refused or reset, timeout, HTTP 5xx or 429), with backoff; then the run stops in one line.")
     check_timeout_s: float = Field(120.0, gt=0, le=3600, description="How long the planning check (import, "
                                    "signature, a dry call on two rows) may take.")
+    eval_timeout_s: float = Field(1800.0, gt=0, le=86400, description="How long scoring one evaluation's responses "
+                                  "with the rewards the run brings may take (in a child process): a reward that hangs "
+                                  "fails the run in one line instead of holding it forever.")
 
     @field_validator("functions", mode="before")
     @classmethod

@@ -27,8 +27,13 @@ def score_rows(plan: RewardPlan, rows: list[dict[str, Any]], completions: list[s
         return RewardParts(plan).score(batch_of(rows, completions))
     request = json.dumps({"plan": plan.model_dump(mode="json"), "rows": [_plain(row) for row in rows],
                           "completions": completions})
-    done = subprocess.run([sys.executable, "-m", "grpo_pipeline.rewards.isolated"], input=request, text=True,
-                          capture_output=True, errors="replace")
+    try:
+        done = subprocess.run([sys.executable, "-m", "grpo_pipeline.rewards.isolated"], input=request, text=True,
+                              capture_output=True, errors="replace", timeout=plan.eval_timeout_s)
+    except subprocess.TimeoutExpired:  # subprocess.run has killed the child: nothing of the reward runs on
+        raise RewardError(f"scoring {len(completions)} responses with the run's reward did not end within "
+                          f"{plan.eval_timeout_s:g} s (reward.eval_timeout_s): a reward that hangs, or a server that "
+                          "does not answer; fix it or raise the limit") from None
     answer = _last_answer(done.stdout)
     if answer is None:
         said = (done.stderr.strip().splitlines() or ["nothing on stderr"])[-1][:300]

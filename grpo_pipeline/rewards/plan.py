@@ -40,13 +40,14 @@ class RewardPlan(BaseModel):
     batch_size: int = 64
     timeout_s: float = 30.0
     retries: int = 3
+    eval_timeout_s: float = 1800.0
 
     @classmethod
     def from_section(cls, section) -> RewardPlan:
         """From the profile's `reward` section (profiles/rewards.py)."""
         return cls(functions=[FunctionEntry(spec=f.path, weight=f.weight, name=f.name) for f in section.functions],
                    url=section.url, token=section.token, weight=section.weight, batch_size=section.batch_size,
-                   timeout_s=section.timeout_s, retries=section.retries)
+                   timeout_s=section.timeout_s, retries=section.retries, eval_timeout_s=section.eval_timeout_s)
 
     @property
     def custom(self) -> bool:
