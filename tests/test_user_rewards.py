@@ -162,3 +162,17 @@ def test_a_bearer_token_never_crosses_the_network_in_clear(monkeypatch):
         resolve_profile("tiny", "cpu", overrides=["reward.url=http://scorer.example:8000/score", token])
     for url in ("https://scorer.example/score", "http://127.0.0.1:8000/score", "http://localhost/score"):
         assert resolve_profile("tiny", "cpu", overrides=[f"reward.url={url}", token]).reward.url == url
+
+
+def test_late_failures_planning_can_catch_are_refused_at_planning(tmp_path, monkeypatch):
+    """Issue 55: a relative reward path failed in the workers 91 s in; a negative seed after generation, retried."""
+    from grpo_pipeline.errors import ProfileError
+    from grpo_pipeline.stages.plan import resolve_profile
+
+    write(tmp_path, "v.py", VERL_STYLE)
+    monkeypatch.chdir(tmp_path)
+    (function,) = resolve_profile("tiny", "cpu", overrides=["reward.functions=[v.py:compute_score]"]).reward.functions
+    assert function.path == f"{tmp_path / 'v.py'}:compute_score"  # the planning directory's, wherever workers run
+    for seed in ("data.seed=-1", "eval.seed=-5", f"data.seed={2**32}"):
+        with pytest.raises(ProfileError, match=seed.split("=")[0]):
+            resolve_profile("tiny", "cpu", overrides=[seed])

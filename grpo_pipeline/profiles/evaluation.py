@@ -68,7 +68,7 @@ class EvalSection(Section):
     max_prompts: int | None = Field(
         None, gt=0, description="Evaluate on the first N prompts of each benchmark only; empty: all."
     )
-    seed: int = Field(0, description="Seed of sampling and of the bootstrap.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of sampling and of the bootstrap (numpy takes 0 to 2**32 - 1).")
 
     def ks(self) -> list[int]:
         return pass_ks(self.samples_per_prompt, self.pass_k)

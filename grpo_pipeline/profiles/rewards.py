@@ -11,6 +11,7 @@ Ray job). Empty: each row's `data_source` picks the built-in reward (rewards/bui
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -29,6 +30,16 @@ class RewardFunction(Section):
     name: str | None = Field(None, max_length=64, description="How its values are logged (`rewards/<name>/mean`); "
                              "letters, digits, `_`, `-` and `.` (what every tracker takes in a metric's name); empty: "
                              "the function's name.")
+
+    @field_validator("path")
+    @classmethod
+    def absolute(cls, path: str) -> str:
+        """A relative file is the planning directory's: made absolute here, since Ray's workers run elsewhere (a
+        relative path failed in the workers 91 s into training)."""
+        file, colon, function = path.rpartition(":")
+        if not colon or not file:
+            return path  # no `file:function`: refused by the planning check, naming the form
+        return f"{os.path.abspath(os.path.expanduser(file))}:{function}"
 
     @field_validator("name")
     @classmethod

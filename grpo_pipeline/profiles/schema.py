@@ -172,7 +172,8 @@ class DataSection(Section):
     root: str = Field(
         "~/data", description="Directory (shared by all nodes on a cluster) that holds datasets."
     )
-    seed: int = Field(0, description="Seed of the arith generator.")
+    seed: int = Field(0, ge=0, lt=2**32, description="Seed of the arith generator, the data order and training "
+                      "(numpy and torch take 0 to 2**32 - 1; a negative one failed after generation, and was retried).")
     arith_train_rows: int = Field(1024, gt=0, le=MAX_SEQUENCES, description="Training problems the arith generator makes.")
     arith_test_rows: int = Field(128, gt=0, le=MAX_SEQUENCES, description="Held-out problems the arith generator makes.")
     train_batch_size: int = Field(8, gt=0, le=MAX_SEQUENCES, description="Prompts per training step.")
