@@ -11,6 +11,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import verl_carry  # noqa: E402
@@ -68,6 +70,7 @@ def _wheel(folder: Path, name: str, files: dict[str, str]) -> Path:
     return path
 
 
+@pytest.mark.e2e  # runs the bench and the command line as subprocesses
 def test_parts_installed_one_after_another_add_and_never_replace(tmp_path):
     """Two parts whose wheels share bin/ and a namespace folder: after both, each one's files are there
     (pip --target --upgrade, once per part, had removed `ray` from bin/ on the first H200 run)."""
@@ -88,6 +91,7 @@ def test_the_h200_runs_results_are_collected_on_cpu():
     assert verl_real.wilson(0, 10)[0] == 0.0 and verl_real.wilson(10, 10)[1] == 1.0
 
 
+@pytest.mark.e2e  # runs the bench and the command line as subprocesses
 def test_the_vllm_decode_bench_and_the_run_script_check_here(tmp_path):
     """Everything of bench/bench_vllm_decode.py but vLLM; bench/h200_verl.sh parses."""
     import os
@@ -102,6 +106,7 @@ def test_the_vllm_decode_bench_and_the_run_script_check_here(tmp_path):
     assert subprocess.run(["bash", "-n", str(root / "bench" / "h200_verl.sh")]).returncode == 0
 
 
+@pytest.mark.e2e  # runs the bench and the command line as subprocesses
 def test_the_gpu_runs_config_passes_the_dry_run_for_both_backends(tmp_path):
     """bench/verl_real.py's config as h200_verl.sh passes it: a config the flow refuses minutes into the
     lease (2,048 arith rows: the first H200 run) is refused here, before any GPU is asked for."""
