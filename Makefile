@@ -53,7 +53,8 @@ demo-gpu: $(GPU_STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25
 
-# The unit tier only (no Prefect API, no Ray, no model conversion, no browser): under 2 minutes on 2 cores.
+# The unit tier only: no subprocess, no server (Prefect API, Ray, fake Hub, MLflow), no model conversion, no
+# browser (a unit test that starts one fails: tests/tiers.py); 2 minutes on 2 cores.
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e"
 
