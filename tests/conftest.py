@@ -1,6 +1,6 @@
 """Shared by every test: the tiers, one tiny model for the whole session, and probe answers.
 
-    make test-unit    # the unit tier: no Prefect API, no Ray, no subprocess, no server (under 3 minutes)
+    make test-unit    # the unit tier: no Prefect API, no Ray, no subprocess, no server (about 2 minutes)
     make test         # everything, e2e included
 
 A test in tests/e2e/ or tests/browser/, or marked `e2e`, is in the e2e tier: whole-flow runs, Ray
@@ -19,13 +19,16 @@ from probes import NO_ACCELERATOR
 # The unit tier starts nothing: these hooks refuse a process or a server to every test not marked e2e.
 from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: F401
 
-pytest_plugins = ["pytester"]
+pytest_plugins = ["pytester"]  # tests/test_house.py runs a session of its own through the guard
+
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "e2e" in Path(str(item.fspath)).parts:
-            item.add_marker(pytest.mark.e2e)
+        folder = Path(str(item.fspath)).resolve().parent
+        if folder.is_relative_to(TESTS) and {"e2e", "browser"} & set(folder.relative_to(TESTS).parts):
+            item.add_marker(pytest.mark.e2e)  # make test-unit does not even import these folders
 
 
 @pytest.fixture(scope="session")
