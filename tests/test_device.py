@@ -12,6 +12,7 @@ from grpo_pipeline.stages.device import detect_device, requested_device, run_pro
 STATUSES = {"absent", "toolkit-missing", "no-devices", "available", "error"}
 
 
+@pytest.mark.e2e  # runs the device probe in a subprocess
 def test_the_real_probe_answers_for_every_kind_on_this_host():
     report = run_probe()
     assert set(report) == {"npu", "gpu"} and all(report[kind]["status"] in STATUSES for kind in report), report
@@ -23,6 +24,7 @@ def test_the_real_probe_answers_for_every_kind_on_this_host():
     assert decided.kind == next((k for k in ("npu", "gpu") if report[k]["status"] == "available"), "cpu")
 
 
+@pytest.mark.e2e  # runs the device probe in a subprocess
 def test_probe_tells_toolkit_missing_from_absent(tmp_path):
     # A real torch_npu stand-in (first on the path) that fails the way it does without a sourced CANN toolkit.
     package = tmp_path / "torch_npu"
@@ -42,6 +44,7 @@ def test_probe_tells_toolkit_missing_from_absent(tmp_path):
     assert on_cluster.reason.startswith("requested npu for the Ray cluster at head:6379 (this host: torch_npu is installed")
 
 
+@pytest.mark.e2e  # runs the device probe in a subprocess
 def test_probe_reports_other_import_failures(tmp_path):
     package = tmp_path / "torch_npu"
     package.mkdir()

@@ -201,6 +201,7 @@ def test_every_documented_command_has_a_check():
     assert len(COMMAND_LINES) >= 60
 
 
+@pytest.mark.e2e  # runs each documented command as a subprocess
 @pytest.mark.parametrize("line", [line for _, line in COMMAND_LINES], ids=[name for name, _ in COMMAND_LINES])
 def test_each_documented_command_runs_as_written_or_as_far_as_this_host_allows(cli, line, tmp_path):
     command = line.split(" #")[0].strip()

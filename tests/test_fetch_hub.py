@@ -18,6 +18,8 @@ from grpo_pipeline.store.hub import SourceError, TransientFetchError
 from grpo_pipeline.stages.model import ModelSpec, model_dir, prepare_model
 from grpo_pipeline.store.content import verify_entry
 
+pytestmark = pytest.mark.e2e  # each test starts the fake Hub (a server on 127.0.0.1)
+
 ARCH = ModelArchitecture(num_layers=2, num_attention_heads=4, num_kv_heads=2, hidden_size=64, vocab_size=512)
 
 

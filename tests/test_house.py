@@ -6,8 +6,11 @@ name a tracker, and docs/layout.md is the map the modules make (tests/house_map.
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
+
+import pytest
 
 import house_map
 
@@ -180,6 +183,7 @@ def test_each_run_folder_name_is_defined_in_one_module():
     assert found == [], "name it by RunFolder (run/folder.py)"
 
 
+@pytest.mark.e2e  # runs ruff as a subprocess
 def test_no_module_uses_a_name_nothing_defines():
     """pyflakes' undefined-name family over the package, bench/, tools/ and tests/: a lost import in a
     path only a GPU run or a bench takes (the worker's phase timing lost `Path` in a move) fails here."""
@@ -253,3 +257,79 @@ def test_trls_private_names_are_touched_in_one_module():
             if path.name == "trl_hooks.py" and name in private and name not in {*PRIVATE_METHODS, *PRIVATE_ATTRIBUTES}:
                 found.append(f"{house_map.shown(path)}:{node.lineno} {name} is not pinned in PRIVATE_METHODS/_ATTRIBUTES")
     assert found == [] and composed == []
+
+
+def test_a_unit_test_that_starts_a_process_or_a_server_fails(request, tmp_path):
+    """The tiers are honest (tests/tiers.py, applied by tests/conftest.py to every test not marked e2e):
+    in the unit tier a subprocess (the command line, a Prefect API, `ray.init`, an MLflow server all
+    start one), a multiprocessing process, a fork and a listening socket (any server, an in-thread one
+    included) are refused, and a refusal the code under test swallows still fails the test."""
+    import multiprocessing
+    import socket
+    import subprocess
+    from http.server import HTTPServer, SimpleHTTPRequestHandler
+
+    from tiers import UnitTierStarted
+
+    with pytest.raises(UnitTierStarted, match="is in the unit tier and started a subprocess: mark it e2e"):
+        subprocess.run(["true"])
+    with pytest.raises(UnitTierStarted, match="started a process"):
+        multiprocessing.get_context("spawn").Process(target=print).start()
+    with pytest.raises(UnitTierStarted, match="os.fork"):
+        os.fork()
+    with pytest.raises(UnitTierStarted, match="started a server"):
+        HTTPServer(("127.0.0.1", 0), SimpleHTTPRequestHandler)
+    with socket.socket() as probe:  # a free port's probe binds and never listens: allowed
+        probe.bind(("127.0.0.1", 0))
+    import ctypes.util
+
+    ctypes.util.find_library("no-such-library-here")  # the standard library's probes (ldconfig): allowed
+    tried = request.node.starts_tried
+    assert tried == ["started a subprocess", "started a process (multiprocessing)", "started a process (os.fork)",
+                     "started a server (a socket listening)"]
+    tried.clear()  # what this test tried on purpose: the rest of the suite's unit tests fail on any
+
+
+@pytest.mark.e2e  # starts a subprocess and a server: the guard is off in the e2e tier
+def test_the_e2e_tier_may_start_processes_and_servers():
+    import socket
+    import subprocess
+
+    assert subprocess.run(["true"]).returncode == 0
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+
+
+def test_a_refusal_the_code_swallows_or_a_fixture_meets_still_fails_the_unit_test(pytester):
+    """The guard covers a test's fixtures of every scope, and fails a test whose code caught the refusal."""
+    pytester.makeconftest("from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: F401\n")
+    pytester.makepyfile(test_inner="""
+        import socket
+        import subprocess
+
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def server():
+            with socket.socket() as listening:
+                listening.bind(("127.0.0.1", 0))
+                listening.listen(1)
+                yield listening
+
+        def test_swallows_a_refusal():
+            try:
+                subprocess.run(["true"])
+            except Exception:
+                pass
+
+        def test_uses_a_module_server(server):
+            pass
+
+        def test_starts_nothing():
+            pass
+    """)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1, errors=1)
+    result.stdout.fnmatch_lines(["*test_uses_a_module_server is in the unit tier and started a server*",
+                                 "*test_swallows_a_refusal is in the unit tier and started a subprocess: mark it e2e*"])

@@ -78,6 +78,7 @@ def test_the_hub_is_not_asked_for_what_the_run_does_not_fetch(cli, tmp_path, clo
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.e2e  # starts a listening server on 127.0.0.1
 def test_a_listening_hub_or_proxy_is_reachable_and_no_proxy_is_honoured(listening_port, closed_port):
     assert reach_problem(f"http://127.0.0.1:{listening_port}", {}) is None
     through_proxy = {"HTTPS_PROXY": f"http://127.0.0.1:{listening_port}"}

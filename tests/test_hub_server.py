@@ -41,6 +41,8 @@ from huggingface_hub.errors import (
 
 from hub_server import HubServer
 
+pytestmark = pytest.mark.e2e  # each test starts the fake Hub (a server on 127.0.0.1)
+
 HUB_1X = huggingface_hub.__version__.startswith("1.")
 # The HTTP client huggingface_hub raises the transport errors of.
 transport = __import__("httpx" if HUB_1X else "httpx2")

@@ -18,8 +18,11 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 from grpo_pipeline.flows import lease
+
+pytestmark = pytest.mark.e2e  # each test starts owner processes and kills them
 
 ROOT = Path(__file__).resolve().parent.parent
 # Holds a lease, says its id, then lives on.

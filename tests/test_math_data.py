@@ -27,6 +27,7 @@ from grpo_pipeline.stages.dataset import fetch_dataset
     ("dapo17k", "BytedTsinghua-SIA/DAPO-Math-17k", dapo_repo_files(unique=12, copies=3), {"train": 11, "test": 1},
      "math_dapo", "0"),
 ])
+@pytest.mark.e2e  # starts the fake Hub (a server on 127.0.0.1)
 def test_each_math_dataset_from_its_published_layout(hub, tmp_path, name, repo, files, rows, source, truth):  # noqa: F811
     hub.add_repo(repo, files)
     fetched = fetch_dataset(data_spec(tmp_path, dataset=name))

@@ -31,6 +31,7 @@ def test_the_recorded_architectures_give_the_published_sizes(model, total, activ
     assert abs(size.active - active) / active < 0.16  # "A10B", "A3B": rounded to whole billions
 
 
+@pytest.mark.e2e  # converts the real demo model (smollm2_dir: about 30 s)
 def test_smollm2_and_tiny_are_counted_exactly_as_their_checkpoints_hold_them(smollm2_dir, tiny_model_dir):
     assert model_size(resolve_profile("smollm2-135m", "cpu").model.architecture).total == 134_515_008
     assert verify_hf_dir(smollm2_dir)["num_parameters"] == 134_515_008

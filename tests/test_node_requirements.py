@@ -131,6 +131,7 @@ def test_a_package_whose_metadata_is_not_text_is_named_with_its_fix(tmp_path, mo
     assert problem.found.endswith("): the installation is damaged; reinstall vllm on the node")
 
 
+@pytest.mark.e2e  # runs the node check or the command line as a subprocess
 def test_an_import_that_prints_without_a_final_newline_is_still_read(tmp_path, monkeypatch):
     """The marker line was glued to the module's output, and a healthy node was refused."""
     (tmp_path / "chatty.py").write_text("import sys\nsys.stdout.write('loading kernels...')\n")
@@ -139,6 +140,7 @@ def test_an_import_that_prints_without_a_final_newline_is_still_read(tmp_path, m
     assert answer["imports"] == {"chatty": None}
 
 
+@pytest.mark.e2e  # runs the node check or the command line as a subprocess
 def test_the_node_answers_from_metadata_and_a_crashing_import_is_named_not_fatal(tmp_path, monkeypatch):
     (tmp_path / "crashes_on_import.py").write_text("import os\nos.abort()\n")
     (tmp_path / "zoo.py").write_text("MODELS = {'qwen3': 1, 'llama': 2}\n")
@@ -153,6 +155,7 @@ def test_the_node_answers_from_metadata_and_a_crashing_import_is_named_not_fatal
     assert answer["registries"]["zoo:MODELS"] == ["llama", "qwen3"]
 
 
+@pytest.mark.e2e  # runs the node check or the command line as a subprocess
 def test_a_hung_import_is_named_after_its_share_of_the_timeout(tmp_path, monkeypatch):
     (tmp_path / "hangs.py").write_text("import time\ntime.sleep(600)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
@@ -182,6 +185,7 @@ def test_identical_nodes_are_one_column_and_one_line():
     assert Preflight(stage="train", seconds=0.2, requirements=needs, nodes=nodes[:3]).refusal() is None
 
 
+@pytest.mark.e2e  # runs the node check or the command line as a subprocess
 def test_the_dry_run_lists_each_stage_s_node_requirements():
     done = subprocess.run([sys.executable, "-m", "grpo_pipeline", "--model", "qwen3.5-122b-a10b", "--device", "npu",
                            "--dry-run", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)

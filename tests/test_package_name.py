@@ -23,6 +23,8 @@ import pytest
 
 import house_map
 
+pytestmark = pytest.mark.e2e  # each test runs the command line or an import sweep as a subprocess
+
 ROOT = Path(__file__).resolve().parent.parent
 # The names the project's folders have (the design card's), and `common` (one of them until issue 46):
 # generic enough that others take them too.
@@ -93,7 +95,6 @@ def _whose_packages_on_this_worker() -> dict[str, str]:
             **{name: importlib.import_module(name).WHOSE for name in TAKEN_ELSEWHERE}}
 
 
-@pytest.mark.e2e
 def test_a_ray_node_whose_image_has_same_named_packages_runs_the_project_and_keeps_its_own(tmp_path, monkeypatch):
     import ray
     from ray import cloudpickle

@@ -56,6 +56,7 @@ def test_a_profile_file_that_is_a_pipe_is_refused_without_opening_it(cli, tmp_pa
                                                          str(fifo), "--dry-run"))
 
 
+@pytest.mark.e2e  # the planning check imports the reward in a subprocess
 def test_a_custom_reward_training_could_not_load_is_refused_when_the_run_is_planned(cli, tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text("import math\n\ndef exact(data_source, solution_str, ground_truth, extra_info=None):\n"

@@ -101,6 +101,7 @@ def run_console(as_terminal: bool) -> str:
     return b"".join(chunks).decode(errors="replace")
 
 
+@pytest.mark.e2e  # runs the console in a subprocess
 def test_on_a_terminal_every_line_starts_its_own_line_above_the_bars():
     out = run_console(as_terminal=True)
     assert out.count("LINE ") == 10 and "GRPO steps" in out, out
@@ -109,6 +110,7 @@ def test_on_a_terminal_every_line_starts_its_own_line_above_the_bars():
         assert out[index - 1] in "\r\n", repr(out[max(0, index - 60):index + 20])
 
 
+@pytest.mark.e2e  # runs the console in a subprocess
 def test_into_a_file_lines_are_plain_text_without_bars_or_cursor_moves():
     out = run_console(as_terminal=False)
     assert out.count("LINE ") == 10 and "GRPO steps" not in out

@@ -139,6 +139,7 @@ def _verl_config(tmp_path, **extra):
                              "filter_overlong_prompts": True, "filter_overlong_prompts_workers": 1, **extra})
 
 
+@pytest.mark.e2e  # verl's dataset forks worker processes
 def test_verl_rlhf_dataset_reads_arith_and_gsm8k(tmp_path, verl_dataset_class):
     from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
 

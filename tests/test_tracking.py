@@ -71,6 +71,7 @@ def _evaluation() -> dict:
     return {"models": [model("base", 0.2), model("trained", 0.6)]}
 
 
+@pytest.mark.e2e  # starts a real MLflow server (mlflow_url)
 def test_a_run_and_its_resumed_retry_are_one_tracker_run_in_each_tool(mlflow_url, tmp_path):
     profile = resolve_profile("tiny", "cpu", overrides=[*ALL, f"tracking.mlflow.tracking_uri={mlflow_url}",
                                                         "tracking.mlflow.experiment=grpo-tests"])
@@ -166,6 +167,7 @@ def test_a_tracker_that_cannot_be_reached_fails_the_start_in_one_line(tmp_path):
         assert session is None
 
 
+@pytest.mark.e2e  # starts a real MLflow server (mlflow_url)
 def test_the_verl_job_continues_the_tracker_runs_through_verls_own_tracking_layer(mlflow_url, tmp_path):
     """The overrides and variables the verl backend renders, read by verl 0.9.1's `Tracking` (built as
     the stand-in, and verl's trainer, build it) in a process of its own, as the cluster job does."""
@@ -217,6 +219,7 @@ def test_the_verl_job_continues_the_tracker_runs_through_verls_own_tracking_laye
     assert [step for step, _ in scalars["critic/score/mean"]] == [1, 2, 3]
 
 
+@pytest.mark.e2e  # runs the command line as a subprocess
 def test_an_unknown_tracker_is_refused_at_planning_in_one_line():
     answer = subprocess.run(
         [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "cpu", "--dry-run",

@@ -78,6 +78,7 @@ def test_a_reward_that_cannot_be_used_is_one_line(tmp_path, source, fragment):
         UserReward(write(tmp_path, "bad.py", source) + ":f")
 
 
+@pytest.mark.e2e  # starts a reward server on 127.0.0.1
 def test_a_reward_server_scores_batches_with_its_token(monkeypatch):
     monkeypatch.setenv("REWARD_TOKEN", "s3cret-token-value")
     with RewardServer(token="s3cret-token-value") as server:
@@ -88,6 +89,7 @@ def test_a_reward_server_scores_batches_with_its_token(monkeypatch):
         assert server.batches[0]["ground_truth"] == ["0", "2", "4"] and server.batches[0]["data_source"] == ["arith"] * 3
 
 
+@pytest.mark.e2e  # starts a reward server on 127.0.0.1
 @pytest.mark.parametrize(("fault", "error", "fragment"), [
     ("count", RewardError, "answered 2 rewards for 3 completions (the batch of row 0 of the train split..row 2 of the "
                            "train split); it must answer one per completion"),
@@ -102,6 +104,7 @@ def test_a_reward_servers_faults_are_each_one_line(fault, error, fragment):
     assert fragment in str(raised.value) and "\n" not in str(raised.value)
 
 
+@pytest.mark.e2e  # starts a reward server on 127.0.0.1
 def test_a_server_that_fails_twice_is_retried_and_a_killed_one_stops_the_run_in_one_line():
     with RewardServer() as server:
         server.misbehave("500", times=2)
@@ -112,6 +115,7 @@ def test_a_server_that_fails_twice_is_retried_and_a_killed_one_stops_the_run_in_
         RewardParts(RewardPlan(url=url, retries=2, timeout_s=5)).score(batch())
 
 
+@pytest.mark.e2e  # starts a reward server on 127.0.0.1
 def test_a_wrong_token_is_refused_at_once_without_showing_it(monkeypatch):
     monkeypatch.setenv("REWARD_TOKEN", "wrong-token-value")
     with RewardServer(token="right-token") as server:
@@ -120,6 +124,7 @@ def test_a_wrong_token_is_refused_at_once_without_showing_it(monkeypatch):
     assert "HTTP 401" in str(raised.value) and "wrong-token-value" not in str(raised.value)
 
 
+@pytest.mark.e2e  # the planning check calls the reward in a subprocess
 def test_the_planning_check_imports_checks_columns_and_calls_two_rows(tmp_path):
     data = tmp_path / "train.parquet"
     pq.write_table(pa.Table.from_pylist(ROWS, schema=RL_SCHEMA), data)

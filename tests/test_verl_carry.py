@@ -11,6 +11,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import verl_carry  # noqa: E402
@@ -68,6 +70,7 @@ def _wheel(folder: Path, name: str, files: dict[str, str]) -> Path:
     return path
 
 
+@pytest.mark.e2e  # runs the bench and the command line as subprocesses
 def test_parts_installed_one_after_another_add_and_never_replace(tmp_path):
     """Two parts whose wheels share bin/ and a namespace folder: after both, each one's files are there
     (pip --target --upgrade, once per part, had removed `ray` from bin/ on the first H200 run)."""
@@ -88,6 +91,7 @@ def test_the_h200_runs_results_are_collected_on_cpu():
     assert verl_real.wilson(0, 10)[0] == 0.0 and verl_real.wilson(10, 10)[1] == 1.0
 
 
+@pytest.mark.e2e  # runs the bench and the command line as subprocesses
 def test_the_vllm_decode_bench_and_the_run_script_check_here(tmp_path):
     """Everything of bench/bench_vllm_decode.py but vLLM; bench/h200_verl.sh parses."""
     import os
@@ -102,6 +106,7 @@ def test_the_vllm_decode_bench_and_the_run_script_check_here(tmp_path):
     assert subprocess.run(["bash", "-n", str(root / "bench" / "h200_verl.sh")]).returncode == 0
 
 
+@pytest.mark.e2e  # runs the verl run's dry run as a subprocess
 def test_the_carry_holds_what_the_preflight_checks_the_nodes_for():
     """The carry's resolution is derived from the verl run's own dry run: every distribution the preflight
     asks the node for is in it (math-verify, which the job's reward imports, was missing on the first
@@ -125,6 +130,7 @@ def test_the_carry_plan_needs_uv(monkeypatch, tmp_path):
         verl_carry.resolve(tmp_path, ["verl==0.9.1"])
 
 
+@pytest.mark.e2e  # runs bench/h200.sh and the bench as subprocesses
 def test_the_step_breakdowns_gpu_command_passes_its_dry_run(tmp_path):
     """bench/h200.sh step as the lease runs it, planned from config-only Qwen3 shapes: the first H100
     loan lost it to a 512-token context after 15 s; here a context too short is refused on the CPU."""
@@ -144,6 +150,7 @@ def test_the_step_breakdowns_gpu_command_passes_its_dry_run(tmp_path):
     assert refused.returncode != 0 and "max_position_embeddings" in refused.stderr
 
 
+@pytest.mark.e2e  # runs the bench and the command line as subprocesses
 def test_the_gpu_runs_config_passes_the_dry_run_for_both_backends(tmp_path):
     """bench/verl_real.py's config as h200_verl.sh passes it: a config the flow refuses minutes into the
     lease (2,048 arith rows: the first H200 run) is refused here, before any GPU is asked for."""

@@ -36,6 +36,7 @@ def _stand_in(*overrides: str) -> subprocess.CompletedProcess:
                           env={"PATH": "/usr/bin:/bin", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
 
 
+@pytest.mark.e2e  # runs the stand-in as a subprocess
 def test_hydras_exit_paths_are_read_as_config_errors():
     """A bad key fails in Hydra's composition (no "Error executing job" line); a failed check of
     validate_config is an exception in main, which Hydra prints after "Error executing job with

@@ -70,11 +70,16 @@ class FlowProcess(subprocess.Popen):
 
 
 def flow_process(address: str, tmp_path: Path, name: str, *overrides: str,
-                 stages: str = "fetch_dataset,prepare_checkpoint,train,report") -> FlowProcess:
-    """`python -m grpo_pipeline` for the tiny model on the cluster, its own Prefect API under tmp_path."""
-    settings = [*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}", *overrides]
+                 stages: str = "fetch_dataset,prepare_checkpoint,train,report", stores: list[str] | None = None,
+                 api_url: str | None = None) -> FlowProcess:
+    """`python -m grpo_pipeline` for the tiny model on the cluster: its stores under tmp_path unless `stores`
+    (the session's prepared ones), its own Prefect API under tmp_path unless `api_url` (the session's)."""
+    stores = stores or [f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}"]
+    settings = [*CLUSTER[1:], *stores, *overrides]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
     log = Path(tempfile.mkstemp(dir=tmp_path, prefix=f"flow-{name}-", suffix=".log")[1])
     return FlowProcess(
         [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "npu", "--backend", "verl",

@@ -46,3 +46,20 @@ def jobs(cluster):
     from ray.job_submission import JobSubmissionClient
 
     return JobSubmissionClient(cluster.address)
+
+
+@pytest.fixture(scope="session")
+def api_url(prefect_api) -> str:
+    """The session's Prefect API as a URL for a subprocess: a command-line run given it (PREFECT_API_URL)
+    starts no local API of its own. A test of the local API itself (its start, its stop with the run) gives
+    none."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+@pytest.fixture
+def world(api_url, stores) -> tuple[str, list[str]]:
+    """What a command-line run that is not about its own Prefect API or stores is given: the session's API
+    and its prepared stores."""
+    return api_url, stores

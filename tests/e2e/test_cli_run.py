@@ -1,5 +1,8 @@
 """A real (not dry) run from the command line: the local Prefect API it starts, the stages, and a
-bad input reported as one line with exit code 2, with no traceback anywhere in the output."""
+bad input reported as one line with exit code 2, with no traceback anywhere in the output.
+
+The runs read the session's prepared data and model stores (`stores`), and those whose test is not about
+the local API use the session's Prefect API (`api_url`) instead of starting one each."""
 
 from __future__ import annotations
 
@@ -16,22 +19,24 @@ from grpo_pipeline.data.rl_data import arith_splits
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect")}
-    env.pop("PREFECT_API_URL", None)
+def run_cli(*args: str, tmp_path: Path, api_url: str, stores: list[str]) -> subprocess.CompletedProcess:
+    """The command line against the session's Prefect API (`api_url`), its stores at `stores`."""
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_API_URL": api_url}
     return subprocess.run(
         [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
-         "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}", *args],
+         *(arg for store in stores for arg in ("--set", store)), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
 
 
-def test_a_bad_dataset_fails_the_flow_with_one_line_and_exit_2(tmp_path):
+def test_a_bad_dataset_fails_the_flow_with_one_line_and_exit_2(tmp_path, api_url, stores):
     unsplit = tmp_path / "unsplit"
     unsplit.mkdir()
     pq.write_table(arith_splits(4, 2, seed=0)["train"], unsplit / "everything.parquet")
+    own_data = [f"data.root={tmp_path / 'data'}", *stores[1:]]  # what it must not write is its own store's
     done = run_cli("--set", "data.dataset=gsm8k", "--set", f"data.source={unsplit}", "--stages", "fetch_dataset",
-                   tmp_path=tmp_path)
+                   tmp_path=tmp_path, api_url=api_url, stores=own_data)
     assert done.returncode == 2, done.stderr[-2000:]
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert error.startswith(f"error: {unsplit}: 4 rows and no test split; give a test")
@@ -39,14 +44,14 @@ def test_a_bad_dataset_fails_the_flow_with_one_line_and_exit_2(tmp_path):
     assert not (tmp_path / "data" / "gsm8k").exists()
 
 
-def test_evaluate_any_directories_without_training_and_refuse_one_without_weights(tmp_path):
+def test_evaluate_any_directories_without_training_and_refuse_one_without_weights(tmp_path, api_url, stores):
     from grpo_pipeline.data.builtin_models import build_tiny
 
     first, second = tmp_path / "policy-a", tmp_path / "policy-b"
     build_tiny(first)
     build_tiny(second, seed=1)
     done = run_cli("--stages", "evaluate", "--set", f"eval.models=[{first},{second}]", "--set", "eval.max_prompts=8",
-                   "--run-name", "eval-only", tmp_path=tmp_path)
+                   "--run-name", "eval-only", tmp_path=tmp_path, api_url=api_url, stores=stores)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "eval policy-a: mean reward" in done.stdout and "eval policy-b: mean reward" in done.stdout
     run_dir = tmp_path / "runs" / "eval-only"
@@ -57,16 +62,18 @@ def test_evaluate_any_directories_without_training_and_refuse_one_without_weight
     empty = tmp_path / "no-weights"
     empty.mkdir()
     (empty / "config.json").write_text((first / "config.json").read_text())
-    done = run_cli("--stages", "evaluate", "--set", f"eval.models=[{empty}]", "--run-name", "bad-eval", tmp_path=tmp_path)
+    done = run_cli("--stages", "evaluate", "--set", f"eval.models=[{empty}]", "--run-name", "bad-eval", tmp_path=tmp_path,
+                   api_url=api_url, stores=stores)
     assert done.returncode == 2
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert error == f"error: {empty}: no safetensors weights"
     assert "Traceback" not in done.stderr and not (tmp_path / "runs" / "bad-eval" / "eval").exists()
 
 
-def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stopped(tmp_path):
+def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stopped(tmp_path, stores):
     """What a worker's cancel or a killed terminal does: Prefect marks the run crashed, and the
-    crash hook stops the Ray job (training workers included) and writes the report."""
+    crash hook stops the Ray job (training workers included) and writes the report. (Its own local
+    API: a stop of the command line that started it is what is tested.)"""
     import signal
     import time
 
@@ -74,7 +81,7 @@ def test_a_run_stopped_with_sigterm_ends_its_ray_job_and_reports_where_it_stoppe
     env.pop("PREFECT_API_URL", None)
     process = subprocess.Popen(
         [sys.executable, "-m", "grpo_pipeline", "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
-         "--run-name", "stopped", "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}",
+         "--run-name", "stopped", *(arg for store in stores for arg in ("--set", store)),
          "--set", "trainer.total_training_steps=500"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -155,9 +162,10 @@ def test_a_port_that_is_not_rays_is_refused_before_the_run_starts_naming_the_add
     assert not (tmp_path / "runs").exists() and not (tmp_path / "prefect").exists()
 
 
-def test_a_run_killed_with_sigkill_leaves_nothing_a_later_run_does_not_end(tmp_path):
+def test_a_run_killed_with_sigkill_leaves_nothing_a_later_run_does_not_end(tmp_path, stores):
     """kill -9 of the CLI mid-training: its Prefect API dies with it; the next run ends the Ray
-    processes and training worker it left, marks its flow run crashed, and removes its files."""
+    processes and training worker it left, marks its flow run crashed, and removes its files. (Its own
+    local API: that API's end with the killed process is what is tested.)"""
     import json
     import time
 
@@ -170,7 +178,7 @@ def test_a_run_killed_with_sigkill_leaves_nothing_a_later_run_does_not_end(tmp_p
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
     common = ["--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path / "runs"),
-              "--set", f"data.root={tmp_path / 'data'}", "--set", f"model.root={tmp_path / 'models'}"]
+              *(arg for store in stores for arg in ("--set", store))]
     killed = subprocess.Popen([sys.executable, "-m", "grpo_pipeline", *common, "--run-name", "killed",
                                "--set", "trainer.total_training_steps=500"],
                               cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -222,10 +230,10 @@ def test_a_run_killed_with_sigkill_leaves_nothing_a_later_run_does_not_end(tmp_p
     assert done.stdout.strip() == "CRASHED", done.stderr[-2000:]
 
 
-def test_a_run_file_the_folder_refuses_fails_the_run_in_one_line_naming_it(tmp_path):
+def test_a_run_file_the_folder_refuses_fails_the_run_in_one_line_naming_it(tmp_path, api_url, stores):
     blocked = tmp_path / "runs" / "blocked" / "plan.json"
     blocked.mkdir(parents=True)  # what the flow's own file must replace is a folder: the rename fails
-    done = run_cli("--stages", "fetch_dataset", "--run-name", "blocked", tmp_path=tmp_path)
+    done = run_cli("--stages", "fetch_dataset", "--run-name", "blocked", tmp_path=tmp_path, api_url=api_url, stores=stores)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr + done.stdout
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
@@ -235,7 +243,7 @@ def test_a_run_file_the_folder_refuses_fails_the_run_in_one_line_naming_it(tmp_p
     assert "Stage `write plan.json`: cannot write the run's file" in report
 
 
-def test_a_full_disk_fails_the_run_at_once_in_one_line_naming_enospc(tmp_path):
+def test_a_full_disk_fails_the_run_at_once_in_one_line_naming_enospc(tmp_path, api_url, stores):
     """The run folder on a real 600 KiB tmpfs: the first checkpoint fills it. It was retried twice as
     if transient (torch's writer says only "unexpected pos 5952 vs 5844", safetensors "os error 28")
     and ended in tracebacks; now the train stage fails once, naming the folder, ENOSPC and the fix."""
@@ -247,7 +255,7 @@ def test_a_full_disk_fails_the_run_at_once_in_one_line_naming_enospc(tmp_path):
     assert mounted.returncode == 0, f"this test mounts a small tmpfs (root, or a mount namespace): {mounted.stderr}"
     try:
         done = run_cli("--run-name", "full", "--set", "trainer.total_training_steps=2", "--set", "trainer.save_freq=1",
-                       tmp_path=tmp_path)
+                       tmp_path=tmp_path, api_url=api_url, stores=stores)
     finally:
         subprocess.run(["umount", str(runs)], check=True)
     assert done.returncode == 2, done.stderr[-3000:]
@@ -260,11 +268,12 @@ def test_a_full_disk_fails_the_run_at_once_in_one_line_naming_enospc(tmp_path):
     assert shutil.disk_usage(tmp_path).free > 0
 
 
-def test_training_that_fails_after_its_retries_ends_the_cli_in_one_line(tmp_path):
+def test_training_that_fails_after_its_retries_ends_the_cli_in_one_line(tmp_path, api_url, stores):
     """Every attempt is taken for a hang (no step within 1 s: loading the model alone takes longer):
     the stage's retries are spent and the run fails. The CLI ended with an uncaught
     TrainingInterrupted traceback (rc 1); now one line, rc 1, naming the report."""
-    done = run_cli("--run-name", "hangs", "--set", "trainer.step_timeout_s=1", tmp_path=tmp_path)
+    done = run_cli("--run-name", "hangs", "--set", "trainer.step_timeout_s=1", tmp_path=tmp_path, api_url=api_url,
+                   stores=stores)
     assert done.returncode == 1, done.stderr[-3000:]
     lines = done.stderr.splitlines()
     assert lines[-1].startswith("error: the run failed: TrainingInterrupted: no training step finished in 1 s "

@@ -28,9 +28,10 @@ from grpo_pipeline.run.folder import RunFolder
 LEARNABLE = f"{Path(__file__).resolve().parents[1] / 'learnable_reward.py'}:digit_share"
 
 
-def settings_for(tmp_path: Path, steps: int, save_freq: int, run: str):
+def settings_for(tmp_path: Path, stores: list[str], steps: int, save_freq: int, run: str):
+    """2 workers on the session's prepared stores."""
     overrides = [
-        "cluster.devices_per_node=2", f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
+        "cluster.devices_per_node=2", *stores,
         f"trainer.total_training_steps={steps}", f"trainer.save_freq={save_freq}",
         f"reward.functions=[{LEARNABLE}]", "algorithm.lr=0.005",
     ]
@@ -41,8 +42,8 @@ def settings_for(tmp_path: Path, steps: int, save_freq: int, run: str):
                                            generation=plan_generation(profile))
 
 
-def test_two_workers_learn_the_reward(tmp_path):
-    _, settings = settings_for(tmp_path, steps=30, save_freq=10, run="learn")
+def test_two_workers_learn_the_reward(tmp_path, stores):
+    _, settings = settings_for(tmp_path, stores, steps=30, save_freq=10, run="learn")
     seen = []
     try:
         result = train_local(settings, None, None, on_step=seen.append)
@@ -66,12 +67,12 @@ def test_two_workers_learn_the_reward(tmp_path):
     assert all(line["tokens_per_s"] > 0 and line["step_time_s"] > 0 and line["entropy"] > 0 for line in lines)
 
 
-def test_the_fast_rollout_path_records_every_step_of_a_generation_round(tmp_path):
+def test_the_fast_rollout_path_records_every_step_of_a_generation_round(tmp_path, stores):
     """generation.steps_per_generation=2 with a static cache and compiled decoding (the GPU's path,
     compiled here on the CPU): each round generates on its first step, every step gets its record,
     and the round's second step carries the round's rewards."""
-    overrides = ["cluster.devices_per_node=1", f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
-                 "trainer.total_training_steps=4", "trainer.save_freq=4", "generation.cache=static",
+    overrides = ["cluster.devices_per_node=1", *stores, "trainer.total_training_steps=4", "trainer.save_freq=4",
+                 "generation.cache=static",
                  "generation.compile=true", "generation.steps_per_generation=2"]
     profile = resolve_profile("tiny", "cpu", overrides=overrides)
     data = fetch_dataset(DataSpec.from_profile(profile.data))
@@ -116,13 +117,13 @@ def _kill_a_worker_after_checkpoint(checkpoints: Path, at_least: int, killed: di
 
 
 def test_a_killed_worker_is_resumed_by_the_prefect_retry_and_a_finished_run_is_not_retrained(
-    prefect_api, tmp_path, monkeypatch
+    prefect_api, tmp_path, stores, monkeypatch
 ):
     import grpo_pipeline.flows.pipeline as pipeline
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    overrides, settings = settings_for(tmp_path, steps=16, save_freq=4, run="resume")
+    overrides, settings = settings_for(tmp_path, stores, steps=16, save_freq=4, run="resume")
     monkeypatch.setattr(pipeline, "train_task", pipeline.train_task.with_options(retry_delay_seconds=1))
     request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="resume",
                          stages=["train"], overrides=overrides)

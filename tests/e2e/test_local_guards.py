@@ -38,13 +38,13 @@ TESTS = Path(__file__).resolve().parents[1]
 LEARNABLE = f"{TESTS / 'learnable_reward.py'}:digit_share"
 
 
-def _run(tmp_path: Path, name: str, settings: list[str], **fault_env) -> subprocess.CompletedProcess:
+def _run(world, tmp_path: Path, name: str, settings: list[str], **fault_env) -> subprocess.CompletedProcess:
     """The command line for the tiny model on one CPU worker, as a user runs it, its local Ray started with
-    the faults (tests/worker_faults.py), in a process of its own with its own Prefect API."""
-    settings = [f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}", "cluster.devices_per_node=1",
-                *settings]
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
-    env.pop("PREFECT_API_URL", None)
+    the faults (tests/worker_faults.py), in a process of its own, against the session's Prefect API and
+    stores (`world`)."""
+    api_url, stores = world
+    settings = [*stores, "cluster.devices_per_node=1", *settings]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api_url}
     return subprocess.run(
         [sys.executable, str(TESTS / "worker_faults.py"), *(f"{k}={v}" for k, v in fault_env.items()), "--",
          "--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path), "--run-name", name,
@@ -61,12 +61,12 @@ def _trip(run_dir: Path) -> dict:
     return json.loads((run_dir / "guards.json").read_text())
 
 
-def test_a_weight_sync_that_leaves_the_rollouts_on_old_weights_is_stopped(tmp_path):
+def test_a_weight_sync_that_leaves_the_rollouts_on_old_weights_is_stopped(world, tmp_path):
     """The native decoder's copy of q/k/v and gate/up is made once and never refreshed: from the second
     round the rollouts come from a policy the trainer left behind."""
     settings = ["generation.decoder=native", f"reward.functions=[{LEARNABLE}]", "algorithm.lr=0.005",
                 "trainer.total_training_steps=6", "trainer.save_freq=2", "tracking.trackers=[tensorboard]"]
-    stopped = _run(tmp_path, "stale", settings, FAULT_STALE_ROLLOUT_WEIGHTS=1)
+    stopped = _run(world, tmp_path, "stale", settings, FAULT_STALE_ROLLOUT_WEIGHTS=1)
     assert stopped.returncode == 1, stopped.stderr[-3000:]
     line = _said(stopped)
     assert line.startswith("error: the run failed: GuardTripped: step 4: rollout vs trainer log-prob mismatch "), line
@@ -82,16 +82,16 @@ def test_a_weight_sync_that_leaves_the_rollouts_on_old_weights_is_stopped(tmp_pa
     scalars = tensorboard_scalars(run_dir / "tensorboard")  # the tracker heard it, at the step it stopped at
     assert scalars["guard/rollout_mismatch"] == [(4, 1.0)] and len(scalars["train/mismatch"]) == 4
 
-    unnoticed = _run(tmp_path, "stale-off", [*settings, "guards.rollout_mismatch=off"], FAULT_STALE_ROLLOUT_WEIGHTS=1)
+    unnoticed = _run(world, tmp_path, "stale-off", [*settings, "guards.rollout_mismatch=off"], FAULT_STALE_ROLLOUT_WEIGHTS=1)
     assert unnoticed.returncode == 0, unnoticed.stderr[-3000:]
     records = read_metrics(tmp_path / "stale-off" / "metrics.jsonl")
     assert [r.step for r in records] == [1, 2, 3, 4, 5, 6] and all(r.mismatch > 1e-4 for r in records[1:])
 
 
-def test_a_reward_that_returns_a_constant_is_stopped(tmp_path):
+def test_a_reward_that_returns_a_constant_is_stopped(world, tmp_path):
     constant = [f"reward.functions=[{TESTS / 'constant_reward.py'}:always_one]", "trainer.total_training_steps=6",
                 "guards.reward_collapse_steps=3"]
-    stopped = _run(tmp_path, "constant", constant)
+    stopped = _run(world, tmp_path, "constant", constant)
     assert stopped.returncode == 1, stopped.stderr[-3000:]
     assert ("GuardTripped: step 3: every group's rewards were constant in each of the last 3 steps (mean reward 1.0): "
             "zero advantage everywhere, nothing is learned") in _said(stopped)
@@ -99,7 +99,7 @@ def test_a_reward_that_returns_a_constant_is_stopped(tmp_path):
     records = read_metrics(tmp_path / "constant" / "metrics.jsonl")
     assert [(r.step, r.zero_advantage_share) for r in records] == [(1, 1.0), (2, 1.0), (3, 1.0)], records
 
-    unnoticed = _run(tmp_path, "constant-off", [*constant, "guards.reward_collapse_steps=off"])
+    unnoticed = _run(world, tmp_path, "constant-off", [*constant, "guards.reward_collapse_steps=off"])
     assert unnoticed.returncode == 0, unnoticed.stderr[-3000:]
     assert len(read_metrics(tmp_path / "constant-off" / "metrics.jsonl")) == 6
 
@@ -108,12 +108,12 @@ def _weights_finite(step_dir: Path) -> bool:
     return all(bool(tensor.isfinite().all()) for tensor in load_file(step_dir / "model.safetensors").values())
 
 
-def test_a_nan_in_the_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_a_nan_in_the_loss_stops_at_once_and_keeps_the_last_good_checkpoint(world, tmp_path):
     """The last step's loss is NaN: with the guard off the run exits 0 with a NaN policy. (A NaN earlier
     fails the next step's sampling, `probability tensor contains either inf, nan`, and each retry resumes
     from the poisoned checkpoint the step saved.)"""
     settings = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
-    stopped = _run(tmp_path, "nan", settings, FAULT_NAN_LOSS_FROM_STEP=4)
+    stopped = _run(world, tmp_path, "nan", settings, FAULT_NAN_LOSS_FROM_STEP=4)
     assert stopped.returncode == 1, stopped.stderr[-3000:]
     assert "GuardTripped: step 4: non-finite loss nan, grad norm nan" in _said(stopped)
     checkpoints = tmp_path / "nan" / "checkpoints"
@@ -122,17 +122,18 @@ def test_a_nan_in_the_loss_stops_at_once_and_keeps_the_last_good_checkpoint(tmp_
     assert latest_step(checkpoints) == 3 and _weights_finite(checkpoints / "global_step_3")
     assert _trip(tmp_path / "nan")["kept"] == "checkpoint global_step_3, the latest"
 
-    unnoticed = _run(tmp_path, "nan-off", [*settings, "guards.non_finite=off"], FAULT_NAN_LOSS_FROM_STEP=4)
+    unnoticed = _run(world, tmp_path, "nan-off", [*settings, "guards.non_finite=off"], FAULT_NAN_LOSS_FROM_STEP=4)
     assert unnoticed.returncode == 0, unnoticed.stderr[-3000:]  # and its policy is NaN
     final = tmp_path / "nan-off" / "checkpoints" / "global_step_4"
     assert latest_step(final.parent) == 4 and not _weights_finite(final)
     assert math.isnan(read_metrics(tmp_path / "nan-off" / "metrics.jsonl")[-1].loss)
 
 
-def _settings(tmp_path: Path, run: str, *overrides: str):
-    """24 training rows, 8 prompts a step: 3 steps an epoch, 3 epochs, a checkpoint every 2 steps."""
+def _settings(tmp_path: Path, model_store: Path, run: str, *overrides: str):
+    """24 training rows, 8 prompts a step: 3 steps an epoch, 3 epochs, a checkpoint every 2 steps (the tiny
+    model from the session's store)."""
     profile = resolve_profile("tiny", "cpu", overrides=[
-        "cluster.devices_per_node=1", f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
+        "cluster.devices_per_node=1", f"data.root={tmp_path / 'data'}", f"model.root={model_store}",
         "data.arith_train_rows=24", "trainer.total_training_steps=null", "trainer.total_epochs=3", "trainer.save_freq=2",
         *overrides])
     data = fetch_dataset(DataSpec.from_profile(profile.data))
@@ -161,13 +162,13 @@ def _crash(settings, batches: Path, step: int, **fault_env) -> None:
         _train(settings, batches, FAULT_CRASH_AT_STEP=step, **fault_env)
 
 
-def test_a_resume_continues_the_data_where_it_stopped_mid_epoch_and_at_an_epoch_boundary(tmp_path):
-    whole = _settings(tmp_path, "whole")
+def test_a_resume_continues_the_data_where_it_stopped_mid_epoch_and_at_an_epoch_boundary(tmp_path, model_store):
+    whole = _settings(tmp_path, model_store, "whole")
     assert _train(whole, tmp_path / "whole.jsonl").steps_done == 9
     expected = _batches(tmp_path / "whole.jsonl")
     assert len(expected) == 9 and expected[1] != expected[4] != expected[7]  # three epochs, each in its own order
 
-    resumed = _settings(tmp_path, "resumed")
+    resumed = _settings(tmp_path, model_store, "resumed")
     batches = tmp_path / "resumed.jsonl"
     for crash_at, checkpoint in ((5, 4), (7, 6)):  # step 4 is mid-epoch 2; step 6 ends epoch 2
         _crash(resumed, batches, crash_at)
@@ -179,7 +180,7 @@ def test_a_resume_continues_the_data_where_it_stopped_mid_epoch_and_at_an_epoch_
 
     # Before (TRL's own sampler): the run resumed at the epoch boundary trains its first epoch's order
     # again, and says nothing.
-    before = _settings(tmp_path, "trl-sampler")
+    before = _settings(tmp_path, model_store, "trl-sampler")
     batches = tmp_path / "trl-sampler.jsonl"
     _crash(before, batches, 7, FAULT_TRL_SAMPLER=1)
     assert _train(before, batches, FAULT_TRL_SAMPLER=1).steps_done == 9  # exit 0
@@ -187,10 +188,10 @@ def test_a_resume_continues_the_data_where_it_stopped_mid_epoch_and_at_an_epoch_
     assert [replayed[n] for n in (7, 8, 9)] == [replayed[n] for n in (1, 2, 3)]
 
 
-def test_a_checkpoint_without_its_trainer_state_is_not_resumed_from(tmp_path):
+def test_a_checkpoint_without_its_trainer_state_is_not_resumed_from(tmp_path, model_store):
     """transformers takes the step, and so the batches to skip, from it: refused in one line, never retried
     (transformers itself fails with a FileNotFoundError the train stage would retry twice)."""
-    lost = _settings(tmp_path, "lost")
+    lost = _settings(tmp_path, model_store, "lost")
     _crash(lost, tmp_path / "lost.jsonl", 5)
     (lost.checkpoints / "global_step_4" / "trainer_state.json").unlink()
     with pytest.raises(GuardTripped, match=r"cannot resume from checkpoint global_step_4: it has no trainer_state.json, "

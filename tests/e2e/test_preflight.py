@@ -56,9 +56,9 @@ def _nothing_submitted(address: str, run_dir: Path) -> None:
     assert not (run_dir / "verl" / "job.json").exists()
 
 
-def test_a_node_that_cannot_run_the_job_stops_the_run_before_anything_is_submitted(mixed, tmp_path):
+def test_a_node_that_cannot_run_the_job_stops_the_run_before_anything_is_submitted(mixed, api_url, stores, tmp_path):
     cluster, labels = mixed
-    flow = flow_process(cluster.address, tmp_path, "mixed", "cluster.nnodes=4")
+    flow = flow_process(cluster.address, tmp_path, "mixed", "cluster.nnodes=4", stores=stores, api_url=api_url)
     output, _ = flow.communicate(timeout=3 * EVENT_WAIT_S)
     assert flow.returncode == 2, output
     error = output[output.rindex("\nerror: ") + 1:].splitlines()

@@ -24,8 +24,10 @@ SHORT_EPOCHS = ["env.STAND_IN_DROP_ROWS=1000", "trainer.total_training_steps=nul
                 "trainer.save_freq=3"]
 
 
-def _cli(cluster, tmp_path: Path, name: str, *overrides: str) -> tuple[int, str]:
-    process = flow_process(cluster.address, tmp_path, name, *overrides)
+def _cli(world, cluster, tmp_path: Path, name: str, *overrides: str) -> tuple[int, str]:
+    """The command line against the cluster, with the session's Prefect API and stores (`world`)."""
+    api_url, stores = world
+    process = flow_process(cluster.address, tmp_path, name, *overrides, stores=stores, api_url=api_url)
     output, _ = process.communicate(timeout=3 * EVENT_WAIT_S)
     return process.returncode, output
 
@@ -34,12 +36,12 @@ def _error_line(output: str) -> str:
     return next(line for line in reversed(output.splitlines()) if line.startswith("error: "))
 
 
-def test_a_resume_at_an_epoch_boundary_that_ends_training_early_fails_the_run(cluster, jobs, tmp_path):
+def test_a_resume_at_an_epoch_boundary_that_ends_training_early_fails_the_run(world, cluster, jobs, tmp_path):
     """Attempt 1 saves step 3 (the first epoch's end) and loses a worker at step 4; attempt 2 resumes at the
     boundary, finds its dataloader exhausted and exits 0 having trained nothing (verl #7401)."""
     fault = [*SHORT_EPOCHS, "env.STAND_IN_FAIL_AT_STEP=4", f"env.STAND_IN_FAIL_TEXT={NCCL_TIMEOUT}",
              "env.STAND_IN_EPOCH_BOUNDARY_BUG=1"]
-    code, output = _cli(cluster, tmp_path, "boundary", *fault)
+    code, output = _cli(world, cluster, tmp_path, "boundary", *fault)
     assert code == 1, output[-3000:]
     line = _error_line(output)
     assert line.startswith("error: the run failed: GuardTripped: verl job grpo-boundary-"), line
@@ -49,15 +51,15 @@ def test_a_resume_at_an_epoch_boundary_that_ends_training_early_fails_the_run(cl
     assert json.loads((tmp_path / "boundary" / "guards.json").read_text())["guard"] == "short_run"
     assert read_record(tmp_path / "boundary").final_step is None  # not finished: a later run resumes it
 
-    code, output = _cli(cluster, tmp_path, "boundary-off", *fault, "guards.short_run=off")
+    code, output = _cli(world, cluster, tmp_path, "boundary-off", *fault, "guards.short_run=off")
     assert code == 0, output[-3000:]
     train = json.loads((tmp_path / "boundary-off" / "train.json").read_text())
     assert (train["steps_done"], train["already_complete"]) == (3, True)  # "complete", 3 of verl's 6 steps
 
 
-def test_a_resume_from_a_checkpoint_without_its_dataloader_state_is_refused(cluster, jobs, tmp_path):
+def test_a_resume_from_a_checkpoint_without_its_dataloader_state_is_refused(world, cluster, jobs, tmp_path):
     fault = ["env.STAND_IN_NO_DATALOADER_STATE=1", "env.STAND_IN_FAIL_AT_STEP=3", f"env.STAND_IN_FAIL_TEXT={NCCL_TIMEOUT}"]
-    code, output = _cli(cluster, tmp_path, "no-data", *fault)
+    code, output = _cli(world, cluster, tmp_path, "no-data", *fault)
     assert code == 1, output[-3000:]
     assert _error_line(output).endswith(
         "GuardTripped: cannot resume from checkpoint global_step_2: it has no dataloader state (data.pt), which verl "
@@ -66,15 +68,15 @@ def test_a_resume_from_a_checkpoint_without_its_dataloader_state_is_refused(clus
         f"{tmp_path / 'no-data' / 'report.md'} for where")
     assert len(submissions(jobs, "no-data")) == 1  # the resume was never submitted
 
-    code, output = _cli(cluster, tmp_path, "no-data-off", *fault, "guards.data_position=off")
+    code, output = _cli(world, cluster, tmp_path, "no-data-off", *fault, "guards.data_position=off")
     assert code == 0, output[-3000:]
     assert "No dataloader state found at " in output and "will start from scratch" in output  # all the user saw
 
 
-def test_a_nan_stops_the_job_through_rays_job_api_and_sets_aside_the_step_verl_saved(cluster, jobs, tmp_path):
+def test_a_nan_stops_the_job_through_rays_job_api_and_sets_aside_the_step_verl_saved(world, cluster, jobs, tmp_path):
     """verl saves step 4 before it logs the step's NaN: that checkpoint is set aside, the tracker points
     back at step 2, and the job (still running) is stopped."""
-    code, output = _cli(cluster, tmp_path, "nan", "env.STAND_IN_NAN_AT_STEP=4", "env.STAND_IN_STEP_S=2")
+    code, output = _cli(world, cluster, tmp_path, "nan", "env.STAND_IN_NAN_AT_STEP=4", "env.STAND_IN_STEP_S=2")
     assert code == 1, output[-3000:]
     line = _error_line(output)
     assert "GuardTripped: step 4: non-finite loss nan, grad norm nan" in line
@@ -87,6 +89,6 @@ def test_a_nan_stops_the_job_through_rays_job_api_and_sets_aside_the_step_verl_s
     assert [r.step for r in read_metrics(tmp_path / "nan" / "metrics.jsonl")][-1] == 4
     assert "**Stopped by the `non_finite` guard**" in (tmp_path / "nan" / "report.md").read_text()
 
-    code, output = _cli(cluster, tmp_path, "nan-off", "env.STAND_IN_NAN_AT_STEP=4", "guards.non_finite=off")
+    code, output = _cli(world, cluster, tmp_path, "nan-off", "env.STAND_IN_NAN_AT_STEP=4", "guards.non_finite=off")
     assert code == 0, output[-3000:]  # the poisoned step 4 and the steps after it are the run's policy
     assert tracker_step(tmp_path / "nan-off" / "checkpoints") == 6

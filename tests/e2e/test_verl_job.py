@@ -109,14 +109,13 @@ def _backend_run(cluster, dataset, tiny_model_dir, tmp_path, name: str, *overrid
     return profile, run
 
 
-def _flow(cluster, tmp_path, name: str, *overrides: str,
+def _flow(cluster, stores, tmp_path, name: str, *overrides: str,
           stages=("fetch_dataset", "prepare_checkpoint", "train", "report")):
     """The whole flow for the tiny model on the cluster, with the plan the command line makes (this
-    host has no NPU: a run on a cluster is planned for the device the cluster offers)."""
+    host has no NPU: a run on a cluster is planned for the device the cluster offers), reading the
+    session's prepared stores."""
     request = RunRequest(model="tiny", device="npu", backend="verl", run_root=str(tmp_path), run_name=name,
-                         ray_address=cluster.address, stages=list(stages),
-                         overrides=[*CLUSTER[1:], f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}",
-                                    *overrides])
+                         ray_address=cluster.address, stages=list(stages), overrides=[*CLUSTER[1:], *stores, *overrides])
     return grpo_pipeline(request, plan_run(request, dry_run=False), return_state=True)
 
 
@@ -140,8 +139,8 @@ async def _read_train_runs_and_logs(flow_run_id):
     return [run for run in task_runs if run.name.startswith("train")], [log.message for log in logs]
 
 
-def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluster, jobs, tmp_path):
-    state = _flow(cluster, tmp_path, "full", "env.GRPO_TEST_MARK=on-every-node", "env.STAND_IN_ENV_PROBE=GRPO_TEST_MARK")
+def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluster, jobs, stores, tmp_path):
+    state = _flow(cluster, stores, tmp_path, "full", "env.GRPO_TEST_MARK=on-every-node", "env.STAND_IN_ENV_PROBE=GRPO_TEST_MARK")
     assert state.is_completed(), state.message
     run_dir = tmp_path / "full"
     records = read_metrics(run_dir / "metrics.jsonl")
@@ -172,23 +171,24 @@ def test_a_run_reaches_the_metrics_the_report_and_every_node(prefect_api, cluste
     assert "## Nodes" in report and "| can run train | yes |" in report
 
     # The run is finished: running it again submits nothing.
-    again = _flow(cluster, tmp_path, "full")
+    again = _flow(cluster, stores, tmp_path, "full")
     assert again.is_completed() and again.result()["train"]["already_complete"] is True
     assert len(submissions(jobs, "full")) == 1
 
 
-def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefect_api, cluster, jobs, tmp_path):
+def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefect_api, cluster, jobs, stores, model_store,
+                                                                          tmp_path):
     """`model.dist_checkpoint`: prepare_checkpoint converts the base model into the store, both roles
     load it, the step saved as a dist checkpoint is exported back to HF, and the evaluation runs as
     Ray tasks on the cluster's NPU nodes (the HF engine standing in for vLLM there: no vLLM here), every saved
     step of them (eval.checkpoints=all), each step exported from its dist checkpoint."""
     stages = ("fetch_dataset", "prepare_checkpoint", "train", "export_checkpoint", "evaluate", "report")
-    state = _flow(cluster, tmp_path, "dist", "model.dist_checkpoint=true", "eval.max_prompts=6", "eval.max_new_tokens=6",
+    state = _flow(cluster, stores, tmp_path, "dist", "model.dist_checkpoint=true", "eval.max_prompts=6", "eval.max_new_tokens=6",
                   "eval.checkpoints=all", stages=stages)
     assert state.is_completed(), state.message
     result, run_dir = state.result(), tmp_path / "dist"
     dist = result["model"]["dist_checkpoint"]["path"]
-    assert dist.startswith(str(tmp_path / "models")) and (Path(dist) / "manifest.json").is_file()
+    assert dist.startswith(str(model_store)) and (Path(dist) / "manifest.json").is_file()
     (job,) = submissions(jobs, "dist")
     for role in ("actor", "ref"):
         assert f"actor_rollout_ref.{role}.megatron.use_dist_checkpointing=true" in job.entrypoint
@@ -210,14 +210,14 @@ def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefe
     assert evaluation["best"]["name"] == "step_2" and (run_dir / "best").resolve() == Path(result["policy"]["steps"]["2"])
 
     # Again: the conversion is a cache hit, checked against the store's manifest.
-    again = _flow(cluster, tmp_path, "dist-again", "model.dist_checkpoint=true", stages=stages[:3])
+    again = _flow(cluster, stores, tmp_path, "dist-again", "model.dist_checkpoint=true", stages=stages[:3])
     assert again.is_completed() and again.result()["model"]["dist_checkpoint"]["path"] == dist
     _, logs = _train_runs_and_logs(again.state_details.flow_run_id)
     assert any(line.startswith("convert_checkpoint: skipped") for line in logs)
 
 
-def test_a_transient_failure_is_retried_and_resumes_from_the_checkpoint(prefect_api, cluster, jobs, tmp_path):
-    state = _flow(cluster, tmp_path, "flaky", "env.STAND_IN_FAIL_AT_STEP=3", f"env.STAND_IN_FAIL_TEXT={NCCL_TIMEOUT}")
+def test_a_transient_failure_is_retried_and_resumes_from_the_checkpoint(prefect_api, cluster, jobs, stores, tmp_path):
+    state = _flow(cluster, stores, tmp_path, "flaky", "env.STAND_IN_FAIL_AT_STEP=3", f"env.STAND_IN_FAIL_TEXT={NCCL_TIMEOUT}")
     assert state.is_completed(), state.message
     run_dir = tmp_path / "flaky"
     train = state.result()["train"]
@@ -236,9 +236,9 @@ def test_a_transient_failure_is_retried_and_resumes_from_the_checkpoint(prefect_
     assert {p.name for p in (run_dir / "checkpoints").glob("global_step_*")} == {f"global_step_{n}" for n in (2, 4, 6)}
 
 
-def test_a_config_error_fails_once_with_the_jobs_own_message(prefect_api, cluster, jobs, tmp_path):
+def test_a_config_error_fails_once_with_the_jobs_own_message(prefect_api, cluster, jobs, stores, tmp_path):
     # A key verl does not have, composed by verl's own Hydra config inside the job.
-    state = _flow(cluster, tmp_path, "bad-key", f"{ENTRYPOINT} trainer.no_such_key=1")
+    state = _flow(cluster, stores, tmp_path, "bad-key", f"{ENTRYPOINT} trainer.no_such_key=1")
     assert state.is_failed()
     message = str(state.message)
     assert "failed on its configuration: " in message and "Could not override 'trainer.no_such_key'." in message, message
@@ -333,12 +333,12 @@ def test_an_entrypoint_that_cannot_start_fails_once_with_its_cause(cluster, jobs
     assert [job.status for job in submissions(jobs, name)] == ["FAILED"]
 
 
-def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, tmp_path):
+def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, stores, tmp_path):
     """A cancel from the UI or a worker, a killed terminal: the flow process gets SIGTERM, Prefect
     runs the run's hooks, and they stop the Ray job; no entrypoint process is left holding devices.
-    The command line, as a user runs it against the cluster."""
+    The command line, as a user runs it against the cluster (with its own local API, as a user's)."""
     process = flow_process(cluster.address, tmp_path, "sigterm", "env.STAND_IN_STEP_S=2", "trainer.total_training_steps=100",
-                           stages="fetch_dataset,prepare_checkpoint,train")
+                           stages="fetch_dataset,prepare_checkpoint,train", stores=stores)
     metrics = tmp_path / "sigterm" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().strip(), "a first step in metrics.jsonl", process=process)
     process.send_signal(signal.SIGTERM)
