@@ -41,6 +41,7 @@ def test_each_math_dataset_from_its_published_layout(hub, tmp_path, name, repo, 
     assert fetch_dataset(data_spec(tmp_path, dataset=name)).cached and hub.requests == []
 
 
+@pytest.mark.e2e  # starts the fake hub
 def test_a_held_out_prompt_is_never_trained_on_however_the_file_repeats_it(hub, tmp_path):  # noqa: F811
     """Issue 55: the last rows were held out before deduplication, so with interleaved copies every held-out
     prompt was also a training prompt."""

@@ -12,10 +12,14 @@ import pytest
 from grpo_pipeline.run.folder import RunFolder
 
 
+def empty_store(root: Path) -> list[str]:  # no data there: planning calls no reward in a child
+    return ["--set", f"data.root={root / 'data'}"]
+
+
 def _trained(cli, run_root: Path, *settings: str) -> Path:
     """A folder as a finished run leaves it: its plan.json (the dry run's) and a saved step."""
     done = cli("--model", "tiny", "--device", "cpu", "--run-dir", str(run_root), "--run-name", "rw", *settings,
-               "--dry-run", "--json")
+               *empty_store(run_root), "--dry-run", "--json")
     assert done.returncode == 0, done.stderr
     folder = run_root / "rw"
     (folder / RunFolder.CHECKPOINTS / "global_step_2").mkdir(parents=True)
@@ -28,12 +32,13 @@ def _trained(cli, run_root: Path, *settings: str) -> Path:
     (("--set", "data.dataset=gsm8k"), "data.dataset='arith'; this request has data.dataset='gsm8k'"),
     (("--set", "algorithm.lr=0.5"), "algorithm.lr="),
     (("--set", "lora.rank=8"), "lora.rank=0; this request has lora.rank=8"),
-    (("--set", "reward.functions=[tests/constant_reward.py:always_one]"), "reward.functions="),
+    pytest.param(("--set", "reward.functions=[tests/constant_reward.py:always_one]"), "reward.functions=",
+                 marks=pytest.mark.e2e),  # the planning check imports a reward in a child process
 ])
 def test_a_rerun_that_would_train_something_else_is_refused(cli, tmp_path, change, said):
     folder = _trained(cli, tmp_path)
     before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-    args = ["--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path), "--run-name", "rw"]
+    args = ["--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path), "--run-name", "rw", *empty_store(tmp_path)]
     if change[0] == "--model":
         args[1] = change[1]
     else:
@@ -46,7 +51,7 @@ def test_a_rerun_that_would_train_something_else_is_refused(cli, tmp_path, chang
 
 def test_more_steps_or_other_trackers_continue_the_run_and_an_untrained_folder_is_free(cli, tmp_path):
     _trained(cli, tmp_path)
-    base = ["--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path), "--run-name", "rw"]
+    base = ["--model", "tiny", "--device", "cpu", "--run-dir", str(tmp_path), "--run-name", "rw", *empty_store(tmp_path)]
     for more in (["--set", "trainer.total_training_steps=20"], ["--set", "trainer.save_freq=1"],
                  ["--set", "guards.reward_collapse_steps=off"]):
         assert cli(*base, *more, "--dry-run").returncode == 0
@@ -54,4 +59,4 @@ def test_more_steps_or_other_trackers_continue_the_run_and_an_untrained_folder_i
     empty.mkdir()
     (empty / RunFolder.PLAN).write_text(json.dumps({"profile": {"model": {"name": "tiny"}}}))
     assert cli("--model", "smollm2-135m", "--device", "cpu", "--run-dir", str(tmp_path), "--run-name", "fresh",
-               "--dry-run").returncode == 0  # no policy there yet: the folder is the new run's
+               *empty_store(tmp_path), "--dry-run").returncode == 0  # no policy there yet: the folder is the new run's
