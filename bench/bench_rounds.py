@@ -1,8 +1,9 @@
 """Learning per update and per second at generation.steps_per_generation 1, 2 and 4 (issue 54): the demo's config.
 
     .venv/bin/python bench/bench_rounds.py [--rounds 1 2 4] [--run-dir /tmp/rounds-runs] [--reuse 1=/tmp/runs/demo]
-    .venv/bin/python bench/bench_rounds.py --same-time [--run-dir /tmp/rounds-runs]   # then: the faster settings' longer runs
-    .venv/bin/python bench/bench_rounds.py --check                                      # the collection on synthetic runs
+    .venv/bin/python bench/bench_rounds.py --same-time [--run-dir /tmp/rounds-runs]   # then: the same training time
+    .venv/bin/python bench/bench_rounds.py --collect-only   # the finished runs' numbers, nothing run
+    .venv/bin/python bench/bench_rounds.py --check          # the collection on synthetic runs
 
 Each setting runs the whole pipeline as `make demo` does (`python -m grpo_pipeline --model smollm2-135m --device cpu`,
 a fresh process, one at a time), the same model, data, seed and 12 updates (one a step: the CPU recipe's batch is one
@@ -13,10 +14,12 @@ sample), the training time (the steps' own `step_time_s` from metrics.jsonl, sum
 timings.json, Ray's and the worker's start-up included), the seconds spent generating, and the rewards by step.
 
 A run folder the flow finished (report.md and eval/trained.jsonl there) is collected, not run again, so a
-second call adds only what is missing. `--same-time` then gives every setting whose 12 steps took less training time than the slowest setting's
-as many steps as fit in that time (12 x slowest / its own, rounded), runs them (`<run-dir>/spg<N>-same-time`), and
-adds their accuracy: learning after about the same training time. Results: bench/results-cpu-rounds.json (command,
-machine and its load, every number); the table is in docs/local-backend.md.
+second call adds only what is missing; `--collect-only` collects the finished ones and runs nothing (the
+results file is written after every run). `--same-time` then gives every setting whose 12 steps took less
+training time than the slowest setting's as many steps as fit in that time (12 x slowest / its own, rounded),
+runs them (`<run-dir>/spg<N>-same-time`) and adds their accuracy: learning after about the same training
+time. Results: bench/results-cpu-rounds.json (command, machine and its load, every number); the table is in
+docs/local-backend.md.
 """
 
 from __future__ import annotations
@@ -153,24 +156,42 @@ def main_run(args: argparse.Namespace) -> int:
     runs: dict[str, dict] = {}
     commands: dict[str, str] = {}
     loads = [machine()]
+    same_time: dict[str, dict] = {}
+
+    def save() -> dict:
+        result = {"command": " ".join(sys.argv), "runs_commands": commands,
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "machine": {**loads[0], "load_average_after_each_run": loads[1:],
+                              "note": "shared 2-core machine: other engineers' test runs beside these "
+                                      "(load average above)"},
+                  "config": f"{MODEL} recipe on --device cpu (the demo), only generation.steps_per_generation varied",
+                  "table": table(runs, same_time), "runs": runs, "same_time_runs": same_time}
+        write(result, args.out)
+        return result
+
     for rounds in args.rounds:
         name = f"spg{rounds}"
         folder = Path(reuse[str(rounds)]) if str(rounds) in reuse else args.run_dir / name
         argv = command(rounds, args.run_dir, name)
         wall = previous.get("runs", {}).get(name, {}).get("flow_wall_s")
+        if args.collect_only and not finished(folder):
+            continue
         if str(rounds) in reuse or finished(folder):
-            commands[name] = previous.get("runs_commands", {}).get(name) or f"reused {folder} (the same config as: {' '.join(argv[1:])})"
+            commands[name] = (previous.get("runs_commands", {}).get(name)
+                              or f"reused {folder} (the same config as: {' '.join(argv[1:])})")
         else:
             wall = run_flow(argv)
             commands[name] = " ".join([".venv/bin/python", *argv[1:]])
         runs[name] = run_summary(folder, rounds, wall)
         loads.append(machine()["load_average_1_5_15"])
         print(json.dumps({k: v for k, v in runs[name].items() if k not in ("step_time_s", "reward_curve")}), flush=True)
-    same_time: dict[str, dict] = {}
-    if args.same_time:
+        save()
+    if runs and (args.same_time or args.collect_only):
         for rounds, steps in same_time_steps(runs).items():
             name = f"spg{rounds}-same-time"
             argv = command(rounds, args.run_dir, name, steps)
+            if args.collect_only and not finished(args.run_dir / name):
+                continue
             if finished(args.run_dir / name):
                 wall = previous.get("same_time_runs", {}).get(f"spg{rounds}", {}).get("flow_wall_s")
                 commands[name] = previous.get("runs_commands", {}).get(name) or f"reused {args.run_dir / name}"
@@ -179,13 +200,8 @@ def main_run(args: argparse.Namespace) -> int:
                 commands[name] = " ".join([".venv/bin/python", *argv[1:]])
             same_time[f"spg{rounds}"] = run_summary(args.run_dir / name, rounds, wall)
             loads.append(machine()["load_average_1_5_15"])
-    result = {"command": "  ".join(sys.argv), "runs_commands": commands, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": {**loads[0], "load_average_after_each_run": loads[1:],
-                          "note": "shared 2-core machine: other engineers' test runs beside these (load average above)"},
-              "config": f"{MODEL} recipe on --device cpu (the demo), only generation.steps_per_generation varied",
-              "table": table(runs, same_time), "runs": runs, "same_time_runs": same_time}
-    write(result, args.out)
-    print(json.dumps(result["table"], indent=1))
+            save()
+    print(json.dumps(save()["table"], indent=1))
     return 0
 
 
@@ -199,7 +215,7 @@ def _synthetic_run(folder: Path, steps: int, rounds: int, step_s: float, generat
     (folder / "timings.json").write_text(json.dumps({"train": steps * step_s + 60.0, "evaluate": 90.0}))
     for model, correct in (("base", 22), ("trained", right)):
         (folder / "eval" / f"{model}.jsonl").write_text(
-            "".join(json.dumps({"correct": i < correct, "reward": 0.9 if i < correct else 0.0}) + "\n" for i in range(128)))
+            "".join(json.dumps({"correct": i < correct}) + "\n" for i in range(128)))
 
 
 def check() -> int:
@@ -235,12 +251,15 @@ def check() -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="the collection on synthetic run folders; runs nothing")
-    parser.add_argument("--rounds", type=int, nargs="+", default=[1, 2, 4], help="generation.steps_per_generation values")
+    parser.add_argument("--rounds", type=int, nargs="+", default=[1, 2, 4],
+                        help="the generation.steps_per_generation values, run in this order")
     parser.add_argument("--run-dir", type=Path, default=Path(tempfile.gettempdir()) / "rounds-runs")
     parser.add_argument("--reuse", action="append", default=[], metavar="N=RUN_FOLDER",
                         help="a finished run of setting N with this config (the demo's for 1) instead of a new one")
     parser.add_argument("--same-time", action="store_true",
                         help="also run the faster settings for the slowest one's training time")
+    parser.add_argument("--collect-only", action="store_true",
+                        help="collect the finished run folders (same-time ones too) and run nothing")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.check:
