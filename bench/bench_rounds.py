@@ -13,13 +13,13 @@ accuracy of the base model and of the trained policy with Wilson 95% intervals (
 sample), the training time (the steps' own `step_time_s` from metrics.jsonl, summed; and the train stage's from
 timings.json, Ray's and the worker's start-up included), the seconds spent generating, and the rewards by step.
 
-A run folder the flow finished (report.md and eval/trained.jsonl there) is collected, not run again, so a
-second call adds only what is missing; `--collect-only` collects the finished ones and runs nothing (the
-results file is written after every run). `--same-time` then gives every setting whose 12 steps took less
-training time than the slowest setting's as many steps as fit in that time (12 x slowest / its own, rounded),
-runs them (`<run-dir>/spg<N>-same-time`) and adds their accuracy: learning after about the same training
-time. Results: bench/results-cpu-rounds.json (command, machine and its load, every number); the table is in
-docs/local-backend.md.
+A run folder the flow finished (report.md and eval/trained.jsonl there) is collected, not run again, so a second
+call adds only what is missing; `--collect-only` runs nothing and collects every folder with steps (one the flow
+did not finish, `"finished": false`, has no evaluation; the results file is written after every run).
+`--same-time` then gives every setting whose 12 steps took less training time than the slowest setting's as many
+steps as fit in that time (12 x slowest / its own, rounded), runs them (`<run-dir>/spg<N>-same-time`) and adds
+their accuracy: learning after about the same training time. Results: bench/results-cpu-rounds.json (command,
+machine and its load, every number); the table is in docs/local-backend.md.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def run_summary(run_dir: Path, rounds: int, flow_wall_s: float | None = None) ->
                  and evaluation["trained"]["ci95"][0] > evaluation["base"]["ci95"][1])
     first = steps[:UPDATES]
     train_s = sum(s.step_time_s for s in steps)
-    return {"run_dir": str(run_dir), "steps_per_generation": rounds, "steps": len(steps),
+    return {"run_dir": str(run_dir), "finished": finished(run_dir), "steps_per_generation": rounds, "steps": len(steps),
             "rounds": sum(1 for s in steps if (s.generation_s or 0) > 0),
             "train_steps_s": round(train_s, 1),
             f"train_steps_s_first_{UPDATES}": round(sum(s.step_time_s for s in first), 1),
@@ -174,9 +174,9 @@ def main_run(args: argparse.Namespace) -> int:
         folder = Path(reuse[str(rounds)]) if str(rounds) in reuse else args.run_dir / name
         argv = command(rounds, args.run_dir, name)
         wall = previous.get("runs", {}).get(name, {}).get("flow_wall_s")
-        if args.collect_only and not finished(folder):
+        if args.collect_only and not (folder / "metrics.jsonl").is_file():
             continue
-        if str(rounds) in reuse or finished(folder):
+        if str(rounds) in reuse or finished(folder) or args.collect_only:
             commands[name] = (previous.get("runs_commands", {}).get(name)
                               or f"reused {folder} (the same config as: {' '.join(argv[1:])})")
         else:
@@ -190,9 +190,9 @@ def main_run(args: argparse.Namespace) -> int:
         for rounds, steps in same_time_steps(runs).items():
             name = f"spg{rounds}-same-time"
             argv = command(rounds, args.run_dir, name, steps)
-            if args.collect_only and not finished(args.run_dir / name):
+            if args.collect_only and not (args.run_dir / name / "metrics.jsonl").is_file():
                 continue
-            if finished(args.run_dir / name):
+            if finished(args.run_dir / name) or args.collect_only:
                 wall = previous.get("same_time_runs", {}).get(f"spg{rounds}", {}).get("flow_wall_s")
                 commands[name] = previous.get("runs_commands", {}).get(name) or f"reused {args.run_dir / name}"
             else:
@@ -212,6 +212,7 @@ def _synthetic_run(folder: Path, steps: int, rounds: int, step_s: float, generat
         append_metrics(folder / "metrics.jsonl", StepMetrics(
             step=step, reward_mean=0.1 + 0.02 * step, step_time_s=step_s + (generation_s if generating else 0.0),
             generation_s=generation_s if generating else 0.0, response_length=15.0, time=time.time()))
+    (folder / "report.md").write_text("# report\n")
     (folder / "timings.json").write_text(json.dumps({"train": steps * step_s + 60.0, "evaluate": 90.0}))
     for model, correct in (("base", 22), ("trained", right)):
         (folder / "eval" / f"{model}.jsonl").write_text(
@@ -230,7 +231,7 @@ def check() -> int:
         assert one["generation_s"] == 48.0 and four["generation_s"] == 12.0 and one["train_stage_s"] == 180.0
         assert one["evaluation"]["trained"] == {"accuracy": round(45 / 128, 4), "correct": 45, "samples": 128,
                                                 "ci95": wilson(45, 128)}
-        assert one["intervals_separate"] and not four["intervals_separate"]
+        assert one["intervals_separate"] and not four["intervals_separate"] and one["finished"]
         # 168 s for spg1's 12 steps: spg2 (144 s) gets 14 steps, spg4 (132 s) 15; spg1 itself none
         assert same_time_steps(runs) == {2: 14, 4: 15}
         _synthetic_run(Path(tmp, "spg4-same-time"), 15, 4, 10.0, 4.0, 33)
