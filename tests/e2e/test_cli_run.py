@@ -39,7 +39,7 @@ def test_a_bad_dataset_fails_the_flow_with_one_line_and_exit_2(tmp_path, api_url
                    tmp_path=tmp_path, api_url=api_url, stores=own_data)
     assert done.returncode == 2, done.stderr[-2000:]
     (error,) = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert error.startswith(f"error: {unsplit}: 4 rows and no test split; give a test")
+    assert error.startswith(f"error: {unsplit}: 4 distinct prompts and no test split; give a test")
     assert "Traceback" not in done.stderr + done.stdout
     assert not (tmp_path / "data" / "gsm8k").exists()
 
