@@ -14,6 +14,7 @@ import yaml
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
     ArtifactFilter,
+    ArtifactFilterFlowRunId,
     ArtifactFilterKey,
     FlowRunFilter,
     FlowRunFilterId,
@@ -95,7 +96,7 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     assert sorted(t.name.rsplit("-", 1)[0] for t in task_runs) == sorted(["plan_run", *STAGES])
     assert all(t.state.is_completed() for t in task_runs)
     keys = ["fetch-dataset", "prepare-checkpoint", "train", "evaluate"]
-    assert {a.key: a.data for a in asyncio.run(_artifacts(keys))} == dict.fromkeys(keys, 100.0)
+    assert {a.key: a.data for a in asyncio.run(_artifacts(keys, flow_run.id))} == dict.fromkeys(keys, 100.0)
 
     # A second run reuses both stages' results from the first (Prefect's cross-run cache) and runs neither.
     again_request = RunRequest(**{**request.model_dump(), "run_name": "plan-2", "stages": ["fetch_dataset", "prepare_checkpoint"]})
@@ -113,9 +114,12 @@ def test_the_stages_complete_and_write_the_run_files(prefect_api, tmp_path, monk
     assert third.result()["dataset"]["rows"] == {"train": 1024, "test": 128}
 
 
-async def _artifacts(keys: list[str] | None):
+async def _artifacts(keys: list[str] | None, flow_run_id=None):
+    """The artifacts of these keys, of one flow run where given: the session's API holds every test's runs."""
+    runs = {"flow_run_id": ArtifactFilterFlowRunId(any_=[flow_run_id])} if flow_run_id else {}
     async with get_client() as client:
-        return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)) if keys else None)
+        return await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys), **runs) if keys else None)
 
 
 async def _logs(flow_run_id):
