@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import subprocess
@@ -38,27 +37,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
 from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, read_metrics  # noqa: E402
+from verl_real import accuracy, wilson  # noqa: E402 - one Wilson interval for every bench
 
 MODEL = "smollm2-135m"
 UPDATES = 12  # the demo's: the CPU recipe's trainer.total_training_steps, one update a step
 RESULTS = ROOT / "bench" / "results-cpu-rounds.json"
-
-
-def wilson(correct: int, total: int, z: float = 1.96) -> tuple[float, float]:
-    if total == 0:
-        return (0.0, 0.0)
-    p = correct / total
-    centre = (p + z * z / (2 * total)) / (1 + z * z / total)
-    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
-    return (round(centre - half, 4), round(centre + half, 4))
-
-
-def accuracy(samples_file: Path) -> dict:
-    samples = [json.loads(line) for line in samples_file.read_text().splitlines() if line.strip()]
-    correct = sum(bool(s["correct"]) for s in samples)
-    return {"accuracy": round(correct / len(samples), 4), "correct": correct, "samples": len(samples),
-            "ci95": wilson(correct, len(samples))}
 
 
 def command(rounds: int, run_dir: Path, name: str, steps: int | None = None) -> list[str]:
@@ -229,8 +215,7 @@ def check() -> int:
         assert one["rounds"] == 12 and four["rounds"] == 3 and runs["spg2"]["rounds"] == 6
         assert one[f"train_steps_s_first_{UPDATES}"] == 168.0 and four[f"train_steps_s_first_{UPDATES}"] == 132.0
         assert one["generation_s"] == 48.0 and four["generation_s"] == 12.0 and one["train_stage_s"] == 180.0
-        assert one["evaluation"]["trained"] == {"accuracy": round(45 / 128, 4), "correct": 45, "samples": 128,
-                                                "ci95": wilson(45, 128)}
+        assert one["evaluation"]["trained"] == {"accuracy": round(45 / 128, 4), "samples": 128, "ci95": wilson(45, 128)}
         assert one["intervals_separate"] and not four["intervals_separate"] and one["finished"]
         # 168 s for spg1's 12 steps: spg2 (144 s) gets 14 steps, spg4 (132 s) 15; spg1 itself none
         assert same_time_steps(runs) == {2: 14, 4: 15}
