@@ -31,6 +31,11 @@ def run_pipeline(model: str, run_dir: Path, name: str, stages: str | None = None
                "--run-name", name]
     if stages:
         command += ["--stages", stages]
+    return timed_run(command)
+
+
+def timed_run(command: list[str]) -> float:
+    """Seconds a pipeline command takes from process start to exit; a failed one ends the bench with its output."""
     env = {**os.environ, "TQDM_DISABLE": "1"}
     started = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)

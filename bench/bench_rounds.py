@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from grpo_pipeline.backends.metrics import StepMetrics, append_metrics, read_metrics  # noqa: E402
+from bench_pipeline_overhead import timed_run  # noqa: E402
 from verl_real import accuracy, wilson  # noqa: E402 - one Wilson interval for every bench
 
 MODEL = "smollm2-135m"
@@ -56,13 +56,7 @@ def command(rounds: int, run_dir: Path, name: str, steps: int | None = None) -> 
 
 
 def run_flow(argv: list[str]) -> float:
-    env = {**os.environ, "TQDM_DISABLE": "1"}
-    started = time.perf_counter()
-    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - started
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(argv)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return round(wall, 1)
+    return round(timed_run(argv), 1)
 
 
 def finished(run_dir: Path) -> bool:
