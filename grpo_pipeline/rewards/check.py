@@ -16,10 +16,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 from grpo_pipeline.errors import UserError
+from grpo_pipeline.rewards import child
 from grpo_pipeline.rewards.functions import RewardError
 
 DRY_ROWS = 2
@@ -47,31 +47,14 @@ def check_rewards(plan, data_file: str | None, timeout_s: float) -> list[str]:
         if problems:
             raise RewardError(problems[0])
         return []
-    request = json.dumps({"plan": plan.model_dump(mode="json"), "data_file": data_file})
-    try:
-        done = subprocess.run([sys.executable, "-m", "grpo_pipeline.rewards.check"], input=request, text=True,
-                              capture_output=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise RewardError(f"the reward check (import, signature, a call on {DRY_ROWS} rows) did not end within "
-                          f"{timeout_s:g} s (reward.check_timeout_s): a reward that hangs, or a server that does not "
-                          "answer; fix it or raise the limit") from None
-    answer = _last_json(done.stdout)
-    if answer is None:
-        said = (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
-        raise RewardError(f"the reward check's process ended (exit {done.returncode}) before it answered: {said}")
-    if "error" in answer:
-        raise RewardError(answer["error"])
+    request = {"plan": plan.model_dump(mode="json"), "data_file": data_file}
+    answer = child.ask("grpo_pipeline.rewards.check", request, timeout_s,
+                       timed_out=f"the reward check (import, signature, a call on {DRY_ROWS} rows) did not end within "
+                                 f"{timeout_s:g} s (reward.check_timeout_s): a reward that hangs, or a server that does "
+                                 "not answer; fix it or raise the limit",
+                       ended="the reward check's process ended (exit {code}) before it answered: {said}",
+                       silent="no output")
     return answer["lines"]
-
-
-def _last_json(stdout: str) -> dict | None:
-    """The check's answer: its last line (a reward may print)."""
-    for line in reversed(stdout.strip().splitlines()):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    return None
 
 
 def _check_here(plan_data: dict, data_file: str | None) -> list[str]:
@@ -115,7 +98,7 @@ def main() -> None:
         answer = {"error": str(exc)}
     except Exception as exc:  # the server down, a bug in the check: said in one line
         answer = {"error": f"the reward check failed: {type(exc).__name__}: {str(exc)[:300]}"}
-    print(json.dumps(answer), flush=True)
+    child.answer(answer)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import sys
 from typing import Any
 
+from grpo_pipeline.rewards import child
 from grpo_pipeline.rewards.functions import RewardError
 from grpo_pipeline.rewards.plan import BatchScores, RewardParts, RewardPlan, batch_of
 
@@ -25,39 +25,19 @@ def score_rows(plan: RewardPlan, rows: list[dict[str, Any]], completions: list[s
     """The rows' completions scored with the plan's parts: in a child process when the user brought them."""
     if not plan.custom:
         return RewardParts(plan).score(batch_of(rows, completions))
-    request = json.dumps({"plan": plan.model_dump(mode="json"), "rows": [_plain(row) for row in rows],
-                          "completions": completions})
-    try:
-        done = subprocess.run([sys.executable, "-m", "grpo_pipeline.rewards.isolated"], input=request, text=True,
-                              capture_output=True, errors="replace", timeout=plan.eval_timeout_s)
-    except subprocess.TimeoutExpired:  # subprocess.run has killed the child: nothing of the reward runs on
-        raise RewardError(f"scoring {len(completions)} responses with the run's reward did not end within "
-                          f"{plan.eval_timeout_s:g} s (reward.eval_timeout_s): a reward that hangs, or a server that "
-                          "does not answer; fix it or raise the limit") from None
-    answer = _last_answer(done.stdout)
-    if answer is None:
-        said = (done.stderr.strip().splitlines() or ["nothing on stderr"])[-1][:300]
-        raise RewardError(f"the reward's process ended (exit {done.returncode}) before it returned its scores: {said}; "
-                          "a reward must return its values, never exit the process")
-    if "error" in answer:
-        raise RewardError(answer["error"])
+    request = {"plan": plan.model_dump(mode="json"), "rows": [_plain(row) for row in rows], "completions": completions}
+    answer = child.ask("grpo_pipeline.rewards.isolated", request, plan.eval_timeout_s,
+                       timed_out=f"scoring {len(completions)} responses with the run's reward did not end within "
+                                 f"{plan.eval_timeout_s:g} s (reward.eval_timeout_s): a reward that hangs, or a server "
+                                 "that does not answer; fix it or raise the limit",
+                       ended="the reward's process ended (exit {code}) before it returned its scores: {said}; a reward "
+                             "must return its values, never exit the process", silent="nothing on stderr")
     return BatchScores(**answer["scores"])
 
 
 def _plain(row: dict[str, Any]) -> dict[str, Any]:
     """A row as JSON carries it (images are the model's input, never a reward's)."""
     return {key: value for key, value in row.items() if key != "images"}
-
-
-_ANSWER = "@grpo-reward-scores@ "
-
-
-def _last_answer(stdout: str) -> dict | None:
-    """The child's answer: its marked line (a reward may print anything, on any line)."""
-    for line in reversed(stdout.splitlines()):
-        if line.startswith(_ANSWER):
-            return json.loads(line[len(_ANSWER):])
-    return None
 
 
 def main() -> None:
@@ -70,7 +50,7 @@ def main() -> None:
         answer = {"error": str(exc)}
     except BaseException as exc:  # noqa: BLE001 - sys.exit() in a reward is its failure, told in one line
         answer = {"error": f"a reward ended with {type(exc).__name__}: {str(exc)[:300]}"}
-    print("\n" + _ANSWER + json.dumps(answer), flush=True)
+    child.answer(answer)
 
 
 if __name__ == "__main__":
