@@ -136,10 +136,9 @@ def test_the_lora_docs_sizing_command_prints_the_docs_output(cli, models, monkey
     page = Path(__file__).resolve().parents[1] / "docs" / "lora.md"
     (command,) = [line for line in bash_lines(page) if "<qwen3-8b-dir>" in line and "--backend verl" in line and "--dry-run" in line]
     shown = page.read_text().split(command, 1)[1].split("```text\n", 1)[1].split("```", 1)[0].splitlines()
-    one_h100 = {"npu": {"status": "absent", "detail": "torch_npu is not installed"},
-                "gpu": {"status": "available", "count": 1, "names": ["NVIDIA H100 80GB HBM3"], "memory_gib": [79.6],
-                        "cuda_version": "13.0", "detail": "CUDA sees 1 GPU(s)"}}
-    monkeypatch.setattr("grpo_pipeline.stages.device.run_probe", lambda *args, **kwargs: one_h100)
+    from test_local_sizing import PROBE_ONE_H100
+
+    monkeypatch.setattr("grpo_pipeline.stages.device.run_probe", lambda *args, **kwargs: PROBE_ONE_H100)
     arguments = shlex.split(command.replace("<qwen3-8b-dir>", str(models["qwen3-8b"])))[3:]
     done = cli(*arguments)
     assert done.returncode == 0, done.stderr
