@@ -229,6 +229,26 @@ def stop_ray_job() -> bool:
     return True
 
 
+def end_job_actors() -> None:
+    """Kill every actor this process's Ray job started (not detached ones), leaving Ray itself up: a
+    thread blocked in `ray.get` on one of them (Ray Train's `fit`, waiting on its controller) gets an
+    error back and ends. ray.shutdown under such a thread tears Ray's core from under it, and the
+    process crashed (SIGSEGV) on a later attempt's ray.init. Actors an actor started die with it
+    (Ray's ownership). Ray has no public call for this without a dashboard (its state API needs one):
+    the GCS actor table and the core worker's kill, as `ray.kill` uses."""
+    import ray
+    from ray._private import state
+    from ray._raylet import ActorID
+
+    if not ray.is_initialized():
+        return
+    worker = ray._private.worker.global_worker
+    for actor_id, actor in state.actors(job_id=worker.current_job_id).items():
+        if actor.get("IsDetached") or actor.get("State") == "DEAD":  # also those still being created
+            continue
+        worker.core_worker.kill_actor(ActorID.from_hex(actor_id), True)
+
+
 def disconnect_ray(within_s: float = DISCONNECT_TIMEOUT_S) -> bool:
     """Leave the Ray cluster this process is connected to (nothing when it is not), waiting at most
     `within_s`: a connection to a head that died would make Ray's core abort this process a minute

@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import re
+import threading
 from pathlib import Path
 
 import yaml
@@ -24,6 +25,7 @@ from prefect.client.schemas.filters import (
 from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
 
 from datasets_fixtures import gsm8k_repo_files
+from grpo_pipeline.backends.local.driver import FIT_THREAD
 from grpo_pipeline.flows.pipeline import grpo_pipeline
 from grpo_pipeline.run.request import STAGES, RunRequest
 from hub_server import HubServer
@@ -178,11 +180,18 @@ def test_a_hung_training_is_stopped_and_the_failure_hook_reports_it_and_ends_the
 
     # One attempt: the retries (resuming from the checkpoint) are the kill test's subject, not this one's.
     monkeypatch.setattr(pipeline, "train_task", pipeline.train_task.with_options(retries=0))
+    # Ray is stopped only once Ray Train's `fit` has returned: a thread left waiting in Ray while it stopped
+    # crashed a later attempt's process (SIGSEGV, in CI).
+    threads_at_shutdown = []
+    shutdown = ray.shutdown
+    monkeypatch.setattr(ray, "shutdown", lambda *a, **k: (threads_at_shutdown.append(
+        {thread.name for thread in threading.enumerate()}), shutdown(*a, **k))[1])
     request = RunRequest(model="tiny", device="cpu", run_root=str(tmp_path), run_name="hung",
                          overrides=[*stores(tmp_path), "trainer.step_timeout_s=1"])
     state = grpo_pipeline(request, return_state=True)
     assert state.is_failed()
     assert not ray.is_initialized()  # the hook ended the run's Ray job, workers included
+    assert threads_at_shutdown and not any(FIT_THREAD in names for names in threads_at_shutdown)
     report = (tmp_path / "hung" / "report.md").read_text()
     assert "**The run failed.** Stage `train`: TrainingInterrupted: no training step finished in 1 s" in report
     assert _task_named(state, "train").state.is_failed()

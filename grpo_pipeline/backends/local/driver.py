@@ -25,11 +25,14 @@ from grpo_pipeline.backends.local.checkpoints import latest_step, missing_data_p
 from grpo_pipeline.backends.local.settings import LocalTrainSettings
 from grpo_pipeline.backends.metrics import MetricsFollower, StepMetrics, keep_metrics_up_to
 from grpo_pipeline.store.file_faults import file_fault
-from grpo_pipeline.cluster.ray_cluster import connect_ray, stop_ray_job
+from grpo_pipeline.cluster.ray_cluster import connect_ray, end_job_actors, stop_ray_job
 from grpo_pipeline.errors import UserError
 from grpo_pipeline.run.folder import RunFolder
 
 POLL_S = 1.0
+# How long Ray Train's `fit` is given to return once the job's actors are killed (it returns within a second).
+FIT_END_TIMEOUT_S = 30.0
+FIT_THREAD = "ray-train-fit"
 
 
 def train_local(
@@ -81,7 +84,7 @@ def train_local(
             outcome["error"] = exc
 
     follower = MetricsFollower(settings.metrics_file)
-    runner = threading.Thread(target=fit, name="ray-train-fit", daemon=True)
+    runner = threading.Thread(target=fit, name=FIT_THREAD, daemon=True)
     runner.start()
     last_step_at = time.monotonic()
     while runner.is_alive():
@@ -91,7 +94,9 @@ def train_local(
             on_step(record)
         if time.monotonic() - last_step_at > settings.step_timeout_s:
             # A hung collective or a stuck worker never raises: end this driver's Ray job, which
-            # takes its workers (and their devices) with it, so the retry starts clean.
+            # takes its workers (and their devices) with it, so the retry starts clean. Its actors
+            # first, so that `fit` returns before Ray stops (end_job_actors says why).
+            _end_fit(runner)
             stop_ray_job()
             raise TrainingInterrupted(
                 f"no training step finished in {settings.step_timeout_s:.0f} s (trainer.step_timeout_s): taken for a "
@@ -106,6 +111,15 @@ def train_local(
         check_short_run(settings.guards, done or 0, settings.max_steps, "TRL's trainer")
         raise TrainingInterrupted(f"the workers stopped at step {done or 0} of {settings.max_steps}")
     return partial_result(settings, done).model_copy(update={"resumed_from": resumed})
+
+
+def _end_fit(runner: threading.Thread) -> None:
+    """Kill the job's actors until Ray Train's `fit` returns (bounded): one that was still starting its
+    controller when the hang was called creates it after a first kill."""
+    give_up = time.monotonic() + FIT_END_TIMEOUT_S
+    while runner.is_alive() and time.monotonic() < give_up:
+        end_job_actors()
+        runner.join(POLL_S)
 
 
 def partial_result(settings: LocalTrainSettings, step: int | None) -> TrainResult:
