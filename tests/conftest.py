@@ -10,6 +10,7 @@ tier that starts a process or a server fails (tests/tiers.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,11 @@ import pytest
 from probes import NO_ACCELERATOR
 # The unit tier starts nothing: these hooks refuse a process or a server to every test not marked e2e.
 from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: F401
+
+# Every Ray the tests start runs without token auth (the Makefile's setting, here for a bare `pytest` too): Ray
+# reads the mode once a process, and a test process that started Ray with it and later without it (some
+# tests' clusters set it) had its next local Ray take the driver for dead ("Missing authorization header").
+os.environ["RAY_AUTH_MODE"] = "disabled"
 
 pytest_plugins = ["pytester"]  # tests/test_house.py runs a session of its own through the guard
 
