@@ -185,6 +185,38 @@ def test_a_model_from_the_hub_fetches_only_what_training_needs(hub, tmp_path, ti
     assert prepare_model(model_spec(tmp_path, "org/tiny")).cached and hub.requests == []
 
 
+def test_a_hub_model_by_name_is_planned_from_its_own_config_json_kept_in_the_store(hub, tmp_path, tiny_model_files,
+                                                                                    monkeypatch):
+    """`--model org/name` with no architecture given: the repo's config.json is fetched into the model store
+    (only it), and a later plan reads the kept copy with no request, offline too."""
+    from grpo_pipeline.errors import ProfileError
+    from grpo_pipeline.stages.plan import resolve_profile
+
+    hub.add_repo("org/tiny", tiny_model_files, repo_type="model")
+    root = [f"model.root={tmp_path / 'models'}"]
+    profile = resolve_profile("org/tiny", "cpu", overrides=root)
+    config = json.loads(tiny_model_files["config.json"])
+    arch = profile.model.architecture
+    assert (arch.num_layers, arch.hidden_size, arch.vocab_size, arch.model_type) == (
+        config["num_hidden_layers"], config["hidden_size"], config["vocab_size"], "qwen3")
+    assert {path for method, path in hub.requests if "/resolve/" in path} == {"/org/tiny/resolve/main/config.json"}
+    hub.reset_requests()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_profile("org/tiny", "cpu", overrides=root).model.architecture == arch and hub.requests == []
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+
+    with pytest.raises(ProfileError, match=r"^--model org/missing: its config.json \(the model's architecture.*\) not "
+                                           r"found: check the repo id.*; give a local copy"):
+        resolve_profile("org/missing", "cpu", overrides=root)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(ProfileError) as refused:
+        resolve_profile("org/other", "cpu", overrides=root)
+    assert str(refused.value).startswith("--model org/other: its config.json (the model's architecture, which the plan "
+                                         "is checked against) cannot be fetched: 127.0.0.1:9 refuses connections; use a "
+                                         "network that reaches http://127.0.0.1:9, a mirror in HF_ENDPOINT, or give a "
+                                         "local copy")
+
+
 def test_a_model_whose_weights_do_not_fit_its_config_is_refused(hub, tmp_path, tiny_model_files):
     config = json.loads(tiny_model_files["config.json"])
     config["hidden_size"] = 128

@@ -102,9 +102,17 @@ def test_local_hf_directory_gives_architecture(tmp_path):
                         overrides=["engine.tp=4", "cluster.devices_per_node=4", "actor.ppo_micro_batch_size_per_gpu=1"])
 
 
-def test_hub_id_needs_architecture(tmp_path):
-    with pytest.raises(ProfileError, match="model.architecture is required"):
-        resolve_profile("org/some-model", "cpu")
+def test_a_hub_id_takes_its_architecture_from_a_profile_file_or_says_where_its_config_would_come_from(tmp_path,
+                                                                                                      monkeypatch):
+    """Offline with no stored config.json: one line naming the file, the store and the ways on (the fetch
+    itself: tests/test_fetch_hub.py)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ProfileError) as refused:
+        resolve_profile("org/some-model", "cpu", overrides=[f"model.root={tmp_path / 'models'}"])
+    assert str(refused.value) == (
+        "--model org/some-model: its config.json (the model's architecture, which the plan is checked against) is not "
+        f"in {tmp_path / 'models' / '.hub-configs'} and HF_HUB_OFFLINE is set: unset it to fetch it, or give a local "
+        "copy (--model /path/to/model-dir) or model.architecture.* in a profile file")
     arch = tmp_path / "arch.yaml"
     arch.write_text("model:\n  architecture: {num_layers: 2, num_attention_heads: 2, num_kv_heads: 2, hidden_size: 8, vocab_size: 10}\n")
     assert resolve_profile("org/some-model", "cpu", profile_file=arch).model.path == "org/some-model"

@@ -23,7 +23,8 @@ from grpo_pipeline.errors import ProfileError, headline_and_details
 from grpo_pipeline.profiles.backend_table import BACKEND_TABLE, without_accelerators
 from grpo_pipeline.profiles.engine import ENGINES
 from grpo_pipeline.profiles.hf_config import architecture_from_hf_config
-from grpo_pipeline.profiles.schema import DeviceKind, Platform, RunProfile
+from grpo_pipeline.profiles.hub_config import hub_architecture, is_repo_id
+from grpo_pipeline.profiles.schema import DeviceKind, ModelSection, Platform, RunProfile
 from grpo_pipeline.profiles.section import section_types
 from grpo_pipeline.profiles.secrets import secret_literal_problems, secrets_of
 from grpo_pipeline.profiles.validation import validate_profile
@@ -135,9 +136,9 @@ def model_layers(model: str, device: str) -> list[tuple[str, dict[str, Any]]]:
             }
         }
         return [(f"model directory {model_dir}", layer)]
-    if "/" in model and not model.startswith((".", "/", "~")):
-        # A hub repo id: its config is not read here (no network before fetch); the architecture
-        # must come from a profile file or --set so the layout can still be validated.
+    if is_repo_id(model):
+        # A hub repo id: its architecture comes from a profile file or --set, else from the repo's own
+        # config.json once the user's layers are known (resolve_run_profile).
         return [(f"model {model}", {"model": {"name": "custom", "path": model}})]
     raise ProfileError(
         f"unknown model '{model}': not a built-in recipe ({', '.join(builtin_models())}) "
@@ -215,6 +216,12 @@ def resolve_run_profile(
             raise ProfileError("; ".join(problems))
         check_keys(layer, origin)
         merged = deep_merge(merged, layer)
+    model_section = merged.get("model") or {}
+    if "architecture" not in model_section and is_repo_id(str(model_section.get("path", ""))):
+        section = ModelSection.model_fields
+        merged = deep_merge(merged, {"model": {"architecture": hub_architecture(
+            model_section["path"], model_section.get("revision", section["revision"].default),
+            model_section.get("root", section["root"].default))}})
     try:
         profile = RunProfile.model_validate(merged)
     except ValidationError as exc:
@@ -255,8 +262,7 @@ def describe_validation_error(exc: ValidationError) -> str:
             expected = " or ".join(ctx["expected_tags"].rsplit(", ", 1))
             problems.append(f"{field}.{discriminator}={ctx['tag']!r}: input should be {expected}")
         elif error["type"] == "missing":
-            hint = " (a model given by repo id needs model.architecture.* in a profile file)" if "architecture" in field else ""
-            problems.append(f"{field} is required{hint}")
+            problems.append(f"{field} is required")
         else:
             message = error["msg"].removeprefix("Value error, ")
             message = message[0].lower() + message[1:]
