@@ -121,3 +121,15 @@ def test_a_stage_stopped_by_a_signal_says_so_not_a_bare_colon():
     assert failure_words(TerminationSignal(15)) == "stopped by a signal (15) (TerminationSignal)"
     assert failure_words(RuntimeError()) == "RuntimeError (with no message)"
     assert failure_words(ValueError("bad value")) == "ValueError: bad value"
+
+
+def test_a_lora_run_says_so_in_its_headline_with_the_adapters_size(tmp_path):
+    from grpo_pipeline.profiles.loader import resolve_run_profile
+
+    full, _ = resolve_run_profile("tiny", "cpu", "auto", None, [], validate=False)
+    assert "adapter" not in write_report(tmp_path, profile=full.model_dump(mode="json")).read_text().split("## ")[0]
+    lora, _ = resolve_run_profile("tiny", "cpu", "auto", None, ["lora.rank=4", "lora.alpha=8"], validate=False)
+    headline = write_report(tmp_path, profile=lora.model_dump(mode="json")).read_text().split("## ")[0]
+    adapter = next(line for line in headline.splitlines() if line.startswith("Trained as an adapter: "))
+    assert adapter.startswith("Trained as an adapter: LoRA rank 4, alpha 8, on ")
+    assert "trainable parameters (" in adapter and "% of the model's " in adapter

@@ -137,6 +137,16 @@ def _memory_plan(profile: dict[str, Any], device: dict[str, Any]) -> MemoryPlan 
     return found.memory_plan(run_profile)
 
 
+def _adapter_line(profile: dict[str, Any]) -> str | None:
+    """A LoRA run's adapter as the dry run said it (rank, modules, trainable share); None for full fine-tuning."""
+    if not (profile.get("lora") or {}).get("rank"):
+        return None
+    from grpo_pipeline.planner.lora import describe_adapter
+    from grpo_pipeline.profiles.schema import RunProfile
+
+    return describe_adapter(RunProfile.model_validate(profile))
+
+
 class _Files:
     """report.md: plots and files by their path relative to the run folder (the report sits in it)."""
 
@@ -220,6 +230,8 @@ def render(
         parts += [f"Model **{model['name']}** (`{model['path']}`), dataset **{data['dataset']}**, backend "
                   f"**{profile['backend']}**, device **{profile['platform']['kind']}**; GRPO with {algo['rollout_n']} "
                   f"responses per prompt, {data['train_batch_size']} prompts per step, learning rate {algo['lr']}.", ""]
+        if adapter := _adapter_line(profile):
+            parts += [f"Trained as an adapter: {adapter}.", ""]
     models = (evaluation or {}).get("models") or []
     if models:
         engine = f" Generated with {evaluation['engine']}." if evaluation.get("engine") else ""
