@@ -17,6 +17,7 @@ from grpo_pipeline.stages.environment import PROXY_VARS, resolve_environment
 
 @pytest.fixture
 def two_node_cluster(monkeypatch):
+    ray.shutdown()  # whatever an earlier test of this process joined: this test joins its own cluster
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     monkeypatch.setenv("http_proxy", "http://driver-proxy:3128")  # the messy launching shell
     cluster = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 1, "resources": {"head": 1}})
