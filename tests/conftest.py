@@ -36,7 +36,7 @@ def pytest_collection_modifyitems(config, items):
         if folder.is_relative_to(TESTS) and {"e2e", "browser"} & set(folder.relative_to(TESTS).parts):
             item.add_marker(pytest.mark.e2e)  # make test-unit does not even import these folders
         if _shares_a_module_fixture(item):
-            # `make test` spreads tests over 2 processes (pytest-xdist, --dist loadgroup): the tests of a module
+            # In 2 processes (`make test PYTEST_ARGS="-n 2 --dist loadgroup"`, pytest-xdist) the tests of a module
             # that share a module's fixture (a cluster, a server, one run read by many) stay in one process, so
             # it starts once; every other test goes wherever a process is free.
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
