@@ -116,6 +116,9 @@ def test_a_hub_id_takes_its_architecture_from_a_profile_file_or_says_where_its_c
     arch = tmp_path / "arch.yaml"
     arch.write_text("model:\n  architecture: {num_layers: 2, num_attention_heads: 2, num_kv_heads: 2, hidden_size: 8, vocab_size: 10}\n")
     assert resolve_profile("org/some-model", "cpu", profile_file=arch).model.path == "org/some-model"
+    arch = tmp_path / "arch.yaml"
+    arch.write_text("model:\n  architecture: {num_layers: 2, num_attention_heads: 2, num_kv_heads: 2, hidden_size: 8, vocab_size: 10}\n")
+    assert resolve_profile("org/some-model", "cpu", profile_file=arch).model.path == "org/some-model"
 
 
 def test_env_values_become_strings_and_malformed_ones_fail(tmp_path):

@@ -139,8 +139,6 @@ def _memory_plan(profile: dict[str, Any], device: dict[str, Any]) -> MemoryPlan 
 
 def _adapter_line(profile: dict[str, Any]) -> str | None:
     """A LoRA run's adapter as the dry run said it (rank, modules, trainable share); None for full fine-tuning."""
-    if not (profile.get("lora") or {}).get("rank"):
-        return None
     from grpo_pipeline.planner.lora import describe_adapter
     from grpo_pipeline.profiles.schema import RunProfile
 
