@@ -42,6 +42,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
+# A test that takes longer than this is named as it ends (set-up, call and teardown together), so that a run
+# stopped at CI's time limit, which never reaches --durations, still says where its time went.
+SLOW_TEST_S = 90.0
+_test_seconds: dict[str, float] = {}
+_configs = []
+
+
+def pytest_configure(config):
+    _configs.append(config)
+
+
+def pytest_unconfigure(config):
+    _configs.remove(config)  # a session of tests/test_house.py's own (pytester) ends before this one
+
+
+def pytest_runtest_logreport(report):
+    spent = _test_seconds.pop(report.nodeid, 0.0) + report.duration
+    if report.when != "teardown":
+        _test_seconds[report.nodeid] = spent
+    elif spent > SLOW_TEST_S and (reporter := _configs[-1].pluginmanager.get_plugin("terminalreporter")):
+        reporter.write_line(f"slow test: {spent:.0f} s {report.nodeid}")
+
+
 def _shares_a_module_fixture(item) -> bool:
     fixtures = getattr(item, "_fixtureinfo", None)
     return fixtures is not None and any(
