@@ -54,9 +54,9 @@ $(GPU_STAMP): pyproject.toml tools/setup_gpu.py
 demo-gpu: $(GPU_STAMP)
 	$(PY) -m grpo_pipeline --model smollm2-135m --device gpu
 
-# Everything. PYTEST_ARGS="-n 2 --dist loadgroup" runs it in 2 processes (pytest-xdist; what shares a module's
-# fixture stays in one: tests/conftest.py): 40 min against 53 in one, beside other work (2026-12-07).
-PYTEST_ARGS ?=
+# Everything, in 2 processes (pytest-xdist; each test file stays in one, with what its tests share): 40 min
+# against 53 in one process, beside other work (2026-12-07). PYTEST_ARGS= runs it in one.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 

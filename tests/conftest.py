@@ -35,11 +35,6 @@ def pytest_collection_modifyitems(config, items):
         folder = Path(str(item.fspath)).resolve().parent
         if folder.is_relative_to(TESTS) and {"e2e", "browser"} & set(folder.relative_to(TESTS).parts):
             item.add_marker(pytest.mark.e2e)  # make test-unit does not even import these folders
-        if _shares_a_module_fixture(item):
-            # In 2 processes (`make test PYTEST_ARGS="-n 2 --dist loadgroup"`, pytest-xdist) the tests of a module
-            # that share a module's fixture (a cluster, a server, one run read by many) stay in one process, so
-            # it starts once; every other test goes wherever a process is free.
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 # A test that takes longer than this is named as it ends (set-up, call and teardown together), so that a run
@@ -63,13 +58,6 @@ def pytest_runtest_logreport(report):
         _test_seconds[report.nodeid] = spent
     elif spent > SLOW_TEST_S and (reporter := _configs[-1].pluginmanager.get_plugin("terminalreporter")):
         reporter.write_line(f"slow test: {spent:.0f} s {report.nodeid}")
-
-
-def _shares_a_module_fixture(item) -> bool:
-    fixtures = getattr(item, "_fixtureinfo", None)
-    return fixtures is not None and any(
-        definition.scope in ("module", "package", "class")
-        for definitions in fixtures.name2fixturedefs.values() for definition in definitions)
 
 
 @pytest.fixture(scope="session")
