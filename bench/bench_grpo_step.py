@@ -59,6 +59,7 @@ SHAPES = {  # Qwen3 shapes: hidden, MLP, layers, attention heads, KV heads (head
                      num_key_value_heads=8, head_dim=128),
 }
 MAX_POSITIONS = 8192
+LENT_H100_GIB = 79.18  # torch's total_memory of the lent H100 80GB HBM3 (2026-12-07)
 FILLER = " Read the problem again and keep every number in mind."
 
 
@@ -140,20 +141,40 @@ def step_overrides(args, variant: list[str]) -> list[str]:
     completions = args.prompts * args.generations
     return [
         f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}",
-        f"actor.ppo_micro_batch_size_per_gpu={min(args.micro, completions)}", f"algorithm.rollout_n={args.generations}",
+        *([f"actor.ppo_micro_batch_size_per_gpu={min(args.micro, completions)}"] if args.micro else []),
+        f"algorithm.rollout_n={args.generations}",
         f"data.max_response_length={args.completion_length}", f"data.max_prompt_length={args.prompt_length + 64}",
         f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.steps}", "cluster.devices_per_node=1",
         "generation.steps_per_generation=1", *args.set, *variant]
 
 
+class CellDoesNotFit(Exception):
+    """The planner's step for a cell is larger than the device: the cell is recorded as such, not run."""
+
+
 def step_profile(args, model_dir: Path, overrides: list[str]):
     """The profile of the model's own directory (its shape, its context length), refused here as the flow
-    would refuse it: the first H100 loan lost this bench to the `tiny` recipe's 512-token context."""
+    would refuse it: the first H100 loan lost this bench to the `tiny` recipe's 512-token context. On a
+    device of known memory the micro batch and recomputation are the planner's for it, as the flow sizes
+    them (backends/local/sizing.py), around what --micro and the overrides give: the second H100 loan lost
+    Qwen3-4B to an out-of-memory error at micro batch 16, a step the plan puts at 105 GiB."""
+    from grpo_pipeline.backends.local.sizing import size_step
     from grpo_pipeline.profiles.validation import profile_problems, refuse
 
     profile = resolve_profile(str(model_dir), args.device, overrides=overrides)
     refuse(profile_problems(profile))
-    return profile
+    if args.device_gib is None:
+        return profile
+    given = frozenset(item.split("=", 1)[0] for item in overrides)
+    sizing = size_step(profile, plan_generation(profile), detected_gib=[args.device_gib], given=given)
+    if sizing is None:
+        return profile
+    if not sizing.fits:
+        raise CellDoesNotFit(f"micro batch {sizing.micro_batch} needs {sizing.needed / 2**30:.1f} GiB of "
+                             f"{sizing.usable / 2**30:.1f} GiB usable")
+    layer = [f"actor.ppo_micro_batch_size_per_gpu={sizing.micro_batch}",
+             f"model.enable_gradient_checkpointing={str(sizing.checkpointing).lower()}"]
+    return resolve_profile(str(model_dir), args.device, overrides=[*overrides, *layer])
 
 
 def dry_run(args, variants: list[tuple[str, list[str]]], settings: list[tuple[str, int]], work: Path) -> int:
@@ -173,15 +194,22 @@ def dry_run(args, variants: list[tuple[str, list[str]]], settings: list[tuple[st
         tokenizer.save_pretrained(model_dir)
         for _, new_tokens in settings:
             args.completion_length = new_tokens
-            for _, overrides in variants:
-                step_profile(args, model_dir, step_overrides(args, overrides))
+            for name, overrides in variants:
+                try:
+                    profile = step_profile(args, model_dir, step_overrides(args, overrides))
+                except CellDoesNotFit as exc:
+                    print(f"{shape} {args.prompt_length}+{new_tokens} {name}: does not fit: {exc}")
+                    continue
+                print(f"{shape} {args.prompt_length}+{new_tokens} {name}: micro batch "
+                      f"{profile.actor.ppo_micro_batch_size_per_gpu}, gradient checkpointing "
+                      f"{'on' if profile.model.enable_gradient_checkpointing else 'off'}")
                 cells += 1
     print(f"dry run: {cells} cells planned")
     return cells
 
 
 def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir: Path, train_file: Path,
-                work: Path) -> tuple[list[dict], float | None]:
+                work: Path) -> tuple[list[dict], float | None, object]:
     import ray
 
     from grpo_pipeline.backends.local.driver import train_local
@@ -197,10 +225,10 @@ def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir:
     finally:
         ray.shutdown()
     records = [json.loads(line) for line in (run_dir / RunFolder.PHASES).read_text().splitlines()]
-    return records[args.warmup:], predicted_peak_gib(model_dir, args.device, overrides, settings)
+    return records[args.warmup:], predicted_peak_gib(profile, settings), profile
 
 
-def predicted_peak_gib(model_dir: Path, device: str, overrides: list[str], settings) -> float | None:
+def predicted_peak_gib(profile, settings) -> float | None:
     """The memory plan's peak for the step as run (backends/local/train_memory.py) on this device: the
     profile of the model's own directory (its architecture) with the run's settings."""
     import torch
@@ -210,7 +238,6 @@ def predicted_peak_gib(model_dir: Path, device: str, overrides: list[str], setti
     if not torch.cuda.is_available():
         return None
     try:
-        profile = resolve_profile(str(model_dir), device, overrides=overrides)
         checkpointing = settings.grpo.gradient_checkpointing
         plan = step_memory(profile, plan_generation(profile), checkpointing,
                            torch.cuda.get_device_properties(0).total_memory)
@@ -223,7 +250,9 @@ def predicted_peak_gib(model_dir: Path, device: str, overrides: list[str], setti
 def table(result: dict) -> str:
     lines = ["| model | setting | variant | phase | ms | floor ms | x floor |", "|---|---|---|---|---|---|---|"]
     for cell in result["cells"]:
-        for phase, row in cell["phases"].items():
+        if not cell.get("fits", True):
+            lines.append(f"| {cell['model']} | {cell['setting']} | {cell['variant']} | does not fit: {cell['why']} | | | |")
+        for phase, row in cell.get("phases", {}).items():
             ratio = f"{row['x_floor']:.2f}" if row.get("x_floor") else ""
             floor = f"{row['floor_ms']:.1f}" if row.get("floor_ms") is not None else ""
             lines.append(f"| {cell['model']} | {cell['setting']} | {cell['variant']} | {phase} | {row['ms']:.1f} | "
@@ -242,7 +271,9 @@ def main() -> None:
     parser.add_argument("--completion-length", type=int, default=1024)
     parser.add_argument("--short", type=int, default=128, help="completion length of the short-response setting "
                         "(0: leave it out)")
-    parser.add_argument("--micro", type=int, default=16, help="actor.ppo_micro_batch_size_per_gpu")
+    parser.add_argument("--micro", type=int, help="actor.ppo_micro_batch_size_per_gpu (default: the planner's for the device)")
+    parser.add_argument("--device-gib", type=float, help="size every cell for a device of this many GiB (default: the "
+                        f"GPU's own; the dry run: {LENT_H100_GIB}, the lent H100, the smaller card a loan may bring)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out (the first compiles)")
     parser.add_argument("--set", action="append", default=[], help="a profile override for every variant")
@@ -263,9 +294,13 @@ def main() -> None:
     settings = [("long", args.completion_length)] + ([("short", args.short)] if args.short else [])
     work = Path(tempfile.mkdtemp(prefix="bench-step-"))
     if args.dry_run:
+        args.device_gib = args.device_gib or (LENT_H100_GIB if args.device == "gpu" else None)
         dry_run(args, variants, settings, work)
         return
     import torch
+
+    if args.device == "gpu" and args.device_gib is None:
+        args.device_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
 
     torch_device = "cuda" if args.device == "gpu" else "cpu"
     dtype = "bfloat16" if args.device == "gpu" else "float32"
@@ -291,8 +326,15 @@ def main() -> None:
             args.completion_length = new_tokens
             floor = setting_floors[setting]
             for variant, overrides in variants:
-                records, predicted_gib = run_variant(args, shape, f"{setting}-{variant}", overrides, model_dir, train_file,
-                                                     work)
+                cell = {"model": shape, "setting": f"{args.prompts}x{args.generations}, {args.prompt_length}+{new_tokens}",
+                        "variant": variant, "overrides": overrides}
+                try:
+                    records, predicted_gib, profile = run_variant(args, shape, f"{setting}-{variant}", overrides,
+                                                                  model_dir, train_file, work)
+                except CellDoesNotFit as exc:  # the planner's word, recorded; the other cells still run
+                    result["cells"].append({**cell, "fits": False, "why": str(exc)})
+                    print(json.dumps(result["cells"][-1]), flush=True)
+                    continue
                 phases = {}
                 for phase in (*PHASES, "other", "wall_s"):
                     ms = 1e3 * statistics.fmean(r[phase] for r in records)
@@ -304,8 +346,9 @@ def main() -> None:
                 floor_sum = sum(row["floor_ms"] for p, row in phases.items() if "floor_ms" in row and row["ms"] > 0)
                 phases["step"]["floor_ms"] = round(floor_sum, 3)
                 phases["step"]["x_floor"] = round(phases["step"]["ms"] / floor_sum, 2)
-                cell = {"model": shape, "setting": f"{args.prompts}x{args.generations}, {args.prompt_length}+{new_tokens}",
-                        "variant": variant, "overrides": overrides, "params": floor["params"], "tokens": floor["tokens"],
+                cell |= {"micro_batch": profile.actor.ppo_micro_batch_size_per_gpu,
+                         "gradient_checkpointing": profile.model.enable_gradient_checkpointing,
+                         "params": floor["params"], "tokens": floor["tokens"],
                         "tokens_per_s": round(args.prompts * args.generations * new_tokens / phases["step"]["ms"] * 1e3, 1),
                         "phases": phases, "steps_timed": len(records),
                         "peak_gib": {"measured": max((r["peak_gib"] for r in records if "peak_gib" in r), default=None),

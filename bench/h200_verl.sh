@@ -99,7 +99,10 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
       kill -0 "$pid" 2>/dev/null || { echo "the first flow ended before step 3"; tail -5 "$OUT/kill9-first.log"; exit 1; }
       sleep 2
     done
-    kill -9 "$pid"
+    # $pid is the subshell that runs `flow`; the flow's own process is its child (env execs python3). The
+    # H100 loan of 2026-12-07 killed only the subshell: the flow lived on, and the rerun was refused, its run
+    # folder in use by a live run.
+    kill -9 $(pgrep -P "$pid") "$pid"
     sleep 20  # the job trains on while no flow follows it
     flow kill9 verl --ray-address "$HEAD" "${FAILING[@]}" --set "$ENTRY" --stages fetch_dataset,prepare_checkpoint,train 2>&1 | tee "$OUT/kill9-rerun.log" | tail -15
     env $FLOW_ENV python3 bench/verl_real.py steps-once "$RUNS/kill9" 12 | tee -a "$OUT/failures.txt" ;;

@@ -21,6 +21,7 @@ import pytest
 import ray
 from safetensors.torch import load_file
 
+from grpo_pipeline.backends.base import TrainingInterrupted
 from grpo_pipeline.backends.guards import GuardTripped
 from grpo_pipeline.backends.local.checkpoints import latest_step
 from grpo_pipeline.backends.local.driver import train_local
@@ -142,13 +143,36 @@ def _settings(tmp_path: Path, model_store: Path, run: str, *overrides: str):
                                generation=plan_generation(profile))
 
 
-def _train(settings, batches: Path, **fault_env):
+def _attempt(settings, batches: Path, on_start=lambda max_steps, resumed_from: None, **fault_env):
     ray.init(address="local", runtime_env=faults(OBSERVE_BATCHES=batches, **fault_env), log_to_driver=False,
              include_dashboard=False)
     try:
-        return train_local(settings, None, None)
+        return train_local(settings, None, None, on_start=on_start)
     finally:
         ray.shutdown()
+
+
+# Ray 2.60's placement-group cleaner takes a controller the State API does not answer for as dead and removes
+# its live group (ray-project/ray#65447): seen once on a loaded CI machine, where the train stage's retry
+# resumes from the latest checkpoint. A test that expects a run to finish retries that failure as the stage does.
+RAYS_CLEANER_RACE = "placement group was removed"
+
+
+def _train(settings, batches: Path, started: list | None = None, **fault_env):
+    """Train to the end, as the train stage would (a retry of Ray's race above only); `started` hears the
+    step each attempt resumed from."""
+    started = [] if started is None else started
+
+    def heard(max_steps, resumed_from):
+        started.append(resumed_from)
+
+    try:
+        return _attempt(settings, batches, heard, **fault_env)
+    except TrainingInterrupted as exc:
+        if RAYS_CLEANER_RACE not in str(exc.__cause__):
+            raise
+        print(f"retried as the train stage would: {exc}")
+        return _attempt(settings, batches, heard, **fault_env)
 
 
 def _batches(path: Path) -> dict[int, list[str]]:
@@ -159,7 +183,7 @@ def _batches(path: Path) -> dict[int, list[str]]:
 def _crash(settings, batches: Path, step: int, **fault_env) -> None:
     """A worker lost at `step`: the attempt ends (it would be retried) with its checkpoints."""
     with pytest.raises(Exception, match=r"training stopped"):
-        _train(settings, batches, FAULT_CRASH_AT_STEP=step, **fault_env)
+        _attempt(settings, batches, FAULT_CRASH_AT_STEP=step, **fault_env)
 
 
 def test_a_resume_continues_the_data_where_it_stopped_mid_epoch_and_at_an_epoch_boundary(tmp_path, model_store):
@@ -173,7 +197,9 @@ def test_a_resume_continues_the_data_where_it_stopped_mid_epoch_and_at_an_epoch_
     for crash_at, checkpoint in ((5, 4), (7, 6)):  # step 4 is mid-epoch 2; step 6 ends epoch 2
         _crash(resumed, batches, crash_at)
         assert latest_step(resumed.checkpoints) == checkpoint
-    assert _train(resumed, batches).resumed_from == 6
+    started = []
+    assert _train(resumed, batches, started).steps_done == 9
+    assert started[0] == 6
     seen = _batches(batches)
     assert seen[5] == expected[5] and seen[7] == expected[7]  # the first batch after each resume
     assert seen == expected
