@@ -1,9 +1,13 @@
 """Faults injected into the local backend's Ray Train workers, through the real training path, for the
 guards' tests (tests/e2e/test_local_guards.py): Ray's `worker_process_setup_hook` runs `install` first in
-every worker process of the run, and each fault is switched on by a variable of the run's environment.
+every worker process of the run, and each fault is switched on by a variable of the run's environment. A
+fault changes its module (TRL's GRPOTrainer, the data order, the native decoder) as the process imports it.
 
-    runtime_env = faults(FAULT_NAN_LOSS_FROM_STEP=3)   # then train_local(settings, runtime_env, None)
-    python tests/worker_faults.py FAULT_NAN_LOSS_FROM_STEP=3 -- --model tiny --device cpu   # the command line
+    join(address, FAULT_NAN_LOSS_FROM_STEP=3)   # then train_local(settings, None, None), which runs on it
+    python tests/worker_faults.py ADDRESS FAULT_NAN_LOSS_FROM_STEP=3 -- --model tiny --device cpu   # the command line
+
+A run joins a Ray already started (the tests' one local Ray, `ray.cluster_utils.Cluster`) as a job of its own:
+Ray gives the job's runtime_env, and so its faults, to that job's workers only.
 
 - FAULT_NAN_LOSS_FROM_STEP=N: the GRPO loss of step N and later is multiplied by NaN (the backward pass,
   the gradient norm and the optimizer step see it as a diverged update would make them);
@@ -17,24 +21,76 @@ every worker process of the run, and each fault is switched on by a variable of 
 
 from __future__ import annotations
 
+import importlib.abc
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
+from functools import partial
+
+# How long a run waits for the jobs before it to let go of the Ray's CPUs (their workers end with their
+# driver, within seconds): a bound on a leftover, never a timing.
+CPUS_FREED_WITHIN_S = 300
+
+# Where what the faults change is defined: each is changed as its module is imported.
+GRPO_TRAINER = "trl.trainer.grpo_trainer"
+DATA_ORDER = "grpo_pipeline.backends.local.data_order"
+DECODING = "grpo_pipeline.generation.decoding"
 
 
 def install() -> None:
     if step := os.environ.get("FAULT_NAN_LOSS_FROM_STEP"):
-        _nan_loss_from(int(step))
+        _once_imported(GRPO_TRAINER, partial(_nan_loss_from, step=int(step)))
     if step := os.environ.get("FAULT_CRASH_AT_STEP"):
-        _crash_at(int(step))
+        _once_imported(GRPO_TRAINER, partial(_crash_at, step=int(step)))
     if os.environ.get("FAULT_TRL_SAMPLER"):
-        from grpo_pipeline.backends.local import data_order
-
-        data_order.epoch_seeded = lambda drawn: drawn  # TRL's sampler as drawn
+        _once_imported(DATA_ORDER, _trl_sampler)
     if os.environ.get("FAULT_STALE_ROLLOUT_WEIGHTS"):
-        _stale_rollout_weights()
+        _once_imported(DECODING, _stale_rollout_weights)
     if path := os.environ.get("OBSERVE_BATCHES"):
-        _observe_batches(path)
+        _once_imported(GRPO_TRAINER, partial(_observe_batches, path=path))
+
+
+# The changes still to make in this process, by the module they wait for.
+_PENDING: dict[str, list[Callable]] = {}
+
+
+def _once_imported(name: str, change: Callable) -> None:
+    """`change(module)` as soon as module `name` has run in this process (at once if it has). The hook runs
+    in every worker process of the job, Ray Train's controller and helper actors too, and only the
+    training worker imports TRL: importing it here for all of them cost each one ~9 s of CPU, the
+    controller's on the way to starting the workers."""
+    if name in sys.modules:
+        change(sys.modules[name])
+        return
+    if not _PENDING:
+        sys.meta_path.insert(0, _ChangeOnImport())
+    _PENDING.setdefault(name, []).append(change)
+
+
+class _ChangeOnImport(importlib.abc.MetaPathFinder):
+    """Finds no module itself: the loader the other finders find for a module a change waits for makes the
+    changes right after the module has run, before whoever imports it gets it."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in _PENDING:
+            return None
+        found = (finder.find_spec(fullname, path, target) for finder in sys.meta_path
+                 if finder is not self and hasattr(finder, "find_spec"))
+        spec = next((spec for spec in found if spec is not None), None)
+        if spec is not None:
+            spec.loader.exec_module = _then(spec.loader.exec_module, _PENDING.pop(fullname))
+        return spec
+
+
+def _then(run: Callable, changes: list[Callable]) -> Callable:
+    def run_and_change(module) -> None:
+        run(module)
+        for change in changes:
+            change(module)
+
+    return run_and_change
 
 
 def faults(**variables) -> dict:
@@ -46,9 +102,23 @@ def faults(**variables) -> dict:
     return {"worker_process_setup_hook": install, "env_vars": {name: str(value) for name, value in variables.items()}}
 
 
-def _nan_loss_from(step: int) -> None:
-    from trl import GRPOTrainer
+def join(address: str, **variables) -> None:
+    """Join the Ray at `address` with these faults, once every CPU of it is free: a worker of the run before
+    (its driver gone) still holding one would leave this run's workers waiting on Ray's queue."""
+    import ray
 
+    ray.init(address=address, runtime_env=faults(**variables), log_to_driver=False)
+    deadline = time.monotonic() + CPUS_FREED_WITHIN_S
+    while (free := ray.available_resources().get("CPU", 0)) < (cpus := ray.cluster_resources().get("CPU", 0)):
+        if time.monotonic() > deadline:
+            ray.shutdown()
+            raise RuntimeError(f"the Ray at {address} still has {cpus - free:g} of its {cpus:g} CPUs taken after "
+                               f"{CPUS_FREED_WITHIN_S} s: a run before this one left workers behind")
+        time.sleep(0.2)
+
+
+def _nan_loss_from(module, step: int) -> None:
+    GRPOTrainer = module.GRPOTrainer
     compute_loss = GRPOTrainer.compute_loss
 
     def poisoned(self, model, inputs, *args, **kwargs):
@@ -58,9 +128,8 @@ def _nan_loss_from(step: int) -> None:
     GRPOTrainer.compute_loss = poisoned
 
 
-def _crash_at(step: int) -> None:
-    from trl import GRPOTrainer
-
+def _crash_at(module, step: int) -> None:
+    GRPOTrainer = module.GRPOTrainer
     training_step = GRPOTrainer.training_step
 
     def crashing(self, *args, **kwargs):
@@ -71,9 +140,12 @@ def _crash_at(step: int) -> None:
     GRPOTrainer.training_step = crashing
 
 
-def _stale_rollout_weights() -> None:
-    from grpo_pipeline.generation.decoding import NativeDecoder
+def _trl_sampler(module) -> None:
+    module.epoch_seeded = lambda drawn: drawn  # TRL's sampler as drawn
 
+
+def _stale_rollout_weights(module) -> None:
+    NativeDecoder = module.NativeDecoder
     refresh = NativeDecoder._refresh_weights
 
     def once(self):
@@ -84,9 +156,8 @@ def _stale_rollout_weights() -> None:
     NativeDecoder._refresh_weights = once
 
 
-def _observe_batches(path: str) -> None:
-    from trl import GRPOTrainer
-
+def _observe_batches(module, path: str) -> None:
+    GRPOTrainer = module.GRPOTrainer
     generate_and_score = GRPOTrainer._generate_and_score_completions
 
     def observed(self, inputs):
@@ -100,13 +171,10 @@ def _observe_batches(path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """`NAME=VALUE ... -- ARGS`: the command line (`python -m grpo_pipeline ARGS`) on a local Ray started
-    here with these faults (the run joins the Ray this process already has)."""
-    import ray
-
+    """`ADDRESS NAME=VALUE ... -- ARGS`: the command line (`python -m grpo_pipeline ARGS`) on the local Ray at
+    ADDRESS, joined here with these faults (the run uses the Ray this process already has)."""
     split = argv.index("--")
-    variables = dict(item.split("=", 1) for item in argv[:split])
-    ray.init(address="local", runtime_env=faults(**variables), log_to_driver=False, include_dashboard=False)
+    join(argv[0], **dict(item.split("=", 1) for item in argv[1:split]))
     from grpo_pipeline.flows.grpo import main as command_line
 
     return command_line(argv[split + 1:])
