@@ -12,7 +12,7 @@
 #          python3 bench/verl_carry.py install --part .whl-verl/part7 && bash bench/h200_verl.sh check \
 #              && bash bench/h200_verl.sh session && WAIT=480 bash bench/h200_verl.sh wait
 #          WAIT=560 bash bench/h200_verl.sh wait                 # again until "== session: done"
-# Each run is also a command of its own: check, cluster, verl, override, local, collect, kill9, stop, decode.
+# Each run is also a command of its own: check, cluster, verl, override, local, collect, kill9, stop, native, decode.
 # The step breakdown alone needs neither verl nor Prefect: one call carrying Ray and the flow's wheels less
 # Prefect's stack (prefect, cryptography, sqlalchemy, asyncpg, apprise, redis, burner_redis, greenlet,
 # whenever, dateparser, pendulum, alembic) as .whl/step (58 MiB), then
@@ -126,8 +126,14 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
         --stages fetch_dataset,prepare_checkpoint,train > "$OUT/override.log" 2>&1
     echo "flow exit: $?" | tee -a "$OUT/failures.txt"
     grep -o "failed on its configuration: .*" "$OUT/override.log" | head -1 | tee -a "$OUT/failures.txt" ;;
+  native)
+    # The native decoder and the floor on this card, for `decode` to set vLLM beside (the H100 loan of
+    # 2026-12-07 had only the H200's numbers to compare with: two cards in one ratio).
+    SKIP=current,cache bash bench/h200.sh decode ;;
   decode)
-    env PYTHONPATH="/tmp/site-verl:$PWD" python3 bench/bench_vllm_decode.py ${MODELS:+--models "$MODELS"} \
+    floor=${FLOOR:-$OUT/decode-floor.json}  # `native`'s, from this card; else the H200's stored cells
+    [ -f "$floor" ] || floor=bench/results-h200-decode-floor.json
+    env PYTHONPATH="/tmp/site-verl:$PWD" python3 bench/bench_vllm_decode.py --floor "$floor" ${MODELS:+--models "$MODELS"} \
         ${RESUME:+--resume "$RESUME"} --out "$OUT/vllm-decode.json" ;;
   session)
     # Every run above in order, as a daemon that outlives the device call (setsid), into $KEEP; `wait`
@@ -156,6 +162,6 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
     (cd "$KEEP/out" && tar czf "$OUT/logs.tgz" --exclude='*.png' . ) || true
     ls -la "$OUT" ;;
   *)
-    echo "usage: bash bench/h200_verl.sh check|local|cluster|verl|collect|kill9|stop|override|decode|session|wait" >&2
+    echo "usage: bash bench/h200_verl.sh check|local|cluster|verl|collect|kill9|stop|override|native|decode|session|wait" >&2
     exit 2 ;;
 esac
