@@ -57,22 +57,32 @@ SHAPES = {  # Qwen3 shapes: hidden, MLP, layers, attention heads, KV heads (head
                        num_key_value_heads=8, head_dim=128),
     "qwen3-4b": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=128),
+    # Qwen3 up to 4B ties the head to the embedding; 8B does not.
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
 }
 MAX_POSITIONS = 8192
 LENT_H100_GIB = 79.18  # torch's total_memory of the lent H100 80GB HBM3 (2026-12-07)
 FILLER = " Read the problem again and keep every number in mind."
 
 
+def shape_config(shape: str, vocab: int, tokenizer):
+    """The Qwen3 config of a shape, with the bench's vocabulary and context and the tiny tokenizer's ids."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{"tie_word_embeddings": True, **SHAPES[shape]}, vocab_size=vocab,
+                       max_position_embeddings=MAX_POSITIONS, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
+
+
 def make_model(shape: str, vocab: int, out: Path, dtype: str, device: str):
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM
 
     from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(512, seed=0)
-    # Qwen3 up to 4B ties the head to the embedding.
-    config = Qwen3Config(vocab_size=vocab, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **SHAPES[shape])
+    config = shape_config(shape, vocab, tokenizer)
     torch.manual_seed(0)
     with torch.device(device):  # a 4B model's random init takes minutes on the host
         model = Qwen3ForCausalLM._from_config(config, dtype=getattr(torch, dtype))
@@ -180,17 +190,13 @@ def step_profile(args, model_dir: Path, overrides: list[str]):
 def dry_run(args, variants: list[tuple[str, list[str]]], settings: list[tuple[str, int]], work: Path) -> int:
     """Every cell's profile planned from a config-only copy of each shape (no weights): what the GPU
     command would refuse minutes into a lease is refused here, on the CPU."""
-    from transformers import Qwen3Config
-
     from grpo_pipeline.data.builtin_models import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(512, seed=0)
     cells = 0
     for shape in args.model.split(","):
         model_dir = work / shape
-        Qwen3Config(vocab_size=args.vocab, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                    **SHAPES[shape]).save_pretrained(model_dir)
+        shape_config(shape, args.vocab, tokenizer).save_pretrained(model_dir)
         tokenizer.save_pretrained(model_dir)
         for _, new_tokens in settings:
             args.completion_length = new_tokens
@@ -208,10 +214,15 @@ def dry_run(args, variants: list[tuple[str, list[str]]], settings: list[tuple[st
     return cells
 
 
+class OutOfMemory(Exception):
+    """The device ran out of memory in a cell's step."""
+
+
 def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir: Path, train_file: Path,
                 work: Path) -> tuple[list[dict], float | None, object]:
     import ray
 
+    from grpo_pipeline.backends.base import TrainingInterrupted
     from grpo_pipeline.backends.local.driver import train_local
 
     overrides = step_overrides(args, overrides)
@@ -222,10 +233,37 @@ def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir:
     settings = settings.model_copy(update={"phase_timing": True, "grpo": full_length})  # every completion full length
     try:
         train_local(settings, None, None, run_name="bench-step")
+    except TrainingInterrupted as exc:
+        if "OutOfMemoryError" not in str(exc):
+            raise
+        raise OutOfMemory(f"out of memory at micro batch {profile.actor.ppo_micro_batch_size_per_gpu}: {exc}"[:300]) from exc
     finally:
         ray.shutdown()
     records = [json.loads(line) for line in (run_dir / RunFolder.PHASES).read_text().splitlines()]
     return records[args.warmup:], predicted_peak_gib(profile, settings), profile
+
+
+def probe_larger(args, shape: str, variant: str, overrides: list[str], profile, model_dir: Path, train_file: Path,
+                 work: Path) -> dict | None:
+    """The planner's next micro batch (the candidates it chose among) run anyway, the planner not asked: does
+    the largest it said fits end where the device does? None where the planner's was the largest candidate."""
+    from grpo_pipeline.backends.local.sizing import micro_batch_candidates
+
+    micro = profile.actor.ppo_micro_batch_size_per_gpu
+    larger = [m for m in micro_batch_candidates(profile) if m > micro]
+    if not larger:
+        return None
+    pinned = [*overrides, f"actor.ppo_micro_batch_size_per_gpu={larger[0]}",
+              f"model.enable_gradient_checkpointing={str(profile.model.enable_gradient_checkpointing).lower()}"]
+    sized_for, args.device_gib = args.device_gib, None  # step_profile sizes nothing without a device size
+    try:
+        records, planned, _ = run_variant(args, shape, f"{variant}-next", pinned, model_dir, train_file, work)
+    except OutOfMemory:
+        return {"micro_batch": larger[0], "outcome": "out of memory"}
+    finally:
+        args.device_gib = sized_for
+    measured = max((r["peak_gib"] for r in records if "peak_gib" in r), default=None)
+    return {"micro_batch": larger[0], "outcome": "fits", "peak_gib": {"measured": measured, "planned": planned}}
 
 
 def predicted_peak_gib(profile, settings) -> float | None:
@@ -279,6 +317,8 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="a profile override for every variant")
     parser.add_argument("--variant", action="append", default=[],
                         help="NAME=override[,override...]: run each model with these too (default: one run as is)")
+    parser.add_argument("--probe-larger", action="store_true", help="after each cell, run the next larger micro batch "
+                        "the planner chose among, unsized: out of memory there confirms the planner's largest")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--dry-run", action="store_true", help="plan every cell from config-only models and stop")
     parser.add_argument("--table", type=Path, help="print the markdown table of a results file and stop")
@@ -331,7 +371,7 @@ def main() -> None:
                 try:
                     records, predicted_gib, profile = run_variant(args, shape, f"{setting}-{variant}", overrides,
                                                                   model_dir, train_file, work)
-                except CellDoesNotFit as exc:  # the planner's word, recorded; the other cells still run
+                except (CellDoesNotFit, OutOfMemory) as exc:  # recorded; the other cells still run
                     result["cells"].append({**cell, "fits": False, "why": str(exc)})
                     print(json.dumps(result["cells"][-1]), flush=True)
                     continue
@@ -353,6 +393,9 @@ def main() -> None:
                         "phases": phases, "steps_timed": len(records),
                         "peak_gib": {"measured": max((r["peak_gib"] for r in records if "peak_gib" in r), default=None),
                                      "planned": predicted_gib}}
+                if args.probe_larger:
+                    cell["next_micro_batch"] = probe_larger(args, shape, f"{setting}-{variant}", overrides, profile,
+                                                            model_dir, train_file, work)
                 result["cells"].append(cell)
                 print(json.dumps(cell), flush=True)
                 if args.out:

@@ -11,6 +11,8 @@
 #                                   # SEGMENTS=step bash bench/h200_verl.sh session, then its `wait` (STEP_MODELS=...);
 #                                   # DRY=1: every cell planned from config-only models, nothing run (the CPU test)
 #   bash bench/h200.sh current      # the current path's cells a decode-floor results file lacks (RESUME=file)
+#   bash bench/h200.sh lora         # the LoRA table: full and LoRA r16 at Qwen3 0.6B-8B, planned vs measured peak and
+#                                   # largest micro batch (DRY=1: planned on the CPU; in a session: SEGMENTS=lora)
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 RAY_AUTH_MODE=disabled PREFECT_SERVER_ANALYTICS_ENABLED=false \
        HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -32,6 +34,12 @@ case "$1" in
     python3 bench/bench_grpo_step.py --device gpu --model "${MODELS:-qwen3-0.6b,qwen3-1.7b,qwen3-4b}" --prompts 16 \
         --generations 8 --prompt-length 256 --completion-length 1024 --short "${SHORT:-128}" --steps "${STEPS:-5}" --warmup 2 \
         ${VARIANTS:-} ${DRY:+--dry-run} --out "$OUT/grpo-step.json" ;;
+  lora)
+    # The LoRA table: full training and LoRA r16 at each shape's planned micro batch (peak beside the plan), then
+    # the next larger one run unsized (out of memory there: the planner's largest is the device's).
+    python3 bench/bench_grpo_step.py --device gpu --model "${MODELS:-qwen3-0.6b,qwen3-1.7b,qwen3-4b,qwen3-8b}" --prompts 16 \
+        --generations 8 --prompt-length 256 --completion-length 1024 --short 0 --steps 3 --warmup 1 \
+        --variant full= --variant lora=lora.rank=16 --probe-larger ${DRY:+--dry-run} --out "$OUT/lora-table.json" ;;
   current)
     python3 bench/bench_decode_floor.py --resume "$RESUME" --deadline "${DEADLINE:-300}" --out "$OUT/decode-floor.json" \
         ${CURRENT_ARGS:-} ;;

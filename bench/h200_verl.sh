@@ -146,6 +146,7 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
     setsid bash -c "for segment in ${SEGMENTS:-cluster verl collect local collect override kill9 stop step decode}; do
         started=\$(date +%s); echo \"== \$segment: start \$(date +%T)\" >> $KEEP/session.log
         if [ \$segment = step ]; then OUT=$KEEP/out MODELS=\${STEP_MODELS:-qwen3-0.6b,qwen3-1.7b,qwen3-4b} timeout 900 bash bench/h200.sh step
+        elif [ \$segment = lora ]; then OUT=$KEEP/out timeout 1500 bash bench/h200.sh lora
         else OUT=$KEEP/out timeout 1200 bash bench/h200_verl.sh \$segment; fi >> $KEEP/session.log 2>&1
         echo \"== \$segment: exit \$? after \$(( \$(date +%s) - started )) s\" >> $KEEP/session.log
       done; echo '== session: done' >> $KEEP/session.log" > /dev/null 2>&1 < /dev/null &

@@ -148,6 +148,12 @@ def test_the_step_breakdowns_gpu_command_passes_its_dry_run(tmp_path):
     assert "dry run: 4 cells planned" in planned.stdout
     assert "qwen3-1.7b 256+1024 as-is: micro batch" in planned.stdout
     assert "qwen3-4b 256+1024 as-is: does not fit: micro batch 1 needs" in planned.stdout
+    # The LoRA table's command: full training and LoRA r16 at Qwen3 0.6B-8B, sized for the H100 the same way.
+    lora = subprocess.run(["bash", "bench/h200.sh", "lora"], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=600)
+    assert lora.returncode == 0, lora.stderr[-2000:]
+    assert "dry run: 6 cells planned" in lora.stdout and "qwen3-8b 256+1024 lora: micro batch" in lora.stdout
+    assert "qwen3-8b 256+1024 full: does not fit" in lora.stdout
     refused = subprocess.run([sys.executable, "bench/bench_grpo_step.py", "--device", "gpu", "--model", "qwen3-0.6b",
                               "--completion-length", "9000", "--dry-run"], env=env, cwd=root, capture_output=True,
                              text=True, timeout=600)

@@ -24,6 +24,7 @@ from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
 from grpo_pipeline.stages.model import ModelSpec, prepare_model
 from grpo_pipeline.run.folder import RunFolder
+from stage_retry import like_the_stage, steps_heard
 
 LEARNABLE = f"{Path(__file__).resolve().parents[1] / 'learnable_reward.py'}:digit_share"
 
@@ -46,7 +47,7 @@ def test_two_workers_learn_the_reward(tmp_path, stores):
     _, settings = settings_for(tmp_path, stores, steps=30, save_freq=10, run="learn")
     seen = []
     try:
-        result = train_local(settings, None, None, on_step=seen.append)
+        result = like_the_stage(lambda: train_local(settings, None, None, on_step=seen.append, on_start=steps_heard(seen)))
     finally:
         ray.shutdown()
     assert result.steps_done == 30 and not result.already_complete and result.resumed_from is None
@@ -80,7 +81,7 @@ def test_the_fast_rollout_path_records_every_step_of_a_generation_round(tmp_path
     settings = plan_local_training(profile, data.train_files, model.path, tmp_path / "fast", devices_here=1,
                                   generation=plan_generation(profile)).model_copy(update={"phase_timing": True})
     try:
-        result = train_local(settings, None, None)
+        result = like_the_stage(lambda: train_local(settings, None, None))
     finally:
         ray.shutdown()
     assert result.steps_done == 4

@@ -27,7 +27,6 @@ import ray
 from ray.cluster_utils import Cluster
 from safetensors.torch import load_file
 
-from grpo_pipeline.backends.base import TrainingInterrupted
 from grpo_pipeline.backends.guards import GuardTripped
 from grpo_pipeline.backends.local.checkpoints import latest_step
 from grpo_pipeline.backends.local.driver import train_local
@@ -39,6 +38,7 @@ from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
 from grpo_pipeline.stages.model import ModelSpec, prepare_model
+from stage_retry import like_the_stage
 from tracker_readers import tensorboard_scalars
 from worker_faults import join
 
@@ -200,24 +200,17 @@ def _settings(run_root: Path, data_root: Path, model_store: Path, run: str, *ove
                                generation=plan_generation(profile))
 
 
-# Ray 2.60's placement-group cleaner takes a controller the State API does not answer for as dead and removes
-# its live group (ray-project/ray#65447): seen on a loaded machine, where the train stage's retry resumes from
-# the latest checkpoint. An attempt here retries that failure, and only that one, as the stage would.
-RAYS_CLEANER_RACE = "placement group was removed"
-
-
 def _attempt(local_ray: str, settings, batches: Path, on_start=lambda max_steps, resumed_from: None, **fault_env):
-    """One training attempt on the module's Ray with these faults, its batches observed into `batches`."""
-    for retries_left in (1, 0):
+    """One training attempt on the module's Ray with these faults, its batches observed into `batches` (Ray's
+    cleaner race retried, as the stage would: tests/stage_retry.py)."""
+    def once():
         join(local_ray, OBSERVE_BATCHES=batches, **fault_env)
         try:
             return train_local(settings, None, None, on_start=on_start)
-        except TrainingInterrupted as exc:
-            if not retries_left or RAYS_CLEANER_RACE not in str(exc.__cause__):
-                raise
-            print(f"retried as the train stage would: {exc}")
         finally:
             ray.shutdown()
+
+    return like_the_stage(once)
 
 
 def _train(local_ray: str, settings, batches: Path, started: list | None = None, **fault_env):

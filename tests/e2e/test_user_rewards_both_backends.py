@@ -10,6 +10,7 @@ import pytest
 from ray.job_submission import JobSubmissionClient
 
 from reward_files import TRL_STYLE, VERL_STYLE, write
+from stage_retry import like_the_stage, steps_heard
 from verl_cluster import flow_process, npu_cluster, steps_in
 from grpo_pipeline.backends.local.driver import train_local
 from grpo_pipeline.backends.local.settings import plan_local_training
@@ -37,7 +38,7 @@ def test_the_local_backend_trains_with_both_and_logs_each_and_the_extras(tmp_pat
                                    generation=plan_generation(profile))
     seen = []
     try:
-        result = train_local(settings, None, None, on_step=seen.append)
+        result = like_the_stage(lambda: train_local(settings, None, None, on_step=seen.append, on_start=steps_heard(seen)))
     finally:
         ray.shutdown()
     assert result.steps_done == 2 and [record.step for record in seen] == [1, 2]
