@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ray._private.utils import write_ray_address
 from ray.cluster_utils import Cluster
 
 from grpo_pipeline.backends.metrics import read_metrics
@@ -43,11 +44,16 @@ def npu_cluster(nodes: int = 2, images: list[dict[str, str]] | None = None) -> C
     which the preflight passes. `ordered_nodes`: the nodes in the order of `images`."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     images = images or [node_image(Path(tempfile.mkdtemp(prefix="node-image-")))] * nodes
+    # Ray's job supervisor starts a job's entrypoint against the cluster that `ray_current_cluster` in the node's
+    # temp dir names: in the shared /tmp/ray, the Ray started last on this host, by any test or run (a job then
+    # ran on another cluster and failed there). A temp dir of the cluster's own names this cluster only.
+    temp_dir = tempfile.mkdtemp(prefix="ray-")
     made = Cluster(initialize_head=True, head_node_args={**FREE_PORTS, "num_cpus": 2, "resources": {"NPU": 1}, "env_vars": images[0],
-                                                         "include_dashboard": True})
+                                                         "include_dashboard": True, "temp_dir": temp_dir})
+    write_ray_address(made.gcs_address, temp_dir)
     made.ordered_nodes = [made.head_node]
     for image in images[1:]:
-        made.ordered_nodes.append(made.add_node(num_cpus=2, resources={"NPU": 1}, env_vars=image))
+        made.ordered_nodes.append(made.add_node(num_cpus=2, resources={"NPU": 1}, env_vars=image, temp_dir=temp_dir))
     made.wait_for_nodes()
     return made
 

@@ -5,17 +5,19 @@ job carried)."""
 
 from __future__ import annotations
 
+import json
+
 import ray
 import pytest
-from ray.job_submission import JobSubmissionClient
 
 from reward_files import TRL_STYLE, VERL_STYLE, write
 from stage_retry import like_the_stage, steps_heard
-from verl_cluster import flow_process, npu_cluster, steps_in
+from verl_cluster import flow_process, steps_in, submissions
 from grpo_pipeline.backends.local.driver import train_local
 from grpo_pipeline.backends.local.settings import plan_local_training
 from grpo_pipeline.generation.plan import plan_generation
 from grpo_pipeline.rewards.plan import RewardParts, RewardPlan, batch_of
+from grpo_pipeline.run.folder import RunFolder
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
 from grpo_pipeline.stages.model import ModelSpec, prepare_model
 from grpo_pipeline.stages.plan import resolve_profile
@@ -28,9 +30,8 @@ def functions(tmp_path) -> str:
     return f"reward.functions=[{{path: '{verl_file}:compute_score', weight: 0.5}}, '{trl_file}:digit_share']"
 
 
-def test_the_local_backend_trains_with_both_and_logs_each_and_the_extras(tmp_path):
-    overrides = [f"data.root={tmp_path / 'data'}", f"model.root={tmp_path / 'models'}", "trainer.total_training_steps=2",
-                 "trainer.save_freq=2", functions(tmp_path)]
+def test_the_local_backend_trains_with_both_and_logs_each_and_the_extras(stores, tmp_path):
+    overrides = [*stores, "trainer.total_training_steps=2", "trainer.save_freq=2", functions(tmp_path)]
     profile = resolve_profile("tiny", "cpu", overrides=overrides)
     data = fetch_dataset(DataSpec.from_profile(profile.data))
     model = prepare_model(ModelSpec.from_profile(profile.model))
@@ -51,28 +52,22 @@ def test_the_local_backend_trains_with_both_and_logs_each_and_the_extras(tmp_pat
                                                    + parts["rewards/digit_share/mean"], abs=1e-5)
 
 
-def test_the_verl_backend_renders_verls_keys_and_its_job_scores_with_the_carried_files(tmp_path):
-    ray.shutdown()
-    cluster = npu_cluster()
-    try:
-        flow = flow_process(cluster.address, tmp_path, "rewards", functions(tmp_path), "trainer.total_training_steps=2",
-                            stages="fetch_dataset,prepare_checkpoint,train")
-        output, _ = flow.communicate(timeout=900)
-        assert flow.returncode == 0, output[-3000:]
-        run_dir = tmp_path / "rewards"
-        assert steps_in(run_dir / "metrics.jsonl") == [1, 2]
-        jobs = JobSubmissionClient(cluster.address)
-        job = next(j for j in jobs.list_jobs() if (j.metadata or {}).get("run_name") == "rewards")
-        assert 'reward.custom_reward_function.path="pkg://grpo_pipeline.rewards.verl_entry"' in job.entrypoint
-        assert "reward compute_score (verl style, weight 0.5)" in output  # the check before the submit
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+def test_the_verl_backend_renders_verls_keys_and_its_job_scores_with_the_carried_files(world, cluster, jobs, tmp_path):
+    api_url, stores = world
+    flow = flow_process(cluster.address, tmp_path, "rewards", functions(tmp_path), "trainer.total_training_steps=2",
+                        stages="fetch_dataset,prepare_checkpoint,train", stores=stores, api_url=api_url)
+    output, _ = flow.communicate(timeout=900)
+    assert flow.returncode == 0, output[-3000:]
+    run_dir = tmp_path / "rewards"
+    assert steps_in(run_dir / "metrics.jsonl") == [1, 2]
+    (job,) = submissions(jobs, "rewards")
+    assert 'reward.custom_reward_function.path="pkg://grpo_pipeline.rewards.verl_entry"' in job.entrypoint
+    assert "reward compute_score (verl style, weight 0.5)" in output  # the check before the submit
     # The job's reward is the plan's on the stand-in's responses (the even ones state the truth).
     import pyarrow.parquet as pq
     from grpo_pipeline.backends.metrics import read_metrics
 
-    data_file = next((tmp_path / "data").rglob("train.parquet"))
+    (data_file,) = json.loads((run_dir / RunFolder.DATASET).read_text())["train_files"]
     rows = pq.read_table(data_file).to_pylist()[:8]
     texts = [f"The answer is \\boxed{{{row['reward_model']['ground_truth']}}}." if j % 2 == 0 else "I am not sure."
              for row in rows for j in range(4)]

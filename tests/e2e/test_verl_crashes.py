@@ -1,9 +1,9 @@
 """The verl job path under crashes, on a real 2-node Ray cluster: the flow process killed outright
 mid-job and run again, and the cluster's head killed outright mid-job.
 
-The flow runs as a user runs it (`python -m grpo_pipeline`, a subprocess), the job as the stand-in
-entrypoint (tests/verl_stand_in.py), held before a step by its gate file, so each kill lands mid-job
-whatever the machine's load.
+The flow runs as a user runs it (`python -m grpo_pipeline`, a subprocess, with the session's Prefect API
+and stores: neither is what is tested), the job as the stand-in entrypoint (tests/verl_stand_in.py), held
+before a step by its gate file, so each kill lands mid-job whatever the machine's load.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.job_submission import JobSubmissionClient
 
 from grpo_pipeline.backends.verl.job import LOST, read_record
 from verl_cluster import EVENT_WAIT_S, flow_process, npu_cluster, steps_in, submissions, wait_for
@@ -27,28 +26,29 @@ def _verl_steps(run_dir: Path) -> list[int]:
 
 
 @pytest.fixture
-def cluster():
-    """A cluster of the test's own: one of them kills its head."""
+def own_cluster():
+    """A standard cluster of the test's own: the test kills its head."""
     ray.shutdown()
     made = npu_cluster()
     yield made
     made.shutdown()
 
 
-def test_a_flow_killed_mid_job_and_run_again_records_every_step_once(cluster, tmp_path):
+def test_a_flow_killed_mid_job_and_run_again_records_every_step_once(world, cluster, jobs, gate, tmp_path):
     """kill -9 of the flow at step 2; the job goes on to step 12 alone; the flow runs again and
-    follows it (the steps it missed first), is killed again, and runs once more after the job ended."""
-    jobs, gate, run_dir = JobSubmissionClient(cluster.address), tmp_path / "gate", tmp_path / "killed"
+    follows it (the steps it missed first), is killed again, and runs once more after the job ended.
+    (The session's standard cluster: killing the flow leaves the cluster as it was.)"""
+    (api_url, stores), run_dir = world, tmp_path / "killed"
     gate.write_text("2")
     settings = (f"env.STAND_IN_GATE={gate}", "trainer.total_training_steps=20")
-    flow = flow_process(cluster.address, tmp_path, "killed", *settings)
+    flow = flow_process(cluster.address, tmp_path, "killed", *settings, stores=stores, api_url=api_url)
     wait_for(lambda: steps_in(run_dir / "metrics.jsonl") == [1, 2], "steps 1-2 in metrics.jsonl", process=flow)
     flow.send_signal(signal.SIGKILL)
     flow.wait()
     gate.write_text("12")
     wait_for(lambda: 12 in _verl_steps(run_dir), "step 12 in verl's file")
 
-    again = flow_process(cluster.address, tmp_path, "killed", *settings)
+    again = flow_process(cluster.address, tmp_path, "killed", *settings, stores=stores, api_url=api_url)
     wait_for(lambda: 12 in steps_in(run_dir / "metrics.jsonl"), "step 12 in metrics.jsonl", process=again)
     gate.write_text("14")
     wait_for(lambda: 14 in steps_in(run_dir / "metrics.jsonl"), "step 14 in metrics.jsonl", process=again)
@@ -60,7 +60,7 @@ def test_a_flow_killed_mid_job_and_run_again_records_every_step_once(cluster, tm
     gate.write_text("20")
     (job,) = submissions(jobs, "killed")
     wait_for(lambda: jobs.get_job_status(job.submission_id) == "SUCCEEDED", "the job's end")
-    last = flow_process(cluster.address, tmp_path, "killed", *settings)
+    last = flow_process(cluster.address, tmp_path, "killed", *settings, stores=stores, api_url=api_url)
     output = last.communicate(timeout=EVENT_WAIT_S)[0]
     assert last.returncode == 0, output[-3000:]
     assert steps_in(run_dir / "metrics.jsonl") == list(range(1, 21)) == _verl_steps(run_dir)
@@ -68,14 +68,14 @@ def test_a_flow_killed_mid_job_and_run_again_records_every_step_once(cluster, tm
     assert "](reward_curve.png)" in (run_dir / "report.md").read_text()
 
 
-def test_a_lost_head_ends_the_run_with_a_report_naming_the_cluster(cluster, tmp_path):
+def test_a_lost_head_ends_the_run_with_a_report_naming_the_cluster(world, own_cluster, gate, tmp_path):
     """kill -9 of every process of the head mid-job: the run ends with one line that names the cluster,
     its last step and how to resume, in the report too; the job record says LOST; Ray's core does not
     abort the flow process; a run again while the head is down is refused at once."""
-    gate, run_dir = tmp_path / "gate", tmp_path / "headless"
+    (api_url, stores), cluster, run_dir = world, own_cluster, tmp_path / "headless"
     gate.write_text("4")
     flow = flow_process(cluster.address, tmp_path, "headless", f"env.STAND_IN_GATE={gate}",
-                        "trainer.total_training_steps=20")
+                        "trainer.total_training_steps=20", stores=stores, api_url=api_url)
     wait_for(lambda: 4 in steps_in(run_dir / "metrics.jsonl"), "step 4 in metrics.jsonl", process=flow)
     for infos in cluster.head_node.all_processes.values():
         for info in infos:
@@ -90,7 +90,8 @@ def test_a_lost_head_ends_the_run_with_a_report_naming_the_cluster(cluster, tmp_
     assert expected in (run_dir / "report.md").read_text()
     assert read_record(run_dir).status == LOST
 
-    again = flow_process(cluster.address, tmp_path, "headless", "trainer.total_training_steps=20")
+    again = flow_process(cluster.address, tmp_path, "headless", "trainer.total_training_steps=20", stores=stores,
+                         api_url=api_url)
     refused = again.communicate(timeout=EVENT_WAIT_S)[0]
     (error,) = [line for line in refused.splitlines() if line.startswith("error: ")]
     assert again.returncode == 2 and "Traceback" not in refused

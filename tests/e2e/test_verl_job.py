@@ -216,7 +216,12 @@ def test_a_dist_checkpoint_run_trains_exports_and_evaluates_on_the_cluster(prefe
     assert any(line.startswith("convert_checkpoint: skipped") for line in logs)
 
 
-def test_a_transient_failure_is_retried_and_resumes_from_the_checkpoint(prefect_api, cluster, jobs, stores, tmp_path):
+def test_a_transient_failure_is_retried_and_resumes_from_the_checkpoint(prefect_api, cluster, jobs, stores, tmp_path,
+                                                                        monkeypatch):
+    import grpo_pipeline.flows.pipeline as pipeline
+
+    # The train stage's retry, 1 s after the failure instead of its policy's 10: the wait is not what is tested.
+    monkeypatch.setattr(pipeline, "train_task", pipeline.train_task.with_options(retry_delay_seconds=1))
     state = _flow(cluster, stores, tmp_path, "flaky", "env.STAND_IN_FAIL_AT_STEP=3", f"env.STAND_IN_FAIL_TEXT={NCCL_TIMEOUT}")
     assert state.is_completed(), state.message
     run_dir = tmp_path / "flaky"
@@ -248,9 +253,11 @@ def test_a_config_error_fails_once_with_the_jobs_own_message(prefect_api, cluste
     assert [job.status for job in submissions(jobs, "bad-key")] == ["FAILED"]
 
 
-def test_a_stop_ends_the_job_and_its_entrypoint(cluster, jobs, dataset, tiny_model_dir, tmp_path):
-    """What the flow's failure hooks call on a cancel from the UI, SIGTERM or a crash."""
-    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "cancelled", "env.STAND_IN_STEP_S=2")
+def test_a_stop_ends_the_job_and_its_entrypoint(cluster, jobs, dataset, tiny_model_dir, gate, tmp_path):
+    """What the flow's failure hooks call on a cancel from the UI, SIGTERM or a crash (the job, held after
+    its first step by its gate, is still running when it is stopped)."""
+    gate.write_text("1")
+    profile, run = _backend_run(cluster, dataset, tiny_model_dir, tmp_path, "cancelled", f"env.STAND_IN_GATE={gate}")
     progress, outcome = Recorder(), {}
 
     def train():
@@ -333,11 +340,13 @@ def test_an_entrypoint_that_cannot_start_fails_once_with_its_cause(cluster, jobs
     assert [job.status for job in submissions(jobs, name)] == ["FAILED"]
 
 
-def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, stores, tmp_path):
+def test_sigterm_to_the_flow_process_stops_the_job(cluster, jobs, stores, gate, tmp_path):
     """A cancel from the UI or a worker, a killed terminal: the flow process gets SIGTERM, Prefect
-    runs the run's hooks, and they stop the Ray job; no entrypoint process is left holding devices.
-    The command line, as a user runs it against the cluster (with its own local API, as a user's)."""
-    process = flow_process(cluster.address, tmp_path, "sigterm", "env.STAND_IN_STEP_S=2", "trainer.total_training_steps=100",
+    runs the run's hooks, and they stop the Ray job (held after its first step by its gate); no
+    entrypoint process is left holding devices. The command line, as a user runs it against the
+    cluster (with its own local API, as a user's)."""
+    gate.write_text("1")
+    process = flow_process(cluster.address, tmp_path, "sigterm", f"env.STAND_IN_GATE={gate}",
                            stages="fetch_dataset,prepare_checkpoint,train", stores=stores)
     metrics = tmp_path / "sigterm" / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and metrics.read_text().strip(), "a first step in metrics.jsonl", process=process)
