@@ -11,6 +11,7 @@ Waits are on events (a status, a step in a file) with bounds generous enough for
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,13 @@ def npu_cluster(nodes: int = 2, images: list[dict[str, str]] | None = None) -> C
     for image in images[1:]:
         made.ordered_nodes.append(made.add_node(num_cpus=2, resources={"NPU": 1}, env_vars=image, temp_dir=temp_dir))
     made.wait_for_nodes()
+    shutdown = made.shutdown
+
+    def shutdown_and_clean() -> None:  # its session logs (10-16 MB a cluster) go with it, as its processes do
+        shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    made.shutdown = shutdown_and_clean
     return made
 
 
