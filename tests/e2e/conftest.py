@@ -83,8 +83,9 @@ def pytest_sessionfinish(session):
 @pytest.fixture
 def cluster():
     """The standard cluster, shared by the tests that ask for it one after another: every verl test on it
-    tells its runs apart by their run names (`submissions`) and none stops, adds or changes a node. A test that kills the head, or needs
-    other node images or another shape, starts a cluster of its own and says why."""
+    tells its runs apart by their run names (`submissions`) and none stops, adds or changes a node. A test
+    that kills the head, or needs other node images or another shape, starts a cluster of its own and says
+    why."""
     import ray
 
     ray.shutdown()  # whatever an earlier test joined (a local Ray): this test's runs join this cluster

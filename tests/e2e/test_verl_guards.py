@@ -1,8 +1,8 @@
 """The guards on the verl backend: its faults injected at verl's process boundary (tests/verl_stand_in.py
 on a real 2-node Ray cluster), the command line as a user runs it, and the same run with the guard off
-exiting 0 with the fault unnoticed. A test's two runs start together, so that one's waits (its job's
-start, its polls) overlap the other's work: they share only the cluster (their run names, folders and
-jobs differ).
+exiting 0 with the fault unnoticed. A test's two runs share only the cluster (their run names, folders and
+jobs differ); they run one after the other (started together, on 2 cores beside the suite's other process,
+they took a browser test's cancel past its bounds).
 
     PYTHONPATH=$PWD python -m pytest -q tests/e2e/test_verl_guards.py
 """
@@ -58,7 +58,6 @@ def test_a_resume_at_an_epoch_boundary_that_ends_training_early_fails_the_run(la
     fault = [*SHORT_EPOCHS, "env.STAND_IN_FAIL_AT_STEP=4", f"env.STAND_IN_FAIL_TEXT={NCCL_TIMEOUT}",
              "env.STAND_IN_EPOCH_BOUNDARY_BUG=1"]
     guarded = launch("boundary", *fault)
-    unguarded = launch("boundary-off", *fault, "guards.short_run=off")
     code, output = _ended(guarded)
     assert code == 1, output[-3000:]
     line = _error_line(output)
@@ -69,6 +68,7 @@ def test_a_resume_at_an_epoch_boundary_that_ends_training_early_fails_the_run(la
     assert json.loads((tmp_path / "boundary" / "guards.json").read_text())["guard"] == "short_run"
     assert read_record(tmp_path / "boundary").final_step is None  # not finished: a later run resumes it
 
+    unguarded = launch("boundary-off", *fault, "guards.short_run=off")
     code, output = _ended(unguarded)
     assert code == 0, output[-3000:]
     train = json.loads((tmp_path / "boundary-off" / "train.json").read_text())
@@ -78,7 +78,6 @@ def test_a_resume_at_an_epoch_boundary_that_ends_training_early_fails_the_run(la
 def test_a_resume_from_a_checkpoint_without_its_dataloader_state_is_refused(launch, jobs, tmp_path):
     fault = ["env.STAND_IN_NO_DATALOADER_STATE=1", "env.STAND_IN_FAIL_AT_STEP=3", f"env.STAND_IN_FAIL_TEXT={NCCL_TIMEOUT}"]
     guarded = launch("no-data", *fault)
-    unguarded = launch("no-data-off", *fault, "guards.data_position=off")
     code, output = _ended(guarded)
     assert code == 1, output[-3000:]
     assert _error_line(output).endswith(
@@ -88,6 +87,7 @@ def test_a_resume_from_a_checkpoint_without_its_dataloader_state_is_refused(laun
         f"{tmp_path / 'no-data' / 'report.md'} for where")
     assert len(submissions(jobs, "no-data")) == 1  # the resume was never submitted
 
+    unguarded = launch("no-data-off", *fault, "guards.data_position=off")
     code, output = _ended(unguarded)
     assert code == 0, output[-3000:]
     assert "No dataloader state found at " in output and "will start from scratch" in output  # all the user saw
@@ -98,7 +98,6 @@ def test_a_nan_stops_the_job_through_rays_job_api_and_sets_aside_the_step_verl_s
     back at step 2, and the job (still running: held before step 5 by its gate) is stopped."""
     gate.write_text("4")
     guarded = launch("nan", "env.STAND_IN_NAN_AT_STEP=4", f"env.STAND_IN_GATE={gate}")
-    unguarded = launch("nan-off", "env.STAND_IN_NAN_AT_STEP=4", "guards.non_finite=off")
     code, output = _ended(guarded)
     assert code == 1, output[-3000:]
     line = _error_line(output)
@@ -112,6 +111,7 @@ def test_a_nan_stops_the_job_through_rays_job_api_and_sets_aside_the_step_verl_s
     assert [r.step for r in read_metrics(tmp_path / "nan" / "metrics.jsonl")][-1] == 4
     assert "**Stopped by the `non_finite` guard**" in (tmp_path / "nan" / "report.md").read_text()
 
+    unguarded = launch("nan-off", "env.STAND_IN_NAN_AT_STEP=4", "guards.non_finite=off")
     code, output = _ended(unguarded)
     assert code == 0, output[-3000:]  # the poisoned step 4 and the steps after it are the run's policy
     assert tracker_step(tmp_path / "nan-off" / "checkpoints") == 6
