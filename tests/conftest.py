@@ -24,9 +24,6 @@ from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: F401
 # reads the mode once a process, and a test process that started Ray with it and later without it (some
 # tests' clusters set it) had its next local Ray take the driver for dead ("Missing authorization header").
 os.environ["RAY_AUTH_MODE"] = "disabled"
-# Ray Train's controller looks at its workers every 2 s by default, so a run's start and end each wait up to
-# that long for it to notice; the suite's ~100 short runs, every Ray it starts inheriting this, wait 0.5 s.
-os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
 pytest_plugins = ["pytester"]  # tests/test_house.py runs a session of its own through the guard
 
