@@ -162,7 +162,7 @@ class CellDoesNotFit(Exception):
     """The planner's step for a cell is larger than the device: the cell is recorded as such, not run."""
 
 
-def step_profile(args, model_dir: Path, overrides: list[str]):
+def step_profile(args, model_dir: Path, overrides: list[str], sized: bool = True):
     """The profile of the model's own directory (its shape, its context length), refused here as the flow
     would refuse it: the first H100 loan lost this bench to the `tiny` recipe's 512-token context. On a
     device of known memory the micro batch and recomputation are the planner's for it, as the flow sizes
@@ -173,7 +173,7 @@ def step_profile(args, model_dir: Path, overrides: list[str]):
 
     profile = resolve_profile(str(model_dir), args.device, overrides=overrides)
     refuse(profile_problems(profile))
-    if args.device_gib is None:
+    if not sized or args.device_gib is None:
         return profile
     given = frozenset(item.split("=", 1)[0] for item in overrides)
     sizing = size_step(profile, plan_generation(profile), detected_gib=[args.device_gib], given=given)
@@ -219,14 +219,14 @@ class OutOfMemory(Exception):
 
 
 def run_variant(args, shape: str, variant: str, overrides: list[str], model_dir: Path, train_file: Path,
-                work: Path) -> tuple[list[dict], float | None, object]:
+                work: Path, sized: bool = True) -> tuple[list[dict], float | None, object]:
     import ray
 
     from grpo_pipeline.backends.base import TrainingInterrupted
     from grpo_pipeline.backends.local.driver import train_local
 
     overrides = step_overrides(args, overrides)
-    profile = step_profile(args, model_dir, overrides)
+    profile = step_profile(args, model_dir, overrides, sized)
     run_dir = work / f"run-{shape}-{variant}"
     settings = plan_local_training(profile, [str(train_file)], str(model_dir), run_dir, 1, plan_generation(profile))
     full_length = settings.grpo.model_copy(update={"generation_kwargs": {"min_new_tokens": args.completion_length}})
@@ -255,13 +255,11 @@ def probe_larger(args, shape: str, variant: str, overrides: list[str], profile, 
         return None
     pinned = [*overrides, f"actor.ppo_micro_batch_size_per_gpu={larger[0]}",
               f"model.enable_gradient_checkpointing={str(profile.model.enable_gradient_checkpointing).lower()}"]
-    sized_for, args.device_gib = args.device_gib, None  # step_profile sizes nothing without a device size
     try:
-        records, planned, _ = run_variant(args, shape, f"{variant}-next", pinned, model_dir, train_file, work)
+        records, planned, _ = run_variant(args, shape, f"{variant}-next", pinned, model_dir, train_file, work,
+                                          sized=False)
     except OutOfMemory:
         return {"micro_batch": larger[0], "outcome": "out of memory"}
-    finally:
-        args.device_gib = sized_for
     measured = max((r["peak_gib"] for r in records if "peak_gib" in r), default=None)
     return {"micro_batch": larger[0], "outcome": "fits", "peak_gib": {"measured": measured, "planned": planned}}
 
