@@ -137,9 +137,21 @@ def retry_unless_user_error(task, task_run, state) -> bool:
 
 @contextmanager
 def progress_artifact(key: str, description: str) -> Iterator[None]:
-    """The stage's progress bars, also as a Prefect progress artifact (updated at most once a second)."""
+    """The stage's progress bars, also as a Prefect progress artifact (updated at most once a second).
+
+    Each attempt of a stage has its own artifact under the key (Prefect keeps them as the key's versions,
+    the newest shown as the key's); an attempt that fails says so on its bar, so a retried stage's page
+    does not show an earlier attempt's bar as if it were still going."""
     artifact_id = create_progress_artifact(0.0, key=key, description=description)
-    last_update = 0.0
+    last_update, shown = 0.0, 0.0
+
+    def show(progress: float, what: str) -> None:
+        nonlocal shown
+        try:
+            update_progress_artifact(artifact_id, progress=progress, description=f"{description}: {what}")
+            shown = progress
+        except Exception:  # the UI's progress is not worth failing a download for
+            pass
 
     def update(fraction: float, what: str) -> None:
         nonlocal last_update
@@ -147,13 +159,15 @@ def progress_artifact(key: str, description: str) -> Iterator[None]:
         if fraction < 1.0 and now - last_update < PROGRESS_UPDATE_S:
             return
         last_update = now
-        try:
-            update_progress_artifact(artifact_id, progress=round(100 * fraction, 1), description=f"{description}: {what}")
-        except Exception:  # the UI's progress is not worth failing a download for
-            pass
+        show(round(100 * fraction, 1), what)
 
-    with reporting_to(update):
-        yield
+    try:
+        with reporting_to(update):
+            yield
+    except BaseException as exc:
+        # The type only: an error's message may hold a value the run's redaction has not seen.
+        show(shown, f"this attempt stopped ({type(exc).__name__})")
+        raise
     update_progress_artifact(artifact_id, progress=100.0, description=f"{description}: done")
 
 

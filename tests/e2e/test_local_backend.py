@@ -24,6 +24,7 @@ from grpo_pipeline.stages.plan import resolve_profile
 from grpo_pipeline.stages.dataset import DataSpec, fetch_dataset
 from grpo_pipeline.stages.model import ModelSpec, prepare_model
 from grpo_pipeline.run.folder import RunFolder
+from prefect_reads import artifacts
 from stage_retry import like_the_stage, steps_heard
 
 LEARNABLE = f"{Path(__file__).resolve().parents[1] / 'learnable_reward.py'}:digit_share"
@@ -153,6 +154,10 @@ def test_a_killed_worker_is_resumed_by_the_prefect_retry_and_a_finished_run_is_n
 
     (train_run,) = asyncio.run(train_runs(state.state_details.flow_run_id))
     assert train_run.run_count == 2 and train_run.state.is_completed()
+    # Each attempt has its bar under the key `train`: the killed one says it stopped, the newest is done.
+    bars = artifacts(["train"], state.state_details.flow_run_id)
+    assert len(bars) == 2 and bars[1].data == 100 and bars[1].description.endswith(": done")
+    assert "this attempt stopped (" in bars[0].description and bars[0].data < 100, bars[0]
 
     metrics_before = Path(train["metrics_file"]).read_text()
     again = pipeline.grpo_pipeline(request)
