@@ -239,6 +239,7 @@ def end_job_actors() -> None:
     import ray
     from ray._private import state
     from ray._raylet import ActorID
+    from ray.exceptions import ActorHandleNotFoundError
 
     if not ray.is_initialized():
         return
@@ -246,7 +247,10 @@ def end_job_actors() -> None:
     for actor_id, actor in state.actors(job_id=worker.current_job_id).items():
         if actor.get("IsDetached") or actor.get("State") == "DEAD":  # also those still being created
             continue
-        worker.core_worker.kill_actor(ActorID.from_hex(actor_id), True)
+        try:
+            worker.core_worker.kill_actor(ActorID.from_hex(actor_id), True)
+        except ActorHandleNotFoundError:  # made by another actor (Ray Train's workers, by its controller): it
+            pass  # dies with the one this process made
 
 
 def disconnect_ray(within_s: float = DISCONNECT_TIMEOUT_S) -> bool:

@@ -185,7 +185,10 @@ def close_cancelled_run(flow_run_id: UUID) -> bool:
     state and its `on_cancellation` hooks, which it runs in its own process (where this run's record
     is not). So the process closes the run itself: report, stopped work, and its task runs, which
     Prefect's task engine marks Crashed on the signal, marked Cancelled. False when the run was not
-    cancelled (a plain SIGTERM: the on_crashed hook, in this process, closes it)."""
+    cancelled (a plain SIGTERM: the on_crashed hook, in this process, closes it).
+
+    The worker kills the process 30 s after its SIGTERM (Prefect's grace): the task runs' states, a few
+    quick calls, go first, then the slower closing (Ray's work stopped, the report, the trackers)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.states import Cancelled
@@ -194,11 +197,11 @@ def close_cancelled_run(flow_run_id: UUID) -> bool:
         state = client.read_flow_run(flow_run_id).state
         if state is None or not (state.is_cancelling() or state.is_cancelled()):
             return False
-        close_failed_run(flow_run_id, "was cancelled", "cancelled from the UI or the API", KILLED)
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         for task_run in runs:
             if task_run.state and not task_run.state.is_completed() and not task_run.state.is_cancelled():
                 client.set_task_run_state(task_run.id, Cancelled(message="the flow run was cancelled"), force=True)
+    close_failed_run(flow_run_id, "was cancelled", "cancelled from the UI or the API", KILLED)
     return True
 
 

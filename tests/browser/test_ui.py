@@ -178,7 +178,8 @@ def test_a_cancel_from_the_ui_ends_every_process_of_the_run_and_reports_it(ui, p
     assert "was cancelled" in report.description
     task_runs = ui["api"](lambda c: c.read_task_runs())
     train = [run for run in task_runs if run.flow_run_id == flow_run.id and run.name.startswith("train")]
-    assert train and all(run.state.is_cancelled() for run in train), [run.state for run in train]
+    assert train and all(run.state.is_cancelled() for run in train), \
+        f"{[run.state for run in train]}; worker log:\n" + (ui["home"] / "worker.log").read_text()[-5000:]
     logs = logs_of(ui, flow_run.id)
     assert "Finished in state Running()" not in logs and not any(line.startswith("Crash detected") for line in logs)
     assert done.state.is_cancelled()

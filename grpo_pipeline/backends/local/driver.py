@@ -87,21 +87,28 @@ def train_local(
     runner = threading.Thread(target=fit, name=FIT_THREAD, daemon=True)
     runner.start()
     last_step_at = time.monotonic()
-    while runner.is_alive():
-        runner.join(POLL_S)
-        for record in follower.new():
-            last_step_at = time.monotonic()
-            on_step(record)
-        if time.monotonic() - last_step_at > settings.step_timeout_s:
-            # A hung collective or a stuck worker never raises: end this driver's Ray job, which
-            # takes its workers (and their devices) with it, so the retry starts clean. Its actors
-            # first, so that `fit` returns before Ray stops (end_job_actors says why).
-            _end_fit(runner)
+    try:
+        while runner.is_alive():
+            runner.join(POLL_S)
+            for record in follower.new():
+                last_step_at = time.monotonic()
+                on_step(record)
+            if time.monotonic() - last_step_at > settings.step_timeout_s:
+                # A hung collective or a stuck worker never raises: this driver's Ray job is ended below,
+                # which takes its workers (and their devices) with it, so the retry starts clean.
+                raise TrainingInterrupted(
+                    f"no training step finished in {settings.step_timeout_s:.0f} s (trainer.step_timeout_s): taken for "
+                    f"a hang, workers stopped; the latest checkpoint is step {latest_step(settings.checkpoints) or 0}"
+                )
+    except BaseException as stopped:
+        # Whatever stops the wait (a hang, a guard's trip, SIGTERM, Ctrl-C) is followed by a Ray shutdown (here
+        # for a hang; the backend's stop or the flow's failure hook otherwise): `fit` must have returned first,
+        # or the shutdown tears Ray's core from under its thread and the process may die by SIGSEGV
+        # (end_job_actors says more).
+        _end_fit(runner)
+        if isinstance(stopped, TrainingInterrupted):
             stop_ray_job()
-            raise TrainingInterrupted(
-                f"no training step finished in {settings.step_timeout_s:.0f} s (trainer.step_timeout_s): taken for a "
-                f"hang, workers stopped; the latest checkpoint is step {latest_step(settings.checkpoints) or 0}"
-            )
+        raise
     for record in follower.new():
         on_step(record)
     if "error" in outcome:
