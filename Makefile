@@ -61,7 +61,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
 # The unit tier only: no subprocess, no server (Prefect API, Ray, fake Hub, MLflow), no model conversion, no
-# browser (a unit test that starts one fails: tests/tiers.py); 2-5 minutes on 2 cores. Every test under tests/e2e
+# browser (a unit test that starts one fails: tests/tiers.py); 1.5-5 minutes on 2 cores. Every test under tests/e2e
 # and tests/browser is e2e (tests/conftest.py): not even imported here.
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e" --ignore=tests/e2e --ignore=tests/browser
