@@ -28,12 +28,11 @@ SAMPLE_S = 0.3
 
 def kind(cmdline: list[str]) -> str:
     """A process's kind: a Ray actor's class, a Ray worker, a daemon's program or the module a python runs."""
+    if titled := next((word for word in cmdline if word.startswith("ray::")), None):
+        return titled.split()[0]
     words = [Path(word).name for word in cmdline]
-    if any(word.startswith("ray::") for word in cmdline):
-        return next(word for word in cmdline if word.startswith("ray::")).split()[0]
-    for word in words:
-        if word.endswith((".py", "gcs_server", "raylet")) and word not in ("python", "python3"):
-            return word
+    if program := next((word for word in words if word.endswith((".py", "gcs_server", "raylet"))), None):
+        return program
     if "-m" in words:
         return f"python -m {words[words.index('-m') + 1]}"
     return " ".join(words[:3])
