@@ -115,7 +115,7 @@ def test_suggest_layout_on_one_gpu_is_the_largest_micro_batch_for_full_and_lora(
         assert done.returncode == 0, done.stderr
         sized[model] = {(r["training"], r["gradient_checkpointing"]): r["largest_micro_batch"] for r in json.loads(done.stdout)["rows"]}
     small, large = sized["qwen3-0.6b"], sized["qwen3-8b"]
-    # A small model's step is mostly activations, which an adapter does not shrink (its inputs are kept besides):
+    # A small model's step is mostly activations, which an adapter does not shrink (A keeps what the frozen base drops):
     # both train there; an 8B's full training state (bf16 weights, gradients, AdamW's moments: 61 GiB) does not fit.
     assert small[("full", True)] > small[("full", False)] > 0 and small[("LoRA r16", True)] > small[("LoRA r16", False)] > 0
     assert large[("full", True)] == large[("full", False)] == 0 and large[("LoRA r16", True)] > large[("LoRA r16", False)] > 0
