@@ -9,6 +9,7 @@ before a step by its gate file, so each kill lands mid-job whatever the machine'
 from __future__ import annotations
 
 import json
+import re
 import signal
 from pathlib import Path
 
@@ -55,6 +56,7 @@ def test_a_flow_killed_mid_job_and_run_again_records_every_step_once(world, clus
     again.send_signal(signal.SIGKILL)
     output = again.communicate()[0]
     assert "following the run's Ray job grpo-killed-" in output and "(attempt 1, running)" in output
+    assert re.search(r"steps 3-12 trained while no flow followed Ray job grpo-killed-\S+: recorded", output), output[-3000:]
     assert steps_in(run_dir / "metrics.jsonl") == list(range(1, 15))
 
     gate.write_text("20")
@@ -63,6 +65,7 @@ def test_a_flow_killed_mid_job_and_run_again_records_every_step_once(world, clus
     last = flow_process(cluster.address, tmp_path, "killed", *settings, stores=stores, api_url=api_url)
     output = last.communicate(timeout=EVENT_WAIT_S)[0]
     assert last.returncode == 0, output[-3000:]
+    assert "steps 15-20 trained while no flow followed" in output
     assert steps_in(run_dir / "metrics.jsonl") == list(range(1, 21)) == _verl_steps(run_dir)
     assert len(submissions(jobs, "killed")) == 1
     assert "](reward_curve.png)" in (run_dir / "report.md").read_text()

@@ -172,8 +172,10 @@ class VerlBackend(Backend):
         if problem := step_count_problem(profile, run.inputs.train_files):
             raise UserError(problem)
         record, done = read_record(run_dir), tracker_step(checkpoints)
-        if record is not None:  # steps a job trained while no flow followed it (the flow was killed)
-            _record_missing_steps(run_dir, record, profile.sequences_per_step)
+        if record is not None and (missing := _record_missing_steps(run_dir, record, profile.sequences_per_step)):
+            # The job trains on while no flow follows it (a killed flow): those steps get no line of their own.
+            progress.note(f"{_steps(missing)} trained while no flow followed Ray job {record.submission_id}: recorded "
+                          f"from verl's metrics file")
         if (record and record.finished) or (done is not None and done >= max_steps):
             final = record.final_step if record and record.finished else done
             progress.note(f"the run was already complete at step {final}: nothing submitted")
@@ -365,12 +367,22 @@ class VerlBackend(Backend):
         return verl_adapter(Path(result.checkpoint_dir))
 
 
-def _record_missing_steps(run_dir: Path, record: JobRecord, responses_per_step: int) -> None:
-    """Add to metrics.jsonl what the attempts' verl files hold past its last step (each step once)."""
+def _record_missing_steps(run_dir: Path, record: JobRecord, responses_per_step: int) -> list[int]:
+    """Add to metrics.jsonl what the attempts' verl files hold past its last step (each step once); the steps added."""
     missing = steps_missing_from(read_metrics(run_dir / RunFolder.METRICS), record.attempt_metrics_files(), record.resumed_from,
                                  responses_per_step)
     for step in missing:
         append_metrics(run_dir / RunFolder.METRICS, step)
+    return [step.step for step in missing]
+
+
+def _steps(numbers: list[int]) -> str:
+    """`step 4`, `steps 4-6`, or `steps 4, 6` where some are not there."""
+    if len(numbers) == 1:
+        return f"step {numbers[0]}"
+    if numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"steps {numbers[0]}-{numbers[-1]}"
+    return "steps " + ", ".join(map(str, numbers))
 
 
 def _save_status(run_dir: Path, record: JobRecord, status: str) -> None:
