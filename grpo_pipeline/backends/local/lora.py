@@ -51,8 +51,8 @@ def adapter_activation_bytes(p: RunProfile, size: AdapterSize | None) -> float:
     A frozen base weight needs no gradient, so its linear keeps no input; A's weight gradient needs that same
     input, so the adapter keeps what full training kept (already in `hf_layer_bytes`): only B's input, A x
     (r values), is new. Dropout gives A an input of its own: its mask and the dropped copy. Measured on an
-    H100 (bench/results-h100-lora-table.json: LoRA r16 on all-linear adds no bytes a sequence over full
-    training at Qwen3 0.6B and 1.7B) and on the CPU by what autograd saves (tests/test_lora_planning.py).
+    H100 (bench/results-h100-lora-table.json: LoRA r16 on all-linear adds about 0.02 GiB a 1,280-token
+    sequence over full training at Qwen3 0.6B) and on the CPU by what autograd saves (tests/test_lora_planning.py).
     """
     if size is None:
         return 0.0
