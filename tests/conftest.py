@@ -28,7 +28,7 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 # One torch thread for every process the suite starts (this one, its command lines, Ray's workers: Ray leaves a
 # set OMP_NUM_THREADS alone). `make test` runs two processes on 2 cores, each run a driver, Prefect and Ray's own
 # processes beside its training worker; a worker given both cores' threads waits on the one descheduled at every
-# op: a tiny run's 8 steps took 19-30 s against 2-6 s with one thread (bench/bench_worker_threads.py). Nothing
+# op: beside another run a tiny run's steps took 7.1x and the run 1.3x as long (bench/bench_worker_threads.py). Nothing
 # has imported torch yet; a caller's own setting wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
