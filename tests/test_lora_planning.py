@@ -117,9 +117,9 @@ def test_the_adapters_activations_the_planner_counts_are_what_autograd_keeps(tin
     from grpo_pipeline.planner.lora import adapter_size
 
     profile = resolve_profile(str(tiny_model_dir), "cpu", overrides=["lora.rank=16", f"lora.dropout={dropout}"])
-    full = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    full = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).train()  # dropout on, as training
     adapted = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16),
-                             peft_config(profile.lora))
+                             peft_config(profile.lora)).train()
     layers = profile.model.architecture.num_layers
     measured = (_layer_saved_bytes_per_token(adapted) - _layer_saved_bytes_per_token(full)) / layers
     size = adapter_size(profile)
