@@ -90,3 +90,14 @@ class MetricsFollower:
         records = read_metrics(self.path)[self.seen:]
         self.seen += len(records)
         return records
+
+
+def step_ranges(steps: list[int]) -> str:
+    """1, 2, 3, 7 as `1-3, 7`."""
+    spans: list[list[int]] = []
+    for step in sorted(steps):
+        if spans and step == spans[-1][1] + 1:
+            spans[-1][1] = step
+        else:
+            spans.append([step, step])
+    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)

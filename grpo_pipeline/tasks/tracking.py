@@ -23,7 +23,7 @@ from uuid import UUID
 
 from grpo_pipeline.backends import backend_for
 from grpo_pipeline.backends.guards import GuardTrip
-from grpo_pipeline.backends.metrics import StepMetrics, read_metrics
+from grpo_pipeline.backends.metrics import StepMetrics, read_metrics, step_ranges
 from grpo_pipeline.tracking.session import StepSource, tracking_session
 from grpo_pipeline.tracking.trackers import TrackingState, read_state, start_tracking
 from grpo_pipeline.profiles.schema import RunProfile
@@ -225,17 +225,6 @@ def tracking_lines(state: TrackingState | None) -> dict[str, str]:
     and the training steps a tracker missed (it did not answer when they were sent, nor at the end)."""
     if state is None:
         return {}
-    missed = {f"{name} missed": f"training steps {_ranges(steps)} (it did not answer; they are in metrics.jsonl)"
+    missed = {f"{name} missed": f"training steps {step_ranges(steps)} (it did not answer; they are in metrics.jsonl)"
               for name, steps in state.missed.items() if steps}
     return dict(state.links) | {name: f"left out: {why}" for name, why in state.skipped.items()} | missed
-
-
-def _ranges(steps: list[int]) -> str:
-    """1, 2, 3, 7 as `1-3, 7`."""
-    spans: list[list[int]] = []
-    for step in sorted(steps):
-        if spans and step == spans[-1][1] + 1:
-            spans[-1][1] = step
-        else:
-            spans.append([step, step])
-    return ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)

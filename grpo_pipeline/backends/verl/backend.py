@@ -34,7 +34,7 @@ from pathlib import Path
 
 from grpo_pipeline.backends.base import Backend, TrainingInputs, TrainingInterrupted, TrainingProgress, TrainingRun, TrainResult
 from grpo_pipeline.backends.guards import GuardTrip, check_data_position, check_short_run
-from grpo_pipeline.backends.metrics import append_metrics, keep_metrics_up_to, read_metrics
+from grpo_pipeline.backends.metrics import append_metrics, keep_metrics_up_to, read_metrics, step_ranges
 from grpo_pipeline.backends.verl.checkpoint import verl_hf_dir
 from grpo_pipeline.backends.verl.command import entrypoint_problems, verl_command
 from grpo_pipeline.backends.verl.engines import verl_engine
@@ -174,8 +174,9 @@ class VerlBackend(Backend):
         record, done = read_record(run_dir), tracker_step(checkpoints)
         if record is not None and (missing := _record_missing_steps(run_dir, record, profile.sequences_per_step)):
             # The job trains on while no flow follows it (a killed flow): those steps get no line of their own.
-            progress.note(f"{_steps(missing)} trained while no flow followed Ray job {record.submission_id}: recorded "
-                          f"from verl's metrics file")
+            steps = f"step{'s' * (len(missing) > 1)} {step_ranges(missing)}"
+            progress.note(f"{steps} trained while no flow followed Ray job {record.submission_id}: recorded from verl's "
+                          f"metrics file")
         if (record and record.finished) or (done is not None and done >= max_steps):
             final = record.final_step if record and record.finished else done
             progress.note(f"the run was already complete at step {final}: nothing submitted")
@@ -374,15 +375,6 @@ def _record_missing_steps(run_dir: Path, record: JobRecord, responses_per_step: 
     for step in missing:
         append_metrics(run_dir / RunFolder.METRICS, step)
     return [step.step for step in missing]
-
-
-def _steps(numbers: list[int]) -> str:
-    """`step 4`, `steps 4-6`, or `steps 4, 6` where some are not there."""
-    if len(numbers) == 1:
-        return f"step {numbers[0]}"
-    if numbers == list(range(numbers[0], numbers[-1] + 1)):
-        return f"steps {numbers[0]}-{numbers[-1]}"
-    return "steps " + ", ".join(map(str, numbers))
 
 
 def _save_status(run_dir: Path, record: JobRecord, status: str) -> None:
