@@ -21,7 +21,7 @@ mkdir -p "$OUT"
 case "$1" in
   decode)
     python3 bench/bench_decode_floor.py --device gpu --deadline "${DEADLINE:-520}" --skip "${SKIP:-}" \
-        --out "$OUT/decode-floor.json" ;;
+        --models "${DECODE_MODELS:-qwen3-0.6b,qwen3-1.7b}" --out "$OUT/decode-floor.json" ;;
   generation)
     python3 bench/check_fast_generation.py --model qwen3-0.6b --device gpu --prompts 32 --max-new-tokens 128 \
         --out "$OUT/check-fast-generation.json"

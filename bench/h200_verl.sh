@@ -129,7 +129,8 @@ print('cluster image: vllm', vllm.__version__, 'verl', verl.__version__, 'on', c
   native)
     # The native decoder and the floor on this card, for `decode` to set vLLM beside (the H100 loan of
     # 2026-12-07 had only the H200's numbers to compare with: two cards in one ratio).
-    SKIP=current,cache bash bench/h200.sh decode ;;
+    # Native only, on the cells vLLM's table has (Qwen3-0.6B): ~20 s a cell, most of it the first call's compile.
+    DECODE_MODELS=qwen3-0.6b SKIP=bare,current,checks,cache bash bench/h200.sh decode ;;
   decode)
     floor=${FLOOR:-$OUT/decode-floor.json}  # `native`'s, from this card; else the H200's stored cells
     [ -f "$floor" ] || floor=bench/results-h200-decode-floor.json
