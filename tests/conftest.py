@@ -25,6 +25,14 @@ from tiers import pytest_runtest_call, pytest_runtest_setup  # noqa: F401
 # tests' clusters set it) had its next local Ray take the driver for dead ("Missing authorization header").
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
+# One torch thread for every process the suite starts (this one, its command lines, Ray's workers: Ray leaves a
+# set OMP_NUM_THREADS alone). `make test` runs two processes on 2 cores, each run a driver, Prefect and Ray's own
+# processes beside its training worker; a worker given both cores' threads waits on the one descheduled at every
+# op: beside another run a tiny run's steps took 7.1x and the run 1.3x as long (bench/bench_worker_threads.py). Ray
+# still counts the host's cores (a local Ray started with it set offers 2 CPUs on 2 cores). Nothing has imported
+# torch yet; a caller's own setting wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 pytest_plugins = ["pytester"]  # tests/test_house.py runs a session of its own through the guard
 
 TESTS = Path(__file__).resolve().parent
@@ -46,6 +54,16 @@ _configs = []
 
 def pytest_configure(config):
     _configs.append(config)
+    _font_cache()
+
+
+def _font_cache() -> None:
+    """Build matplotlib's font cache before any test runs: on a host that has none yet it asks fc-list (a
+    subprocess) at its first plot, which the unit tier refuses, and the cache is then never written."""
+    try:
+        import matplotlib.font_manager  # noqa: F401  (loads the cache, or builds and saves it)
+    except ImportError:
+        pass
 
 
 def pytest_unconfigure(config):

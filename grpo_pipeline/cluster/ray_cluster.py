@@ -54,17 +54,33 @@ class ClusterLost(UserError):
     """The run's Ray cluster stopped answering while the run used it."""
 
 
+# What connect_ray joined in this process, while it stays joined: (the target asked for, the GCS address
+# joined). A later run in the same process (tests, a notebook) asking the same target reuses the connection.
+_joined: list[tuple[str, str]] = []
+
+
+def joined_by_connect_ray() -> bool:
+    """Whether this process's Ray connection is one connect_ray made (not one some other code opened)."""
+    import ray
+
+    return ray.is_initialized() and bool(_joined) and _joined[0][1] == ray.get_runtime_context().gcs_address
+
+
 def connect_ray(address: str | None, runtime_env: dict | None) -> None:
     """Join the run's Ray cluster (or start a local one) once per process, with the run's env."""
     import ray
 
-    if ray.is_initialized():
-        return
     # No address: a fresh local Ray ("local"), never whatever /tmp/ray/ray_current_cluster names
     # (a cluster that may be long dead: ray.init would wait on it). A Ray started here runs no
     # dashboard: on a small machine it takes a third of the CPU training needs. A cluster keeps its own.
     found, origin = cluster_address(address)
     target = found or "local"
+    if ray.is_initialized():
+        if not joined_by_connect_ray() or _joined[0][0] == target:
+            # Ours for this target, or opened by the code around the run (a notebook's ray.init): used as
+            # it is; check_room refuses it in one line where it can never hold the run's workers.
+            return
+        disconnect_ray()  # joined by an earlier run for another cluster: this run's is another
     parsed = parse_ray_address(target, origin)
     if parsed is not None:
         # Tasks of this project's code (node checks, cluster evaluation) run on nodes whose image
@@ -83,9 +99,30 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
                     raise port_clash(exc) or exc
             for hook in LOCAL_RAY_STARTED:
                 hook(ray._private.worker.global_worker.node.session_name)
-            return
-        check_reachable(parsed, origin)
-        _init_within(options, answer_timeout_s(), f"{origin}: the Ray cluster at {parsed}")
+        else:
+            check_reachable(parsed, origin)
+            _init_within(options, answer_timeout_s(), f"{origin}: the Ray cluster at {parsed}")
+    _joined[:] = [(target, ray.get_runtime_context().gcs_address)]
+
+
+class ClusterTooSmall(UserError):
+    """The joined Ray cluster can never hold the run's workers, however long the run waits."""
+
+
+def check_room(per_worker: dict[str, float], workers: int) -> None:
+    """Refuse, in one line, workers the joined cluster has too few resources for in all: Ray Train would
+    wait for them (its worker group gives up after 60 s, and the stage's retry waits again)."""
+    import ray
+
+    total = ray.cluster_resources()
+    short = [f"{amount * workers:g} {name} ({workers} x {amount:g})" for name, amount in per_worker.items()
+             if total.get(name, 0) < amount * workers]
+    if short:
+        offered = ", ".join(f"{total.get(name, 0):g} {name}" for name in per_worker)
+        raise ClusterTooSmall(
+            f"the joined Ray offers {offered} in all, the training workers need {', '.join(short)}: add nodes, "
+            "lower cluster.nnodes / cluster.devices_per_node, or drop --ray-address for a Ray of this host's own"
+        )
 
 
 # Ray's logger and words for the default it applies to a new local Ray (token auth, with a token it makes).
@@ -261,6 +298,7 @@ def disconnect_ray(within_s: float = DISCONNECT_TIMEOUT_S) -> bool:
 
     if not ray.is_initialized():
         return True
+    _joined.clear()
     with sigterm_handler_kept():  # Ray's core puts back the default SIGTERM action (kill) when it stops
         leaving = threading.Thread(target=ray.shutdown, name="ray-disconnect", daemon=True)
         leaving.start()

@@ -133,6 +133,10 @@ class Platform(Section):
             return {"num_gpus": devices}
         return {"resources": {self.ray_resource: devices}}
 
+    def ray_worker_resources(self, cpus_per_worker: int = 1) -> dict[str, float]:
+        """What Ray holds for one training worker (the resources `ray_train_scaling` asks for)."""
+        return {"CPU": cpus_per_worker} if self.ray_resource is None else {self.ray_resource: 1}
+
     def ray_train_scaling(self, cpus_per_worker: int = 1) -> dict[str, Any]:
         """Ray Train `ScalingConfig` fields that give each training worker one device."""
         if self.ray_resource is None:

@@ -30,6 +30,22 @@ def restore_environ():
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_foreign_ray_after():
+    """A Ray connection a module opened itself (not the runs' own, which later modules reuse) is closed after
+    it: a run of a later module in this process would otherwise join it as it is (connect_ray)."""
+    yield
+    import sys
+
+    if "ray" in sys.modules:
+        import ray
+
+        from grpo_pipeline.cluster.ray_cluster import joined_by_connect_ray
+
+        if ray.is_initialized() and not joined_by_connect_ray():
+            ray.shutdown()
+
+
 class StandardCluster:
     """The standard cluster (`npu_cluster()`: 2 nodes of 1 NPU, healthy images), started by the first test
     that asks for it and shut down after a test whose next one in this process does not ask for it

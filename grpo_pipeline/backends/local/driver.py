@@ -25,7 +25,7 @@ from grpo_pipeline.backends.local.checkpoints import latest_step, missing_data_p
 from grpo_pipeline.backends.local.settings import LocalTrainSettings
 from grpo_pipeline.backends.metrics import MetricsFollower, StepMetrics, keep_metrics_up_to
 from grpo_pipeline.store.file_faults import file_fault
-from grpo_pipeline.cluster.ray_cluster import connect_ray, end_job_actors, stop_ray_job
+from grpo_pipeline.cluster.ray_cluster import check_room, connect_ray, end_job_actors, stop_ray_job
 from grpo_pipeline.errors import UserError
 from grpo_pipeline.run.folder import RunFolder
 
@@ -61,6 +61,7 @@ def train_local(
         return partial_result(settings, resumed).model_copy(update={"already_complete": True})
     settings.checkpoints.mkdir(parents=True, exist_ok=True)
     connect_ray(ray_address, runtime_env)
+    check_room(settings.platform.ray_worker_resources(settings.cpus_per_worker), settings.workers)
     # On cpu Ray sets each worker's OMP_NUM_THREADS (its torch threads) to the CPUs it was given.
     scaling = settings.platform.ray_train_scaling(settings.cpus_per_worker)
     trainer = TorchTrainer(
