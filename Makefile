@@ -21,7 +21,7 @@ export TORCH_DEVICE_BACKEND_AUTOLOAD ?= 0
 # default is too short on a busy 2-core machine with a fresh database.
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 
-.PHONY: setup setup-gpu test test-unit demo demo-gpu demo-tiny clean
+.PHONY: setup setup-gpu test test-unit coverage demo demo-gpu demo-tiny clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,13 @@ test: $(STAMP)
 # and tests/browser is e2e (tests/conftest.py): not even imported here.
 test-unit: $(STAMP)
 	$(PY) -m pytest -q -m "not e2e" --ignore=tests/e2e --ignore=tests/browser
+
+# Line coverage of grpo_pipeline/ over the whole suite, every process it starts included (pyproject.toml's
+# [tool.coverage.run]); the suite's own result is the target's. The total goes to .coverage-total.
+coverage: $(STAMP)
+	rm -f .coverage .coverage.*
+	$(PY) -m coverage run -m pytest -q -p no:cacheprovider $(PYTEST_ARGS); rc=$$?; \
+	$(PY) -m coverage combine -q; $(PY) -m coverage report --precision=1 | tail -1 | tee .coverage-total; exit $$rc
 
 # The embedded default: CPU, local Ray, Prefect's local API, no network: the arith dataset, the
 # smollm2-135m base model (converted once from the packaged GGUF), a short GRPO run on Ray Train,

@@ -135,6 +135,14 @@ def after_failure(flow, flow_run, state) -> None:
     """Prefect `on_failure` / `on_crashed` / `on_cancellation`: `close_failed_run`. A run cancelled or
     stopped (SIGTERM: crashed) ends its tracker runs KILLED, one that failed FAILED."""
     cancelled = state.is_cancelled() or state.is_cancelling()
+    if cancelled:
+        # A UI cancel runs this hook in the worker, after the flow's process has ended: the process may not
+        # have marked its task runs (Ray's core ends it at once when the cancel's SIGTERM reaches the run's
+        # local Ray first; the worker kills it 30 s after the signal), and nothing in it can overwrite now.
+        try:
+            _mark_task_runs_cancelled(flow_run.id)
+        except Exception as exc:  # the API may be what went away
+            get_logger("grpo_pipeline").warning("the run's task runs could not be marked cancelled: %s", exc)
     close_failed_run(flow_run.id, "was cancelled" if cancelled else "failed", state.message,
                      KILLED if cancelled or state.is_crashed() else FAILED)
 
@@ -180,15 +188,10 @@ def _publish(flow_run_id: UUID, markdown: str, description: str, where: str, log
         logger.warning("the report could not be published to Prefect's API (%s)%s", exc, where)
 
 
-def close_cancelled_run(flow_run_id: UUID) -> bool:
-    """A cancel from the UI: the worker sends the flow's process SIGTERM and owns the run's final
-    state and its `on_cancellation` hooks, which it runs in its own process (where this run's record
-    is not). So the process closes the run itself: report, stopped work, and its task runs, which
-    Prefect's task engine marks Crashed on the signal, marked Cancelled. False when the run was not
-    cancelled (a plain SIGTERM: the on_crashed hook, in this process, closes it).
-
-    The worker kills the process 30 s after its SIGTERM (Prefect's grace): the task runs' states, a few
-    quick calls, go first, then the slower closing (Ray's work stopped, the report, the trackers)."""
+def _mark_task_runs_cancelled(flow_run_id: UUID) -> bool:
+    """Mark the run's unfinished task runs Cancelled when the flow run is being cancelled (Prefect's task
+    engine marks them Crashed on the signal, or leaves them Running when the process ends first). False
+    when the run is not being cancelled (a plain SIGTERM)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.states import Cancelled
@@ -201,6 +204,18 @@ def close_cancelled_run(flow_run_id: UUID) -> bool:
         for task_run in runs:
             if task_run.state and not task_run.state.is_completed() and not task_run.state.is_cancelled():
                 client.set_task_run_state(task_run.id, Cancelled(message="the flow run was cancelled"), force=True)
+    return True
+
+
+def close_cancelled_run(flow_run_id: UUID) -> bool:
+    """A cancel from the UI: the worker sends the flow's process SIGTERM and owns the run's final
+    state and its `on_cancellation` hooks, which it runs in its own process (where this run's record
+    is not). So the process closes the run itself, when it lives long enough: its task runs, which
+    Prefect's task engine marked Crashed as the signal's exception passed, marked Cancelled (after_failure
+    marks them again in the worker), the report, stopped work. False when the run was not cancelled (a
+    plain SIGTERM: the on_crashed hook, in this process, closes it)."""
+    if not _mark_task_runs_cancelled(flow_run_id):
+        return False
     close_failed_run(flow_run_id, "was cancelled", "cancelled from the UI or the API", KILLED)
     return True
 

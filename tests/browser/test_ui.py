@@ -48,7 +48,9 @@ def submit(ui, page, tmp_path: Path, run_name: str, overrides: list[str]):
     page.get_by_role("button", name="Submit").click()
     deadline = time.monotonic() + 180  # the UI creates it in seconds; a loaded 2-core machine took over 60
     while not (new := [run for run in ui["api"](lambda c: c.read_flow_runs()) if run.id not in before]):
-        assert time.monotonic() < deadline, "the form created no flow run"
+        # What the page says then (a field the form refused, a toast with the API's answer) is the lead.
+        assert time.monotonic() < deadline, f"the form created no flow run; the page at {page.url} says: " + \
+            " | ".join(page.inner_text("body").split("\n"))[-3000:]
         time.sleep(0.5)
     (flow_run,) = new
     assert flow_run.deployment_id == deployment.id
@@ -181,5 +183,6 @@ def test_a_cancel_from_the_ui_ends_every_process_of_the_run_and_reports_it(ui, p
     assert train and all(run.state.is_cancelled() for run in train), \
         f"{[run.state for run in train]}; worker log:\n" + (ui["home"] / "worker.log").read_text()[-5000:]
     logs = logs_of(ui, flow_run.id)
-    assert "Finished in state Running()" not in logs and not any(line.startswith("Crash detected") for line in logs)
+    assert "Finished in state Running()" not in logs and not any(line.startswith("Crash detected") for line in logs), \
+        [line[:300] for line in logs if "Crash" in line or "Stopped" in line or "Running()" in line]
     assert done.state.is_cancelled()
