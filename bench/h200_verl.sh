@@ -13,12 +13,15 @@
 #              && bash bench/h200_verl.sh session && WAIT=480 bash bench/h200_verl.sh wait
 #          WAIT=560 bash bench/h200_verl.sh wait                 # again until "== session: done"
 # Each run is also a command of its own: check, cluster, verl, override, local, collect, kill9, stop, native, decode.
-# The step breakdown alone needs neither verl nor Prefect: one call carrying Ray and the flow's wheels less
-# Prefect's stack (prefect, cryptography, sqlalchemy, asyncpg, apprise, redis, burner_redis, greenlet,
-# whenever, dateparser, pendulum, alembic) as .whl/step (58 MiB), then
-#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/step/*.whl \
-#       && SHORT=0 SEGMENTS=step STEP_MODELS=qwen3-1.7b,qwen3-4b,qwen3-0.6b bash bench/h200_verl.sh session \
-#       && WAIT=500 bash bench/h200_verl.sh wait
+# The step breakdown, the LoRA table and the native decoder need neither verl nor Prefect: one call carrying
+# Ray and the flow's wheels less Prefect's stack (prefect, cryptography, sqlalchemy, asyncpg, apprise, redis,
+# burner_redis, greenlet, whenever, dateparser, pendulum, alembic) as .whl/step (58 MiB; .whl/ is git-ignored):
+#   here:  python3 ../shared/tools/gpu_wheels.py --out .whl math-verify && mkdir -p .whl/step \
+#              && mv .whl/part*/*.whl .whl/step/ && rm .whl/step/{prefect,cryptography,sqlalchemy,...}-*.whl
+#   there: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/step/*.whl \
+#              && MODELS=qwen3-4b,qwen3-8b SEGMENTS="lora native" bash bench/h200_verl.sh session \
+#              && WAIT=500 bash bench/h200_verl.sh wait          (carry .whl/step; on an H200: SEGMENTS=lora)
+#   (the step table alone: SHORT=0 SEGMENTS=step STEP_MODELS=qwen3-1.7b,qwen3-4b,qwen3-0.6b)
 # The flow runs with the flow's packages (/tmp/site); Ray, and so the job and every worker, with the
 # cluster's (/tmp/site-verl): prefect 3.9 and vLLM 0.24 cannot share one environment (bench/verl_carry.py).
 set -euo pipefail
