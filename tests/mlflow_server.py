@@ -49,6 +49,11 @@ def mlflow_server(root: Path, port: int | None = None) -> Iterator[str]:
                 pass
             assert time.monotonic() < deadline, "mlflow server did not answer /health"
             time.sleep(0.5)
+        # It answers /health before its store: the first request that reads it (SQLite, its tables) took over
+        # the 5 s a tracker's step is given on a loaded 2-core machine. One such request here, unbounded.
+        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=1",
+                                    timeout=max(5.0, deadline - time.monotonic())) as answer:
+            assert answer.status == 200
         yield url
     finally:
         import os

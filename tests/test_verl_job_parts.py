@@ -83,6 +83,18 @@ HARMLESS_START = (
         # A package the image lacks, raised and ending the job: a config (image) error, not retried.
         ("Traceback (most recent call last):\n  File \"xgrammar/exception.py\", line 3\n"
          "ModuleNotFoundError: No module named 'tvm_ffi'", "config", "No module named 'tvm_ffi'"),
+        # Hydra's full error (HYDRA_FULL_ERROR=1, which launch scripts for verl often export, or any tracer: Hydra takes
+        # coverage or a debugger for "under a debugger"): the chained cause, then Hydra's own exception. Frames'
+        # source lines (`raise ConfigCompositionException(`) are code, not what went wrong.
+        ("Traceback (most recent call last):\n  File \"omegaconf/dictconfig.py\", line 164, in _validate_get\n"
+         "    self._format_and_raise(\nomegaconf.errors.ConfigAttributeError: Key 'bogus' is not in struct\n"
+         "    full_key: trainer.bogus\n    object_type=dict\n\nThe above exception was the direct cause of the "
+         "following exception:\n\nTraceback (most recent call last):\n  File \"hydra/_internal/config_loader_impl.py\", "
+         "line 392, in _apply_overrides_to_config\n    raise ConfigCompositionException(\n"
+         "hydra.errors.ConfigCompositionException: Could not override 'trainer.bogus'.\n"
+         "To append to your config use +trainer.bogus=1", "config",
+         "ConfigAttributeError: Key 'bogus' is not in struct hydra.errors.ConfigCompositionException: Could not override "
+         "'trainer.bogus'."),
         ("Traceback (most recent call last):\nModuleNotFoundError: No module named 'a'\n\nDuring handling of the "
          "above exception, another exception occurred:\n\nTraceback (most recent call last):\n"
          "ImportError: cannot import name 'x'", "unknown", "ImportError: cannot import name 'x'"),

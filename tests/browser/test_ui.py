@@ -5,6 +5,7 @@ a cancel from the UI. `GRPO_UI_SCREENSHOTS=<folder>` keeps screenshots of what i
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -45,16 +46,29 @@ def submit(ui, page, tmp_path: Path, run_name: str, overrides: list[str]):
     field(page, "overrides").locator("textarea").fill("\n".join(lines))
     field(page, "run_name").locator("textarea").fill(run_name)
     field(page, "run_root").locator("textarea").fill(str(tmp_path / "runs"))
+    refused: list[str] = []  # the API's answers the UI took for an error ("Oops. Something went wrong.")
+    page.on("response", lambda response: refused.append(f"{response.request.method} {response.url} -> {response.status}")
+            if "/api/" in response.url and response.status >= 400 else None)
     page.get_by_role("button", name="Submit").click()
     deadline = time.monotonic() + 180  # the UI creates it in seconds; a loaded 2-core machine took over 60
     while not (new := [run for run in ui["api"](lambda c: c.read_flow_runs()) if run.id not in before]):
-        # What the page says then (a field the form refused, a toast with the API's answer) is the lead.
-        assert time.monotonic() < deadline, f"the form created no flow run; the page at {page.url} says: " + \
-            " | ".join(page.inner_text("body").split("\n"))[-3000:]
+        # What the page says then (a field the form refused, a toast with the API's answer), the requests the
+        # server refused and its own errors are the lead (twice in ~12 loaded runs the page said only "Oops").
+        assert time.monotonic() < deadline, (
+            f"the form created no flow run; the page at {page.url} says: "
+            + " | ".join(page.inner_text("body").split("\n"))[-2000:] + f"; refused requests: {refused}; the server's "
+            f"errors: {server_errors(ui['home'] / 'server.log')}")
         time.sleep(0.5)
     (flow_run,) = new
     assert flow_run.deployment_id == deployment.id
     return flow_run
+
+
+def server_errors(log: Path) -> str:
+    """The error lines of the UI's server log (the exception's last line of each traceback), the last few."""
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    errors = [line for line in lines if " ERROR " in line or re.match(r"^\w+(\.\w+)*(Error|Exception)\b", line)]
+    return " | ".join(errors[-8:])[-2000:] or "none"
 
 
 def wait_for_state(ui, flow_run_id, done, timeout_s: float = RUN_TIMEOUT_S):

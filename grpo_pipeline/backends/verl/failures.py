@@ -59,6 +59,7 @@ _CONFIG = re.compile("|".join(CONFIG), re.MULTILINE)
 _ERROR_LINE = re.compile(r"^(\S+(Error|Exception|Exit)\b.*|.*\b(error|Error)\b.*)$", re.MULTILINE)
 _RAISED = re.compile(r"^(\w+\.)*\w*(Error|Exception|Exit|Interrupt)\b(\([\w.]+\))?(:.*)?$")
 _TRACEBACK = "Traceback (most recent call last):"
+_FRAME = re.compile(r'^\s*File "[^"]*", line \d+')
 ENDING_LINES = 40  # a log without a traceback: where its failure is told
 _RAY_PREFIX = re.compile(r"^\([^)]*pid=\d+[^)]*\)\s*")
 # Ray colours the "(TaskRunnerV1 pid=N)" prefix of a worker's lines in the job's log (ray/_private/
@@ -83,7 +84,7 @@ def diagnose(log: str, message: str = "") -> Diagnosis:
     transient = [line for line in lines + status if _TRANSIENT.search(line)]
     if transient:
         return Diagnosis("transient", _most_specific(transient))
-    ending = _ending(lines) + status
+    ending = _without_frame_source(_ending(lines)) + status
     config = [line for line in ending if _CONFIG.search(line)]
     if config:
         return Diagnosis("config", _most_specific(config))
@@ -112,6 +113,20 @@ def _ending(lines: list[str]) -> list[str]:
     if first > 0 and lines[first - 1].startswith(_HYDRA_HEADER):
         first -= 1
     return lines[first:]
+
+
+def _without_frame_source(lines: list[str]) -> list[str]:
+    """A traceback's frames less their source lines (the line after `File "...", line N` and its `^^^` marks):
+    `raise ConfigCompositionException(` is code, not what went wrong. Hydra prints whole tracebacks with
+    HYDRA_FULL_ERROR=1 (launch scripts for verl often export it) or under any tracer (coverage, a debugger)."""
+    kept, in_frame = [], False
+    for line in lines:
+        frame = _FRAME.match(line)
+        if in_frame and not frame and line.strip() and not _RAISED.match(line.strip()):
+            continue  # the frame's source line, or its carets (unindented once Ray's prefix is taken off)
+        in_frame = bool(frame)
+        kept.append(line)
+    return kept
 
 
 def _most_specific(lines: list[str]) -> str:
