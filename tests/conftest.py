@@ -34,6 +34,14 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 # threads. Nothing has imported torch yet; a caller's own setting wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# The clusters the tests start themselves (a module's local Ray, the verl tests' 2-node clusters) start no idle
+# workers ahead and no Ray Train preemption watcher, as a Ray the run starts itself does not
+# (ray_cluster.LOCAL_RAY_OPTIONS, LOCAL_RAY_ENV): each Ray start spent an idle worker a CPU (never used: the runs
+# have a runtime_env) and each training attempt a watcher, each process ~1.5-4 s of CPU (bench_run_processes.py).
+# No test covers preemption (a Ray of one host has no autoscaler to drain a node).
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
+
 pytest_plugins = ["pytester"]  # tests/test_house.py runs a session of its own through the guard
 
 TESTS = Path(__file__).resolve().parent

@@ -66,6 +66,16 @@ def joined_by_connect_ray() -> bool:
     return ray.is_initialized() and bool(_joined) and _joined[0][1] == ray.get_runtime_context().gcs_address
 
 
+# A Ray started here serves this run alone:
+# - no idle workers started ahead (Ray starts one per CPU for the first driver, without the run's runtime_env,
+#   so no task or actor of the run can use them: 2 processes on 2 cores, 16 on a 16-core GPU host, each
+#   importing Ray while the run starts);
+# - no Ray Train preemption watcher (an actor a training attempt starts to hear of nodes an autoscaler drains:
+#   a Ray of one host has no autoscaler). Ray Train reads it from the controller's environment, the job's.
+LOCAL_RAY_OPTIONS = {"_system_config": {"prestart_worker_first_driver": False}}
+LOCAL_RAY_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+
+
 def connect_ray(address: str | None, runtime_env: dict | None) -> None:
     """Join the run's Ray cluster (or start a local one) once per process, with the run's env."""
     import ray
@@ -87,6 +97,9 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
         # has the engines, not this package: the code travels with the job (Ray's py_modules, which
         # only a job's runtime_env may upload).
         runtime_env = {**(runtime_env or {}), "py_modules": project_modules()}
+    else:
+        env = {**LOCAL_RAY_ENV, **(runtime_env or {}).get("env_vars", {})}
+        runtime_env = {**(runtime_env or {}), "env_vars": env}
     options = dict(address=target, runtime_env=runtime_env, log_to_driver=False, include_dashboard=False)
     with sigterm_handler_kept():
         if parsed is None:
@@ -94,7 +107,7 @@ def connect_ray(address: str | None, runtime_env: dict | None) -> None:
             quiet_default_token_auth()
             with _free_node_ports():
                 try:
-                    ray.init(**options)
+                    ray.init(**options, **LOCAL_RAY_OPTIONS)
                 except RuntimeError as exc:
                     raise port_clash(exc) or exc
             for hook in LOCAL_RAY_STARTED:
