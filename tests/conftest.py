@@ -11,6 +11,7 @@ tier that starts a process or a server fails (tests/tiers.py).
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,19 @@ def _font_cache() -> None:
         import matplotlib.font_manager  # noqa: F401  (loads the cache, or builds and saves it)
     except ImportError:
         pass
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session):
+    """Under `make coverage`, each process's measurements are saved as its session ends: coverage saves a
+    process it started itself (pyproject's `patch = subprocess`) only in an atexit handler, which a pytest-xdist
+    worker ended by execnet's terminate (past its timeout) never runs. The whole suite's run of 75c75b3 found
+    both workers' data files unreadable at `coverage combine`."""
+    if "coverage" in sys.modules:
+        import coverage
+
+        if (measuring := coverage.Coverage.current()) is not None:
+            measuring.save()
 
 
 def pytest_unconfigure(config):
