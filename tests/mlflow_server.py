@@ -6,6 +6,8 @@ SQLite backend store and its artifact store under a temporary folder, as a team 
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +37,10 @@ def mlflow_server(root: Path, port: int | None = None) -> Iterator[str]:
         [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{root / 'mlflow.db'}",
          "--artifacts-destination", str(root / "artifacts"), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"],
+        # A tracking server only: MLflow 3's server also starts its job runner (GenAI scorer jobs) and 8 huey
+        # consumers, 9 processes each importing MLflow, which no tracker uses (the suite's MLflow processes took
+        # 6.6% of its CPU: results-cpu-suite-processes.json).
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -56,9 +62,6 @@ def mlflow_server(root: Path, port: int | None = None) -> Iterator[str]:
             assert answer.status == 200
         yield url
     finally:
-        import os
-        import signal
-
         os.killpg(process.pid, signal.SIGTERM)
         try:
             process.wait(timeout=30)
