@@ -25,10 +25,11 @@ TICKS = os.sysconf("SC_CLK_TCK")
 KEYWORDS = [("gcs_server", "gcs_server"), ("default_worker.py", "Ray worker (starting)"), ("raylet", "raylet"),
             ("dashboard/agent.py", "Ray dashboard agent"), ("dashboard.py", "Ray dashboard"),
             ("log_monitor", "Ray log monitor"), ("monitor.py", "Ray monitor"), ("runtime_env/agent", "Ray runtime env agent"),
+            # before pytest and uvicorn: a test's server names pytest's temporary folder, MLflow's runs on uvicorn
+            ("mlflow", "mlflow"), ("prefect.server", "Prefect server"), ("-m prefect", "prefect"),
             ("-m grpo_pipeline", "python -m grpo_pipeline"), ("verl_stand_in", "tests/verl_stand_in.py"),
             ("worker_faults.py", "tests/worker_faults.py"), ("exec(eval(sys.stdin", "pytest"), ("pytest", "pytest"),
-            ("uvicorn", "Prefect server"), ("prefect", "prefect"), ("mlflow", "mlflow"), ("chrom", "chromium"),
-            ("node", "node")]  # an empty command line ("?"): a kernel thread
+            ("chrom", "chromium"), ("node", "node")]  # an empty command line ("?"): a kernel thread
 PROVISIONAL = {"Ray worker (starting)", "ray::IDLE"}
 
 
