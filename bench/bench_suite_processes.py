@@ -3,7 +3,7 @@ each second, the last reading of each process kept, summed by kind (a Ray actor'
 command line) once stopped (SIGTERM or Ctrl-C). bench/bench_run_processes.py follows one command's own
 processes; this watches the whole host, for a run of the suite (results-cpu-suite-processes.json):
 
-    python3 bench/bench_suite_processes.py /tmp/suite-cpu.json & sampler=$!
+    .venv/bin/python bench/bench_suite_processes.py /tmp/suite-cpu.json & sampler=$!
     make test; kill $sampler
 
 A process that lives under a second is partly missed; the kinds come from keywords of the command line.
@@ -18,34 +18,25 @@ import sys
 import time
 from pathlib import Path
 
+from bench_run_processes import kind as process_kind
+
 PERIOD_S = 1.0
 TICKS = os.sysconf("SC_CLK_TCK")
-# The first keyword found in a command line names its kind. A Ray worker renames itself `ray::<Actor>` once it
-# has a task or an actor: its kind is taken again while it is still `default_worker.py` or `ray::IDLE`.
-KEYWORDS = [("gcs_server", "gcs_server"), ("default_worker.py", "Ray worker (starting)"), ("raylet", "raylet"),
-            ("dashboard/agent.py", "Ray dashboard agent"), ("dashboard.py", "Ray dashboard"),
-            ("log_monitor", "Ray log monitor"), ("monitor.py", "Ray monitor"), ("runtime_env/agent", "Ray runtime env agent"),
-            # before pytest and uvicorn: a test's server names pytest's temporary folder, MLflow's runs on uvicorn
-            ("mlflow", "mlflow"), ("prefect.server", "Prefect server"), ("-m prefect", "prefect"),
-            ("-m grpo_pipeline", "python -m grpo_pipeline"), ("verl_stand_in", "tests/verl_stand_in.py"),
-            ("worker_faults.py", "tests/worker_faults.py"), ("exec(eval(sys.stdin", "pytest"), ("pytest", "pytest"),
-            ("chrom", "chromium"), ("node", "node")]  # an empty command line ("?"): a kernel thread
-PROVISIONAL = {"Ray worker (starting)", "ray::IDLE"}
+# What bench_run_processes.kind cannot tell apart on a whole host, by a keyword of the command line, first: a
+# test's MLflow server (its arguments name pytest's temporary folder; it runs on uvicorn, as Prefect's server does),
+# pytest-xdist's workers (`python -c`), the suite's command lines and stand-ins. A Ray worker renames itself
+# `ray::<Actor>` once it has a task or an actor: its kind is taken again while it is still starting or idle.
+KEYWORDS = [("mlflow", "mlflow"), ("prefect.server", "Prefect server"), ("exec(eval(sys.stdin", "pytest"),
+            ("worker_faults.py", "tests/worker_faults.py"), ("verl_stand_in", "tests/verl_stand_in.py")]
+PROVISIONAL = {"default_worker.py", "ray::IDLE"}
 
 
 def kind(command: list[str]) -> str:
     if not command:
-        return "?"
-    if command[0].startswith("ray::"):
-        return command[0].split()[0]
+        return "?"  # a kernel thread
     line = " ".join(command)
-    for keyword, name in KEYWORDS:
-        if keyword in line:
-            return name
-    program = os.path.basename(command[0])
-    if program.startswith("python") and len(command) > 1:
-        return f"python {os.path.basename(command[1]) if not command[1].startswith('-') else ' '.join(command[1:3])}"[:60]
-    return program
+    return next((name for keyword, name in KEYWORDS if keyword in line and not command[0].startswith("ray::")),
+                None) or process_kind(command)
 
 
 def command_of(pid: str) -> list[str]:
